@@ -1,0 +1,347 @@
+/*
+ * moelink: Mixture-of-Experts layers and the collectives around them.
+ *
+ * Public C11 API. Every entry point returns a moelink_status_t; on failure
+ * moelink_last_error() (thread-local) holds a one-line reason. The library
+ * never prints, aborts or exits.
+ *
+ * Pointers handed to an object of the CUDA backend are device pointers; for
+ * the CPU backend they are host pointers. Device work is stream-ordered: each
+ * call that may run on the device takes the stream last (a cudaStream_t passed
+ * as void *, NULL for the default stream; ignored by the CPU backend) and never
+ * synchronizes the host.
+ */
+#ifndef MOELINK_H
+#define MOELINK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MOELINK_BUILDING)
+#define MOELINK_API __attribute__((visibility("default")))
+#else
+#define MOELINK_API
+#endif
+
+#define MOELINK_VERSION_MAJOR 0
+#define MOELINK_VERSION_MINOR 1
+#define MOELINK_VERSION_PATCH 0
+/* One integer that grows with every release: major*10000 + minor*100 + patch. */
+#define MOELINK_VERSION_CODE                                                   \
+  (MOELINK_VERSION_MAJOR * 10000 + MOELINK_VERSION_MINOR * 100 +               \
+   MOELINK_VERSION_PATCH)
+
+/* ------------------------------------------------------------------------ */
+/* Status                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum moelink_status {
+  MOELINK_SUCCESS = 0,
+  MOELINK_ERR_INVALID_ARGUMENT = 1, /* a NULL pointer, a size out of range */
+  MOELINK_ERR_DTYPE_MISMATCH = 2,   /* dtypes that must agree do not */
+  MOELINK_ERR_NOT_FOUND = 3,        /* unknown preset or name */
+  MOELINK_ERR_INVALID_STATE = 4,    /* e.g. forward before set_weights */
+  MOELINK_ERR_UNSUPPORTED = 5,      /* backend or feature not built/available */
+  MOELINK_ERR_OUT_OF_MEMORY = 6,    /* host or device allocation failed */
+  MOELINK_ERR_CUDA = 7,             /* a CUDA runtime call failed */
+  MOELINK_ERR_NCCL = 8,             /* an NCCL call failed */
+  MOELINK_ERR_TIMEOUT = 9,          /* a device-side wait timed out */
+  MOELINK_ERR_INTERNAL = 10         /* a bug in moelink: please report it */
+} moelink_status_t;
+
+/* Static name of a status ("MOELINK_ERR_INVALID_ARGUMENT"); never NULL. */
+MOELINK_API const char *moelink_status_string(moelink_status_t status);
+
+/* The reason for the last failure on the calling thread, e.g.
+ * "top_k 9 > num_experts 8". Empty string when none. The pointer stays valid
+ * until the next moelink call on this thread. */
+MOELINK_API const char *moelink_last_error(void);
+
+/* Version of the library that is loaded, as "major.minor.patch". */
+MOELINK_API const char *moelink_version(void);
+
+/* MOELINK_VERSION_CODE of the library that is loaded (compare with the header's). */
+MOELINK_API int moelink_version_code(void);
+
+/* ------------------------------------------------------------------------ */
+/* Data types                                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef enum moelink_dtype {
+  MOELINK_DTYPE_F32 = 0,
+  MOELINK_DTYPE_BF16 = 1,
+  MOELINK_DTYPE_F16 = 2,
+  MOELINK_DTYPE_FP8_E4M3 = 3 /* reserved: rejected with MOELINK_ERR_UNSUPPORTED */
+} moelink_dtype_t;
+
+/* Bytes per element of a dtype; 0 for an unknown value. */
+MOELINK_API size_t moelink_dtype_size(moelink_dtype_t dtype);
+
+/* Static lower-case name ("bf16"); "unknown" for an unknown value. */
+MOELINK_API const char *moelink_dtype_name(moelink_dtype_t dtype);
+
+/* ------------------------------------------------------------------------ */
+/* Context: a backend and a device                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef enum moelink_backend {
+  MOELINK_BACKEND_CPU = 0,
+  MOELINK_BACKEND_CUDA = 1
+} moelink_backend_t;
+
+typedef struct moelink_context *moelink_context_t;
+
+typedef struct moelink_context_config {
+  size_t size;               /* sizeof(moelink_context_config_t): set by the INIT macro */
+  moelink_backend_t backend; /* MOELINK_BACKEND_CPU or MOELINK_BACKEND_CUDA */
+  int device;                /* CUDA device index (CUDA backend only) */
+  int num_threads;           /* CPU worker threads; 0 = one per core */
+} moelink_context_config_t;
+
+#define MOELINK_CONTEXT_CONFIG_INIT                                            \
+  { sizeof(moelink_context_config_t), MOELINK_BACKEND_CPU, 0, 0 }
+
+/* Whether a backend was built into this library and can run here (for CUDA: a
+ * device is visible). Returns 1 or 0; never fails. */
+MOELINK_API int moelink_backend_available(moelink_backend_t backend);
+
+/* Creates a context. cfg may be NULL for the defaults (CPU). Errors:
+ * INVALID_ARGUMENT (NULL out, bad size field, unknown backend, negative
+ * threads), UNSUPPORTED (backend not built in or no such device), CUDA. */
+MOELINK_API moelink_status_t
+moelink_context_create(const moelink_context_config_t *cfg, moelink_context_t *out);
+
+/* Destroys a context. Objects created on it must be destroyed first. NULL is a
+ * no-op that returns MOELINK_SUCCESS. */
+MOELINK_API moelink_status_t moelink_context_destroy(moelink_context_t ctx);
+
+/* The backend a context runs on (MOELINK_BACKEND_CPU for NULL). */
+MOELINK_API moelink_backend_t moelink_context_backend(moelink_context_t ctx);
+
+/* ------------------------------------------------------------------------ */
+/* MoE configuration                                                        */
+/* ------------------------------------------------------------------------ */
+
+typedef enum moelink_router {
+  /* p = softmax(logits) over all experts; top-k of p (+ correction bias, group
+   * limit); weights are the selected p, renormalized to sum 1 if asked.
+   * Mixtral, Qwen2-MoE, Qwen3-MoE. */
+  MOELINK_ROUTER_SOFTMAX_TOPK = 0,
+  /* s = sigmoid(logits); top-k of s (+ correction bias, group limit); weights
+   * are the unbiased selected s, renormalized if asked. DeepSeek-V3. */
+  MOELINK_ROUTER_SIGMOID_TOPK = 1,
+  /* top-k of the raw logits (+ correction bias); weights = softmax over the k
+   * selected logits (they sum to 1 by construction). gpt-oss style. */
+  MOELINK_ROUTER_TOPK_SOFTMAX = 2
+} moelink_router_t;
+
+/*
+ * A routed-expert layer. Shapes: x [T, H]; router weight [E, H]; gate+up
+ * [E, 2*I, H] (the I gate rows of an expert first, then its I up rows); down
+ * [E, H, I]; shared expert gate+up [2*Is, H], down [H, Is]; shared gate [H].
+ * All weights and activations have the same dtype; accumulation is fp32.
+ * Routing scores are fp32. Selection ties break toward the lower expert index.
+ */
+typedef struct moelink_moe_config {
+  size_t size;            /* sizeof(moelink_moe_config_t): set by the INIT macro */
+  int hidden;             /* H */
+  int inter;              /* I: intermediate size of one routed expert */
+  int num_experts;        /* E */
+  int top_k;              /* k, 1 <= k <= E */
+  moelink_router_t router;
+  int renormalize;        /* 1: the k weights are divided by their sum */
+  int n_group;            /* expert groups for group-limited selection (1 = off) */
+  int topk_group;         /* groups kept; a group scores the sum of its top-2
+                             biased scores; experts of other groups are -inf */
+  float routed_scaling;   /* routed weights are multiplied by this (1.0 = off) */
+  int correction_bias;    /* 1: weights carry an fp32 [E] bias added to the
+                             scores for selection only */
+  int shared_inter;       /* Is: shared expert intermediate size (0 = none);
+                             several shared experts are one MLP of their summed
+                             intermediate size */
+  int shared_gate;        /* 1: shared output is scaled by sigmoid(x . w_g) */
+  moelink_dtype_t dtype;  /* activations and weights */
+  int max_tokens;         /* workspace is sized for this many tokens per call;
+                             larger calls are processed in chunks of it */
+} moelink_moe_config_t;
+
+#define MOELINK_MOE_CONFIG_INIT                                                \
+  { sizeof(moelink_moe_config_t), 0, 0, 0, 0, MOELINK_ROUTER_SOFTMAX_TOPK, 1,  \
+    1, 1, 1.0f, 0, 0, 0, MOELINK_DTYPE_BF16, 1024 }
+
+/* Number of named presets. */
+MOELINK_API int moelink_preset_count(void);
+
+/* Name of preset i (0 <= i < count), or NULL. */
+MOELINK_API const char *moelink_preset_name(int i);
+
+/* Fills the model fields of cfg (sizes, router, groups, scaling, shared
+ * expert) from a named preset ("mixtral-8x7b", "deepseek-v3", ...); leaves
+ * size, dtype and max_tokens as they are. Errors: INVALID_ARGUMENT (NULL),
+ * NOT_FOUND (unknown name). */
+MOELINK_API moelink_status_t moelink_moe_preset(const char *name, moelink_moe_config_t *cfg);
+
+/* Checks a config without creating anything; the reason is in last_error. */
+MOELINK_API moelink_status_t moelink_moe_config_check(const moelink_moe_config_t *cfg);
+
+/* FLOPs of one forward over num_tokens tokens (router, routed experts, shared
+ * expert; 2 per multiply-add). */
+MOELINK_API double moelink_moe_flops(const moelink_moe_config_t *cfg, int num_tokens);
+
+/* ------------------------------------------------------------------------ */
+/* MoE layer                                                                */
+/* ------------------------------------------------------------------------ */
+
+typedef struct moelink_moe *moelink_moe_t;
+
+/* Weights of a layer: caller-owned buffers, never copied; they must stay valid
+ * and unchanged while forward calls that use them may run. Host pointers for
+ * the CPU backend, device pointers for CUDA. */
+typedef struct moelink_moe_weights {
+  size_t size;                   /* sizeof(moelink_moe_weights_t) */
+  moelink_dtype_t dtype;         /* dtype of the buffers below but the bias;
+                                    must equal the layer's (DTYPE_MISMATCH) */
+  const void *router;            /* [E, H] dtype */
+  const float *correction_bias;  /* [E] fp32; required iff cfg.correction_bias */
+  const void *gate_up;           /* [E, 2*I, H] dtype */
+  const void *down;              /* [E, H, I] dtype */
+  const void *shared_gate_up;    /* [2*Is, H] dtype; iff cfg.shared_inter > 0 */
+  const void *shared_down;       /* [H, Is] dtype; iff cfg.shared_inter > 0 */
+  const void *shared_gate;       /* [H] dtype; iff cfg.shared_gate */
+} moelink_moe_weights_t;
+
+#define MOELINK_MOE_WEIGHTS_INIT                                               \
+  { sizeof(moelink_moe_weights_t), MOELINK_DTYPE_BF16, NULL, NULL, NULL, NULL, NULL, NULL, \
+    NULL }
+
+/* Bytes of workspace a layer with this config allocates at create (host for
+ * CPU, device for CUDA). Grows with max_tokens * top_k * (H + I). */
+MOELINK_API moelink_status_t moelink_moe_workspace_size(moelink_context_t ctx,
+                                                        const moelink_moe_config_t *cfg,
+                                                        size_t *bytes);
+
+/* Creates a layer on a context and allocates its workspace. Errors:
+ * INVALID_ARGUMENT (bad config: the message names the field),
+ * UNSUPPORTED (dtype not supported by the backend), OUT_OF_MEMORY, CUDA. */
+MOELINK_API moelink_status_t moelink_moe_create(moelink_context_t ctx,
+                                                const moelink_moe_config_t *cfg,
+                                                moelink_moe_t *out);
+
+/* Destroys a layer (NULL: no-op). Waits for nothing: the caller makes sure no
+ * device work that uses it is still queued. */
+MOELINK_API moelink_status_t moelink_moe_destroy(moelink_moe_t moe);
+
+/* Binds weights (no copy). Errors: INVALID_ARGUMENT (a required pointer is
+ * NULL, or a pointer is given that the config does not use), DTYPE_MISMATCH
+ * (w->dtype is not the layer's dtype). */
+MOELINK_API moelink_status_t moelink_moe_set_weights(moelink_moe_t moe,
+                                                     const moelink_moe_weights_t *w);
+
+/* The config a layer was created with. */
+MOELINK_API moelink_status_t moelink_moe_get_config(moelink_moe_t moe, moelink_moe_config_t *cfg);
+
+/* The whole layer: out[T, H] = sum over the k routed experts of
+ * weight * expert(x) (+ shared expert), for x [T, H], both of the layer's
+ * dtype. num_tokens may be 0 (nothing is touched) and may exceed max_tokens
+ * (processed in chunks). x and out must not overlap. Deterministic: the same
+ * inputs give bitwise the same output. On CUDA: stream-ordered, no host
+ * synchronization, capturable in a CUDA graph. Errors: INVALID_ARGUMENT,
+ * INVALID_STATE (no weights set), CUDA. */
+MOELINK_API moelink_status_t moelink_moe_forward(moelink_moe_t moe, const void *x,
+                                                 int num_tokens, void *out, void *stream);
+
+/* ------------------------------------------------------------------------ */
+/* The pieces, for engines that own part of the pipeline                    */
+/* ------------------------------------------------------------------------ */
+
+/* Routing: for x [T, H] writes topk_ids [T, k] (int32, expert indices, in
+ * decreasing order of selection score, ties to the lower index) and
+ * topk_weights [T, k] (fp32, final weights: renormalized and scaled as the
+ * config says). Needs the router weights (set_weights). */
+MOELINK_API moelink_status_t moelink_moe_route(moelink_moe_t moe, const void *x, int num_tokens,
+                                               int32_t *topk_ids, float *topk_weights,
+                                               void *stream);
+
+/*
+ * A plan: the permutation of the T*k (token, slot) pairs into expert-major
+ * order and the tile schedule over it, all int32 in one buffer of
+ * moelink_plan_bytes() bytes that moelink_plan_view() cuts into arrays:
+ *   expert_offsets [E+1]   rows of expert e are [offsets[e], offsets[e+1])
+ *   sorted_pairs   [T*k]   row r of the permuted order holds pair t*k+j;
+ *                          within an expert, pairs ascend; rows past
+ *                          offsets[E] are unused
+ *   pair_rows      [T*k]   the inverse: pair t*k+j sits at row pair_rows[t*k+j]
+ *                          (-1 for an empty slot)
+ *   tiles          [max_tiles*3]  (expert, first row, row count) per tile;
+ *                          each tile has 1..tile_rows rows of one expert
+ *   num_tiles      [1]
+ * max_tiles = ceil(T*k / tile_rows) + E.
+ */
+typedef struct moelink_plan {
+  int num_tokens, top_k, num_experts, tile_rows, max_tiles;
+  int32_t *expert_offsets;
+  int32_t *sorted_pairs;
+  int32_t *pair_rows;
+  int32_t *tiles;
+  int32_t *num_tiles;
+} moelink_plan_t;
+
+/* Bytes of a plan buffer for these sizes (tile_rows >= 1). */
+MOELINK_API size_t moelink_plan_bytes(int num_tokens, int top_k, int num_experts, int tile_rows);
+
+/* Cuts a plan buffer (any pointer: host or device, aligned to 4) into arrays;
+ * touches no memory. */
+MOELINK_API moelink_status_t moelink_plan_view(void *buffer, int num_tokens, int top_k,
+                                               int num_experts, int tile_rows,
+                                               moelink_plan_t *plan);
+
+/* Tile rows the layer's backend uses in its plans (the CPU uses 64). */
+MOELINK_API int moelink_moe_tile_rows(moelink_moe_t moe);
+
+/* Builds the plan for topk_ids [T, k] into plan_buffer (moelink_plan_bytes for
+ * this T and the layer's tile rows). An id outside [0, E) (say -1) marks an
+ * empty slot: the pair gets no row (pair_rows = -1), so expert_offsets[E] is
+ * the number of valid pairs, and it contributes nothing to combine. */
+MOELINK_API moelink_status_t moelink_moe_plan(moelink_moe_t moe, const int32_t *topk_ids,
+                                              int num_tokens, void *plan_buffer, void *stream);
+
+/* Routed experts: for each plan row r < offsets[E] holding pair p = t*k+j of expert e,
+ * y[r] = w[p] * down_e(silu(gate_e(x[t])) * up_e(x[t])), y [T*k, H] of the
+ * layer's dtype in permuted order. topk_weights may be NULL (w = 1). Needs
+ * gate_up and down (set_weights). */
+MOELINK_API moelink_status_t moelink_moe_experts(moelink_moe_t moe, const void *x, int num_tokens,
+                                                 const void *plan_buffer,
+                                                 const float *topk_weights, void *y,
+                                                 void *stream);
+
+/* Combine: out[t] = sum over j = 0..k-1, in that order, of y[pair_rows[t*k+j]]
+ * (fp32 sums, one rounding; empty slots skipped). Deterministic. */
+MOELINK_API moelink_status_t moelink_moe_combine(moelink_moe_t moe, const void *y, int num_tokens,
+                                                 const void *plan_buffer, void *out,
+                                                 void *stream);
+
+/* ------------------------------------------------------------------------ */
+/* Utilities                                                                */
+/* ------------------------------------------------------------------------ */
+
+/* Fills n elements of dtype at ptr (host for CPU, device for CUDA) with
+ * offset + scale * u, u uniform in [-1, 1): a counter-based generator, so
+ * element i depends only on (seed, i) and every backend writes the same
+ * values. For tests and benchmarks. Stream-ordered on CUDA. */
+MOELINK_API moelink_status_t moelink_fill_random(moelink_context_t ctx, moelink_dtype_t dtype,
+                                                 void *ptr, size_t n, uint64_t seed,
+                                                 float scale, float offset, void *stream);
+
+/* The value moelink_fill_random writes at index i, in fp32 before rounding
+ * to the dtype: offset + scale * u(seed, i). */
+MOELINK_API float moelink_random_value(uint64_t seed, size_t i, float scale, float offset);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOELINK_H */

@@ -1,0 +1,80 @@
+/* The naive reference and the test-data generator. Used only by the tests,
+ * the CLI's --verify and benchmarks; never linked into libmoelink.
+ *
+ * The reference is written independently of the backends: it reads the
+ * layer's weights element by element in their dtype (its own conversions),
+ * computes everything in double, one token at a time, straight from the
+ * model semantics in DESIGN.md section 2. It is slow on purpose. */
+#ifndef MOELINK_REF_H
+#define MOELINK_REF_H
+
+#include "moelink.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Element i of a buffer of dtype, as a double (own conversion code). */
+double ref_load(moelink_dtype_t dtype, const void *p, size_t i);
+
+/* Router of one token: selection (ids, decreasing selection score, ties to
+ * the lower index) and final weights (renormalized, scaled). w holds host
+ * pointers of cfg->dtype. Returns 0, or -1 on a config it cannot handle. */
+int ref_route_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
+                    const void *x_row, int32_t *ids, double *weights);
+
+/* One routed expert e on one token: out[H] = down_e(silu(gate_e x) * up_e x). */
+void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w, int e,
+                      const void *x_row, double *out);
+
+/* The shared expert (with its sigmoid gate if cfg->shared_gate) on one
+ * token: out[H]; zeros when cfg->shared_inter == 0. */
+void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
+                      const void *x_row, double *out);
+
+/* The whole layer on one token: out[H]. Returns 0 or -1 like ref_route_token. */
+int ref_forward_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
+                      const void *x_row, double *out);
+
+/* Relative L2 error ||got - ref|| / ||ref|| over n elements (got in dtype);
+ * NaN or Inf in got gives +Inf. ref all zeros: returns ||got||. */
+double ref_rel_l2(moelink_dtype_t dtype, const void *got, const double *ref, size_t n);
+
+/* ---- test data ---------------------------------------------------------- */
+
+/* A layer's weights in host memory, owned by this struct. Values come from
+ * moelink_fill_random (so a device copy made with the same seeds matches):
+ * gate_up scale 1/sqrt(H), down 1/sqrt(I), shared likewise, router 1/sqrt(H)
+ * times a spread that gives logits of order 1, correction bias in [-0.5, 0.5)
+ * (negative values included). zipf_alpha > 0 skews routing: expert e gets
+ * log((e+1)^-alpha) added to its logit through hidden feature 0 (x[.,0] = 1
+ * in ref_fill_x when skewed). */
+typedef struct ref_layer {
+  moelink_moe_config_t cfg;
+  moelink_moe_weights_t w;   /* points into the buffers below */
+  void *router, *gate_up, *down, *shared_gate_up, *shared_down, *shared_gate;
+  float *bias;
+  uint64_t seed;
+  double zipf_alpha;
+} ref_layer;
+
+/* Seeds used for each tensor, derived from the layer seed, so device-side
+ * generation can reproduce the host buffers tensor by tensor. */
+enum { REF_T_ROUTER = 1, REF_T_BIAS, REF_T_GATE_UP, REF_T_DOWN, REF_T_SH_GATE_UP, REF_T_SH_DOWN,
+       REF_T_SH_GATE, REF_T_X };
+uint64_t ref_tensor_seed(uint64_t layer_seed, int tensor);
+/* Scale used for a tensor (what ref_layer_make passes to moelink_fill_random). */
+float ref_tensor_scale(const moelink_moe_config_t *cfg, int tensor);
+
+/* Allocates and fills a layer. Returns 0, or -1 (out of memory / bad cfg). */
+int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha);
+void ref_layer_free(ref_layer *L);
+
+/* Fills x [T, H] (cfg dtype) for a layer; token t's values depend only on
+ * (seed, t, i). When the layer is skewed, x[t, 0] = 1. */
+void ref_fill_x(const ref_layer *L, void *x, int num_tokens, uint64_t seed);
+
+/* Applies the zipf skew to a router buffer [E, H] (host, cfg dtype) in place:
+ * what ref_layer_make does after filling it. */
+void ref_apply_skew(const moelink_moe_config_t *cfg, void *router, double zipf_alpha);
+
+#endif
