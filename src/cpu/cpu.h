@@ -1,0 +1,157 @@
+/* CPU backend internals shared by the files of src/cpu/.
+ *
+ * Threading: every op opens one OpenMP team of the context's num_threads and
+ * splits its work into items whose boundaries depend only on the shapes, never
+ * on the thread count or on which thread takes an item; every output element
+ * is written by exactly one item with a fixed reduction order. That makes the
+ * results bitwise reproducible whatever the scheduling. BLAS calls are made
+ * inside the team, where the OpenMP build of OpenBLAS runs them on the calling
+ * thread only. */
+#ifndef ML_CPU_H
+#define ML_CPU_H
+
+#include "core/core.h"
+#include "moe/backend.h"
+
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ML_CPU_TILE_ROWS 64
+
+/* Block sizes of the work items, derived from the config alone (see
+ * ml_cpu_blocks in backend.c). */
+typedef struct ml_cpu_blocks {
+  int router_rows;  /* router experts converted and multiplied per item */
+  int gu_cols;      /* routed gate/up: columns of I per item */
+  int down_cols;    /* routed down: columns of H per item */
+  int sgu_cols;     /* shared gate/up: columns of Is per item */
+  int sdown_cols;   /* shared down: columns of H per item */
+  int row_chunk;    /* token rows per GEMM call */
+  size_t conv_floats;   /* per-thread weight conversion buffer (0 for F32) */
+  size_t tmp_floats;    /* per-thread GEMM output buffer */
+  size_t misc_floats;   /* per-thread combine / router scratch */
+} ml_cpu_blocks;
+
+/* The workspace of a layer, carved from one 64-byte aligned allocation sized
+ * for cfg.max_tokens. */
+typedef struct ml_cpu_moe {
+  void *base;
+  size_t bytes;
+  int nthreads;
+  ml_cpu_blocks blk;
+  float *xf;         /* [T, H] x in fp32 (non-F32 layers) */
+  float *logits;     /* [T, E] router logits, then scores */
+  int32_t *ids;      /* [T, k] forward's routing */
+  float *wts;        /* [T, k] */
+  void *plan;        /* plan buffer for max_tokens */
+  int64_t *order;    /* [E] experts with rows, heaviest first (sort keys) */
+  float *xg;         /* [T*k, H] gathered x rows; reused for the fp32 y rows */
+  float *h;          /* [T*k, I] silu(gate) * up */
+  float *sh_h;       /* [T, Is] shared expert hidden */
+  float *sh_out;     /* [T, H] shared expert output, gated */
+  float *sh_gate;    /* [T] sigmoid(x . w_g) */
+  float *sh_gw;      /* [H] shared gate weights in fp32 */
+  float *thread_buf; /* nthreads * per_thread floats */
+  size_t per_thread; /* floats, a multiple of 16 */
+} ml_cpu_moe;
+
+static inline ml_cpu_moe *ml_cpu_ws(moelink_moe_t moe) { return (ml_cpu_moe *)moe->impl; }
+
+/* First call in every team that makes BLAS calls: returns the thread's index
+ * and keeps BLAS single-threaded on it. OpenBLAS sizes its own threading from
+ * omp_get_max_threads() unless a team of several threads is active; a team of
+ * one is not, so without this a one-thread context would still get BLAS
+ * threads. The setting is local to the team's task and ends with it. */
+static inline int ml_cpu_team_thread(void) {
+  omp_set_num_threads(1);
+  return omp_get_thread_num();
+}
+
+/* A thread's scratch: [conv | tmp | misc], each part 64-byte aligned. */
+static inline size_t ml_cpu_round16(size_t n) { return (n + 15) & ~(size_t)15; }
+static inline float *ml_cpu_conv(const ml_cpu_moe *ws, int tid) {
+  return ws->thread_buf + (size_t)tid * ws->per_thread;
+}
+static inline float *ml_cpu_tmp(const ml_cpu_moe *ws, int tid) {
+  return ml_cpu_conv(ws, tid) + ml_cpu_round16(ws->blk.conv_floats);
+}
+static inline float *ml_cpu_misc(const ml_cpu_moe *ws, int tid) {
+  return ml_cpu_tmp(ws, tid) + ml_cpu_round16(ws->blk.tmp_floats);
+}
+
+void ml_cpu_blocks_for(const moelink_moe_config_t *cfg, ml_cpu_blocks *b);
+
+/* Router (router.c): logits of x [T, H] (fp32 rows, lda H) then selection into
+ * ids/weights [T, k]. */
+moelink_status_t ml_cpu_route_f32(moelink_moe_t moe, const float *x32, int num_tokens,
+                                  int32_t *ids, float *weights);
+/* x of the layer dtype to fp32 rows: x itself for F32, ws->xf otherwise. */
+const float *ml_cpu_x_f32(moelink_moe_t moe, const void *x, int num_tokens);
+
+/* Plan (plan.c): builds plan arrays for ids [T, k]. */
+void ml_cpu_build_plan(const int32_t *ids, int num_tokens, int top_k, int num_experts,
+                       int tile_rows, const moelink_plan_t *plan);
+/* Checks what experts/combine read from a caller's plan buffer. */
+moelink_status_t ml_cpu_check_plan(const moelink_plan_t *plan, int check_rows);
+
+/* Routed (and optionally shared) experts (experts.c). */
+typedef struct ml_cpu_ffn {
+  const void *x;            /* [T, H] token rows */
+  moelink_dtype_t x_dtype;  /* F32 for fp32 rows */
+  int num_tokens;
+  const moelink_plan_t *plan;
+  const float *weights;     /* [T, k] or NULL */
+  float *y32;               /* [R, H] fp32 results, may be ws->xg */
+  void *y_out;              /* NULL, or [T*k, H] of the layer dtype: rows also stored here */
+  const float *x32;         /* [T, H] fp32 rows for the shared expert, or NULL: no shared */
+} ml_cpu_ffn;
+moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job);
+
+/* Shared expert items (shared.c), called from inside the experts' team. */
+int ml_cpu_shared_gu_items(const moelink_moe_config_t *cfg, const ml_cpu_blocks *b);
+int ml_cpu_shared_down_items(const moelink_moe_config_t *cfg, const ml_cpu_blocks *b);
+void ml_cpu_shared_gate_token(moelink_moe_t moe, const float *x32, int t);
+void ml_cpu_shared_gu_item(moelink_moe_t moe, const float *x32, int num_tokens, int item, int tid);
+void ml_cpu_shared_down_item(moelink_moe_t moe, int num_tokens, int item, int tid);
+
+/* ml_to_f32 with a fast path for f16 where the CPU has F16C (experts.c). */
+void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n);
+
+/* GEMM helpers (experts.c) shared by the routed and the shared expert. */
+/* Weight rows [row0, row0 + rows) of a [*, cols] matrix of dtype as fp32:
+ * in place for F32, else converted into conv. */
+const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row0, int rows,
+                                int cols, float *conv);
+/* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T) for a [m, K] (lda),
+ * wg and wu [nc, K]. */
+void ml_cpu_swiglu_block(const float *a, int lda, int m, int K, const float *wg, const float *wu,
+                         int nc, float *h, int ldh, int row_chunk, float *tmp);
+/* y[m, ldy] columns [0, nc) = scale[r] * (a . wd^T) for a [m, K] (lda), wd
+ * [nc, K]; row_scale NULL means 1; row_scale[r] is read as
+ * row_scale[map ? map[r] : r]. */
+void ml_cpu_down_block(const float *a, int lda, int m, int K, const float *wd, int nc, float *y,
+                       int ldy, const float *row_scale, const int32_t *map, int row_chunk,
+                       float *tmp);
+
+/* Combine (combine.c): out[t] = sum_j y[pair_rows[t*k+j]] (+ add[t] when add is
+ * not NULL), fp32 sums, one rounding to the layer dtype. y rows of y_dtype. */
+moelink_status_t ml_cpu_combine_rows(moelink_moe_t moe, const void *y, moelink_dtype_t y_dtype,
+                                     int num_tokens, const moelink_plan_t *plan, const float *add,
+                                     void *out);
+
+/* Backend entry points (one file each). */
+moelink_status_t ml_cpu_route(moelink_moe_t moe, const void *x, int num_tokens, int32_t *ids,
+                              float *weights, void *stream);
+moelink_status_t ml_cpu_plan(moelink_moe_t moe, const int32_t *ids, int num_tokens,
+                             void *plan_buffer, void *stream);
+moelink_status_t ml_cpu_experts(moelink_moe_t moe, const void *x, int num_tokens,
+                                const void *plan_buffer, const float *weights, void *y,
+                                void *stream);
+moelink_status_t ml_cpu_combine(moelink_moe_t moe, const void *y, int num_tokens,
+                                const void *plan_buffer, void *out, void *stream);
+moelink_status_t ml_cpu_fill_random(moelink_context_t ctx, moelink_dtype_t dtype, void *ptr,
+                                    size_t n, uint64_t seed, float scale, float offset,
+                                    void *stream);
+
+#endif
