@@ -39,15 +39,30 @@ int ref_forward_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
  * NaN or Inf in got gives +Inf. ref all zeros: returns ||got||. */
 double ref_rel_l2(moelink_dtype_t dtype, const void *got, const double *ref, size_t n);
 
+/* Stores v at element i of a dtype buffer: rounded to fp32, then to the dtype
+ * with round-to-nearest-even (own conversion code). */
+void ref_store(moelink_dtype_t dtype, void *p, size_t i, double v);
+
+/* How close the token is to a different routing decision: the smallest
+ * relative gap between two scores whose order decides the selection (adjacent
+ * selected experts, the k-th selected against the best unselected, the last
+ * kept group against the best dropped one), relative to the larger of the two
+ * and of their unbiased scores (raw logits: at least 1e-3). Tests skip the id
+ * comparison of tokens below 1e-6, where fp32 rounding may legitimately flip
+ * the choice. +Inf when no two scores compete (E = 1); -1 on a config
+ * ref_route_token rejects. */
+double ref_route_margin(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
+                        const void *x_row);
+
 /* ---- test data ---------------------------------------------------------- */
 
 /* A layer's weights in host memory, owned by this struct. Values come from
  * moelink_fill_random (so a device copy made with the same seeds matches):
- * gate_up scale 1/sqrt(H), down 1/sqrt(I), shared likewise, router 1/sqrt(H)
- * times a spread that gives logits of order 1, correction bias in [-0.5, 0.5)
- * (negative values included). zipf_alpha > 0 skews routing: expert e gets
- * log((e+1)^-alpha) added to its logit through hidden feature 0 (x[.,0] = 1
- * in ref_fill_x when skewed). */
+ * gate_up scale 2/sqrt(H), down 2/sqrt(I), shared likewise (Is), shared gate
+ * 1/sqrt(H), router 3/sqrt(H) (logits of standard deviation 1), correction
+ * bias in [-0.5, 0.5) (negative values included), x scale 1.
+ * zipf_alpha > 0 skews routing: expert e gets log((e+1)^-alpha) added to
+ * its logit through hidden feature 0 (x[.,0] = 1 in ref_fill_x when skewed). */
 typedef struct ref_layer {
   moelink_moe_config_t cfg;
   moelink_moe_weights_t w;   /* points into the buffers below */

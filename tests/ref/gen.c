@@ -1,0 +1,164 @@
+/* Test data: layers and inputs filled through moelink_fill_random, so that a
+ * device copy generated with the same seeds holds the same values. */
+#include "ref.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+uint64_t ref_tensor_seed(uint64_t layer_seed, int tensor) {
+  /* A finalizer of the 64-bit murmur kind over (seed, tensor): distinct
+   * tensors of one layer and nearby layer seeds land far apart. */
+  uint64_t z = layer_seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(tensor + 1));
+  z ^= z >> 33;
+  z *= 0xff51afd7ed558ccdull;
+  z ^= z >> 33;
+  z *= 0xc4ceb9fe1a85ec53ull;
+  z ^= z >> 33;
+  return z;
+}
+
+float ref_tensor_scale(const moelink_moe_config_t *cfg, int tensor) {
+  /* Entries are uniform in [-scale, scale), variance scale^2 / 3; x has
+   * variance 1/3. Router 3/sqrt(H): logits of standard deviation 1, so the
+   * top-k of a few hundred experts are separated by O(0.1-1). Gate/up
+   * 2/sqrt(H) and down 2/sqrt(I): activations and outputs of order 0.3,
+   * far from both f16 limits. */
+  const double H = cfg->hidden > 0 ? cfg->hidden : 1;
+  const double I = cfg->inter > 0 ? cfg->inter : 1;
+  const double Is = cfg->shared_inter > 0 ? cfg->shared_inter : 1;
+  switch (tensor) {
+  case REF_T_ROUTER: return (float)(3.0 / sqrt(H));
+  case REF_T_BIAS: return 0.5f;
+  case REF_T_GATE_UP: return (float)(2.0 / sqrt(H));
+  case REF_T_DOWN: return (float)(2.0 / sqrt(I));
+  case REF_T_SH_GATE_UP: return (float)(2.0 / sqrt(H));
+  case REF_T_SH_DOWN: return (float)(2.0 / sqrt(Is));
+  case REF_T_SH_GATE: return (float)(1.0 / sqrt(H));
+  case REF_T_X: return 1.0f;
+  }
+  return 0.0f;
+}
+
+void ref_apply_skew(const moelink_moe_config_t *cfg, void *router, double zipf_alpha) {
+  if (!(zipf_alpha > 0.0) || !router) return;
+  for (int e = 0; e < cfg->num_experts; ++e)
+    ref_store(cfg->dtype, router, (size_t)e * (size_t)cfg->hidden, -zipf_alpha * log(e + 1.0));
+}
+
+void ref_layer_free(ref_layer *L) {
+  if (!L) return;
+  free(L->router);
+  free(L->gate_up);
+  free(L->down);
+  free(L->shared_gate_up);
+  free(L->shared_down);
+  free(L->shared_gate);
+  free(L->bias);
+  memset(L, 0, sizeof *L);
+}
+
+static int ref_fill(moelink_context_t ctx, moelink_dtype_t dt, void *p, size_t n, uint64_t seed,
+                    float scale) {
+  if (n == 0) return 0;
+  if (!p) return -1;
+  return moelink_fill_random(ctx, dt, p, n, seed, scale, 0.0f, NULL) == MOELINK_SUCCESS ? 0 : -1;
+}
+
+int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha) {
+  if (!L) return -1;
+  memset(L, 0, sizeof *L);
+  if (!cfg || cfg->hidden <= 0 || cfg->inter <= 0 || cfg->num_experts <= 0 ||
+      cfg->shared_inter < 0)
+    return -1;
+  if (cfg->dtype != MOELINK_DTYPE_F32 && cfg->dtype != MOELINK_DTYPE_BF16 &&
+      cfg->dtype != MOELINK_DTYPE_F16)
+    return -1;
+  L->cfg = *cfg;
+  L->seed = seed;
+  L->zipf_alpha = zipf_alpha;
+  const moelink_dtype_t dt = cfg->dtype;
+  const size_t es = moelink_dtype_size(dt);
+  const size_t H = (size_t)cfg->hidden, I = (size_t)cfg->inter, E = (size_t)cfg->num_experts;
+  const size_t Is = (size_t)cfg->shared_inter;
+  const size_t n_router = E * H, n_gate_up = E * 2 * I * H, n_down = E * H * I;
+  const size_t n_sh_gate_up = 2 * Is * H, n_sh_down = H * Is;
+
+  L->router = malloc(n_router * es);
+  L->gate_up = malloc(n_gate_up * es);
+  L->down = malloc(n_down * es);
+  if (!L->router || !L->gate_up || !L->down) goto fail;
+  if (Is > 0) {
+    L->shared_gate_up = malloc(n_sh_gate_up * es);
+    L->shared_down = malloc(n_sh_down * es);
+    if (!L->shared_gate_up || !L->shared_down) goto fail;
+  }
+  if (cfg->shared_gate) {
+    L->shared_gate = malloc(H * es);
+    if (!L->shared_gate) goto fail;
+  }
+  if (cfg->correction_bias) {
+    L->bias = malloc(E * sizeof(float));
+    if (!L->bias) goto fail;
+  }
+
+  moelink_context_t ctx = NULL;
+  if (moelink_context_create(NULL, &ctx) != MOELINK_SUCCESS) goto fail;
+  int bad = 0;
+  bad |= ref_fill(ctx, dt, L->router, n_router, ref_tensor_seed(seed, REF_T_ROUTER),
+                  ref_tensor_scale(cfg, REF_T_ROUTER));
+  bad |= ref_fill(ctx, dt, L->gate_up, n_gate_up, ref_tensor_seed(seed, REF_T_GATE_UP),
+                  ref_tensor_scale(cfg, REF_T_GATE_UP));
+  bad |= ref_fill(ctx, dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN),
+                  ref_tensor_scale(cfg, REF_T_DOWN));
+  if (Is > 0) {
+    bad |= ref_fill(ctx, dt, L->shared_gate_up, n_sh_gate_up,
+                    ref_tensor_seed(seed, REF_T_SH_GATE_UP), ref_tensor_scale(cfg, REF_T_SH_GATE_UP));
+    bad |= ref_fill(ctx, dt, L->shared_down, n_sh_down, ref_tensor_seed(seed, REF_T_SH_DOWN),
+                    ref_tensor_scale(cfg, REF_T_SH_DOWN));
+  }
+  if (cfg->shared_gate)
+    bad |= ref_fill(ctx, dt, L->shared_gate, H, ref_tensor_seed(seed, REF_T_SH_GATE),
+                    ref_tensor_scale(cfg, REF_T_SH_GATE));
+  if (cfg->correction_bias)
+    bad |= ref_fill(ctx, MOELINK_DTYPE_F32, L->bias, E, ref_tensor_seed(seed, REF_T_BIAS),
+                    ref_tensor_scale(cfg, REF_T_BIAS));
+  moelink_context_destroy(ctx);
+  if (bad) goto fail;
+
+  ref_apply_skew(cfg, L->router, zipf_alpha);
+
+  moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
+  w.dtype = dt;
+  w.router = L->router;
+  w.correction_bias = L->bias;
+  w.gate_up = L->gate_up;
+  w.down = L->down;
+  w.shared_gate_up = L->shared_gate_up;
+  w.shared_down = L->shared_down;
+  w.shared_gate = L->shared_gate;
+  L->w = w;
+  return 0;
+
+fail:
+  ref_layer_free(L);
+  return -1;
+}
+
+void ref_fill_x(const ref_layer *L, void *x, int num_tokens, uint64_t seed) {
+  if (!L || !x || num_tokens <= 0) return;
+  const moelink_dtype_t dt = L->cfg.dtype;
+  const size_t H = (size_t)L->cfg.hidden, n = (size_t)num_tokens * H;
+  moelink_context_t ctx = NULL;
+  int ok = moelink_context_create(NULL, &ctx) == MOELINK_SUCCESS &&
+           ref_fill(ctx, dt, x, n, ref_tensor_seed(seed, REF_T_X),
+                    ref_tensor_scale(&L->cfg, REF_T_X)) == 0;
+  moelink_context_destroy(ctx);
+  if (!ok) {
+    /* No silent garbage: a test using this input fails on NaN. */
+    for (size_t i = 0; i < n; ++i) ref_store(dt, x, i, NAN);
+    return;
+  }
+  if (L->zipf_alpha > 0.0)
+    for (int t = 0; t < num_tokens; ++t) ref_store(dt, x, (size_t)t * H, 1.0);
+}
