@@ -1,0 +1,116 @@
+/* Shared pieces of the moelink command-line tool: options, errors, clocks,
+ * progress, the test layer (weights made by the reference generator) and
+ * verification against the reference. The CLI does all the printing; the
+ * library only returns statuses. */
+#ifndef MOELINK_CLI_H
+#define MOELINK_CLI_H
+
+#include "moelink.h"
+#include "ref.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Exit codes: 1 for a failed run or library error, 2 for bad arguments. */
+enum { CLI_EXIT_FAIL = 1, CLI_EXIT_USAGE = 2 };
+
+#define CLI_MAX_TOKEN_LIST 64
+
+typedef struct cli_opts {
+  moelink_moe_config_t cfg;
+  const char *preset;            /* NULL: the embedded small shape */
+  int shape_given;               /* any shape or router flag was given */
+  moelink_backend_t backend;
+  int tokens;                    /* run: T */
+  int token_list[CLI_MAX_TOKEN_LIST]; /* bench: the T values */
+  int ntokens;
+  uint64_t seed;
+  double zipf;                   /* 0: uniform routing */
+  int max_tokens;                /* 0: as many as the largest call */
+  int threads;                   /* 0: one per core */
+  int verify;                    /* run: -1 = default */
+  int verify_tokens;
+  int iters, warmup;             /* bench: -1 = backend default */
+  const char *json;
+  int argc;                      /* 0: the command had no arguments at all */
+} cli_opts;
+
+/* ---- errors (all print one line on stderr and exit) --------------------- */
+void cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+void cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+/* A failed library call: "moelink: error: what: STATUS: last error", exit 1. */
+void cli_lib_fail(const char *what, moelink_status_t s) __attribute__((noreturn));
+#define CLI_CALL(what, expr)                                                   \
+  do {                                                                         \
+    moelink_status_t cli_s_ = (expr);                                          \
+    if (cli_s_ != MOELINK_SUCCESS) cli_lib_fail((what), cli_s_);               \
+  } while (0)
+void *cli_malloc(size_t bytes, const char *what);
+
+/* ---- options ------------------------------------------------------------ */
+/* Parses the arguments of `run` (bench = 0) or `bench` (bench = 1) after the
+ * command word; exits 2 on anything wrong. */
+void cli_parse(int argc, char **argv, int bench, cli_opts *o);
+const char *cli_router_name(moelink_router_t r);
+/* "mixtral-8x7b" or "custom" / "small". */
+const char *cli_shape_name(const cli_opts *o);
+void cli_print_config(const cli_opts *o, int tokens);
+void cli_skew_string(double zipf, char *buf, size_t n);
+
+/* ---- clock and progress ------------------------------------------------- */
+double cli_now(void);                 /* seconds, monotonic */
+typedef struct cli_progress {
+  const char *what;
+  double t0, last;
+  int shown, tty;
+} cli_progress;
+/* Silent during the first ~2 s; then shows done/total on stderr. */
+void cli_progress_start(cli_progress *p, const char *what);
+void cli_progress_update(cli_progress *p, double done, double total, const char *unit);
+void cli_progress_end(cli_progress *p);
+double cli_median(double *v, int n);  /* sorts v */
+void cli_fmt_bytes(double bytes, char *buf, size_t n);
+
+/* ---- the test layer ----------------------------------------------------- */
+typedef struct cli_layer {
+  moelink_moe_config_t cfg;
+  moelink_backend_t backend;
+  uint64_t seed;
+  double zipf;
+  ref_layer host;        /* CPU: the weights. CUDA: only cfg/seed/alpha unless
+                            cli_layer_make_host ran (verification) */
+  int have_host;
+  void *dev[REF_T_X];    /* CUDA device buffers, indexed by REF_T_* */
+  moelink_moe_weights_t w; /* what set_weights gets (host or device) */
+  double weight_bytes;
+} cli_layer;
+
+/* Generates the layer's weights on the context's backend: on the host with
+ * ref_layer_make, on the GPU with moelink_fill_random (same values). */
+void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_config_t *cfg,
+                    uint64_t seed, double zipf, void *stream);
+/* The host copy of a CUDA layer, for the reference; checks that the device
+ * tensors hold the same values (a prefix of each). */
+void cli_layer_make_host(cli_layer *L);
+void cli_layer_free(cli_layer *L);
+/* x [T, H] in the layer's dtype on the host. */
+void cli_make_x(const cli_layer *L, void *x, int num_tokens);
+
+typedef struct cli_verify_result {
+  int checked, total;
+  double rel_l2, max_abs, tol;
+  int pass;
+} cli_verify_result;
+/* Compares out [T, H] (host, layer dtype) with the reference on a sample of
+ * tokens: all of them when that is cheap, else max_sample spread evenly. */
+void cli_verify(const cli_layer *L, const void *x, const void *out, int num_tokens,
+                int max_sample, cli_verify_result *r);
+double cli_tolerance(moelink_dtype_t dt);
+
+/* ---- commands ----------------------------------------------------------- */
+int cli_cmd_run(int argc, char **argv);
+int cli_cmd_bench(int argc, char **argv);
+void cli_help_run(void);
+void cli_help_bench(void);
+
+#endif

@@ -1,0 +1,162 @@
+/* CUDA runtime wrappers for the CLI. The C side talks to the runtime API
+ * directly (it is a C API); only kernels live in .cu files. */
+#include "gpu.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+static char gpu_msg[512];
+
+const char *gpu_error(void) { return gpu_msg; }
+
+int gpu_set_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(gpu_msg, sizeof gpu_msg, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+#ifdef MOELINK_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+#define GPU_TRY(call)                                                          \
+  do {                                                                         \
+    cudaError_t gpu_e_ = (call);                                               \
+    if (gpu_e_ != cudaSuccess)                                                 \
+      return gpu_set_error("%s: %s", #call, cudaGetErrorString(gpu_e_));       \
+  } while (0)
+
+int gpu_device_name(char *buf, size_t n) {
+  int dev = 0;
+  struct cudaDeviceProp prop;
+  GPU_TRY(cudaGetDevice(&dev));
+  GPU_TRY(cudaGetDeviceProperties(&prop, dev));
+  snprintf(buf, n, "%s", prop.name);
+  return 0;
+}
+
+int gpu_malloc(void **p, size_t bytes, const char *what) {
+  *p = NULL;
+  cudaError_t e = cudaMalloc(p, bytes ? bytes : 1);
+  if (e != cudaSuccess) {
+    *p = NULL;
+    return gpu_set_error("cudaMalloc of %.3f GB for %s: %s", (double)bytes / 1e9, what,
+                         cudaGetErrorString(e));
+  }
+  return 0;
+}
+
+void gpu_free(void *p) {
+  if (p) (void)cudaFree(p);
+}
+
+int gpu_h2d(void *dst, const void *src, size_t bytes) {
+  GPU_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  return 0;
+}
+
+int gpu_d2h(void *dst, const void *src, size_t bytes) {
+  GPU_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  return 0;
+}
+
+int gpu_stream_create(void **stream) {
+  cudaStream_t s = NULL;
+  GPU_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *stream = (void *)s;
+  return 0;
+}
+
+void gpu_stream_destroy(void *stream) {
+  if (stream) (void)cudaStreamDestroy((cudaStream_t)stream);
+}
+
+int gpu_stream_sync(void *stream) {
+  GPU_TRY(cudaStreamSynchronize((cudaStream_t)stream));
+  /* A kernel fault surfaces on the next call; ask now so it is blamed here. */
+  GPU_TRY(cudaGetLastError());
+  return 0;
+}
+
+int gpu_memset_async(void *buf, int value, size_t bytes, void *stream) {
+  GPU_TRY(cudaMemsetAsync(buf, value, bytes, (cudaStream_t)stream));
+  return 0;
+}
+
+int gpu_timer_create(gpu_timer *t) {
+  cudaEvent_t a = NULL, b = NULL;
+  t->start = t->stop = NULL;
+  GPU_TRY(cudaEventCreate(&a));
+  cudaError_t e = cudaEventCreate(&b);
+  if (e != cudaSuccess) {
+    (void)cudaEventDestroy(a);
+    return gpu_set_error("cudaEventCreate: %s", cudaGetErrorString(e));
+  }
+  t->start = (void *)a;
+  t->stop = (void *)b;
+  return 0;
+}
+
+void gpu_timer_destroy(gpu_timer *t) {
+  if (t->start) (void)cudaEventDestroy((cudaEvent_t)t->start);
+  if (t->stop) (void)cudaEventDestroy((cudaEvent_t)t->stop);
+  t->start = t->stop = NULL;
+}
+
+int gpu_timer_start(gpu_timer *t, void *stream) {
+  GPU_TRY(cudaEventRecord((cudaEvent_t)t->start, (cudaStream_t)stream));
+  return 0;
+}
+
+int gpu_timer_stop(gpu_timer *t, void *stream, double *ms) {
+  float f = 0.0f;
+  GPU_TRY(cudaEventRecord((cudaEvent_t)t->stop, (cudaStream_t)stream));
+  GPU_TRY(cudaEventSynchronize((cudaEvent_t)t->stop));
+  GPU_TRY(cudaGetLastError());
+  GPU_TRY(cudaEventElapsedTime(&f, (cudaEvent_t)t->start, (cudaEvent_t)t->stop));
+  *ms = (double)f;
+  return 0;
+}
+
+#else /* built without CUDA: every entry fails the same way */
+
+#define GPU_NONE() gpu_set_error("this moelink was built without CUDA (configure with -DMOELINK_CUDA=ON)")
+
+int gpu_device_name(char *buf, size_t n) {
+  if (n) buf[0] = '\0';
+  return GPU_NONE();
+}
+int gpu_malloc(void **p, size_t bytes, const char *what) {
+  *p = NULL;
+  return GPU_NONE();
+}
+void gpu_free(void *p) {}
+int gpu_h2d(void *dst, const void *src, size_t bytes) { return GPU_NONE(); }
+int gpu_d2h(void *dst, const void *src, size_t bytes) { return GPU_NONE(); }
+int gpu_stream_create(void **stream) {
+  *stream = NULL;
+  return GPU_NONE();
+}
+void gpu_stream_destroy(void *stream) {}
+int gpu_stream_sync(void *stream) { return GPU_NONE(); }
+int gpu_memset_async(void *buf, int value, size_t bytes, void *stream) { return GPU_NONE(); }
+int gpu_timer_create(gpu_timer *t) {
+  t->start = t->stop = NULL;
+  return GPU_NONE();
+}
+void gpu_timer_destroy(gpu_timer *t) {}
+int gpu_timer_start(gpu_timer *t, void *stream) { return GPU_NONE(); }
+int gpu_timer_stop(gpu_timer *t, void *stream, double *ms) {
+  *ms = 0.0;
+  return GPU_NONE();
+}
+int fl_read_bandwidth(size_t bytes, int iters, double *gbps) {
+  *gbps = 0.0;
+  return GPU_NONE();
+}
+int fl_matmul_rate(int n, int iters, double *tflops) {
+  *tflops = 0.0;
+  return GPU_NONE();
+}
+#endif

@@ -1,0 +1,50 @@
+/* The CLI's thin layer over the CUDA runtime (tools/gpu.c) and the
+ * benchmark floors (tools/floors.cu). Every function returns 0 on success or
+ * -1 with the reason in gpu_error(). Built without CUDA, they all fail with
+ * "built without CUDA" so callers need no #ifdefs. */
+#ifndef MOELINK_CLI_GPU_H
+#define MOELINK_CLI_GPU_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+const char *gpu_error(void);
+/* Records a failure message (used by floors.cu too). Returns -1. */
+int gpu_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+int gpu_device_name(char *buf, size_t n);
+int gpu_malloc(void **p, size_t bytes, const char *what);
+void gpu_free(void *p);
+int gpu_h2d(void *dst, const void *src, size_t bytes);
+int gpu_d2h(void *dst, const void *src, size_t bytes);
+int gpu_stream_create(void **stream);
+void gpu_stream_destroy(void *stream);
+int gpu_stream_sync(void *stream);
+/* Writes bytes of buf with cudaMemsetAsync: evicts the weights from L2. */
+int gpu_memset_async(void *buf, int value, size_t bytes, void *stream);
+
+typedef struct gpu_timer {
+  void *start, *stop;
+} gpu_timer;
+int gpu_timer_create(gpu_timer *t);
+void gpu_timer_destroy(gpu_timer *t);
+int gpu_timer_start(gpu_timer *t, void *stream);
+/* Records the stop event, waits for it and returns the elapsed milliseconds. */
+int gpu_timer_stop(gpu_timer *t, void *stream, double *ms);
+
+/* ---- floors (tools/floors.cu) -------------------------------------------
+ * Read bandwidth: one kernel streams a buffer of `bytes` once with 16-byte
+ * loads; median over iters of GB/s (1e9 bytes/s). */
+int fl_read_bandwidth(size_t bytes, int iters, double *gbps);
+/* Dense bf16 GEMM n x n x n through cuBLAS (fp32 compute) on random data;
+ * median over iters of TFLOP/s. */
+int fl_matmul_rate(int n, int iters, double *tflops);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

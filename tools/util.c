@@ -1,0 +1,101 @@
+/* Errors, clocks, progress lines and small formatting helpers of the CLI. */
+#include "cli.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static void cli_vfail(int code, const char *fmt, va_list ap) __attribute__((noreturn));
+static void cli_vfail(int code, const char *fmt, va_list ap) {
+  fflush(stdout);
+  fputs("moelink: error: ", stderr);
+  vfprintf(stderr, fmt, ap);
+  fputc('\n', stderr);
+  exit(code);
+}
+
+void cli_usage_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  cli_vfail(CLI_EXIT_USAGE, fmt, ap);
+}
+
+void cli_fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  cli_vfail(CLI_EXIT_FAIL, fmt, ap);
+}
+
+void cli_lib_fail(const char *what, moelink_status_t s) {
+  const char *why = moelink_last_error();
+  cli_fail("%s: %s%s%s", what, moelink_status_string(s), why && *why ? ": " : "",
+           why ? why : "");
+}
+
+void *cli_malloc(size_t bytes, const char *what) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) cli_fail("out of host memory allocating %.3f GB for %s", (double)bytes / 1e9, what);
+  return p;
+}
+
+double cli_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Work shorter than this stays silent: a quick command prints only its result. */
+#define CLI_PROGRESS_QUIET_S 2.0
+
+void cli_progress_start(cli_progress *p, const char *what) {
+  p->what = what;
+  p->t0 = p->last = cli_now();
+  p->shown = 0;
+  p->tty = isatty(fileno(stderr));
+}
+
+void cli_progress_update(cli_progress *p, double done, double total, const char *unit) {
+  double t = cli_now();
+  if (t - p->t0 < CLI_PROGRESS_QUIET_S) return;
+  /* A terminal gets a line rewritten in place; a log gets a line now and then. */
+  if (p->shown && t - p->last < (p->tty ? 0.5 : 10.0)) return;
+  p->last = t;
+  p->shown = 1;
+  double el = t - p->t0;
+  double eta = done > 0 ? el * (total - done) / done : 0.0;
+  fprintf(stderr, "%s%s: %.0f/%.0f %s, %.0f s elapsed, ~%.0f s left%s", p->tty ? "\r" : "",
+          p->what, done, total, unit, el, eta, p->tty ? "\033[K" : "\n");
+  fflush(stderr);
+}
+
+void cli_progress_end(cli_progress *p) {
+  if (!p->shown) return;
+  fprintf(stderr, "%s%s: done in %.1f s%s\n", p->tty ? "\r" : "", p->what, cli_now() - p->t0,
+          p->tty ? "\033[K" : "");
+  fflush(stderr);
+}
+
+static int cli_cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+double cli_median(double *v, int n) {
+  if (n <= 0) return 0.0;
+  qsort(v, (size_t)n, sizeof *v, cli_cmp_double);
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void cli_fmt_bytes(double bytes, char *buf, size_t n) {
+  if (bytes >= 1e9)
+    snprintf(buf, n, "%.2f GB", bytes / 1e9);
+  else if (bytes >= 1e6)
+    snprintf(buf, n, "%.1f MB", bytes / 1e6);
+  else if (bytes >= 1e3)
+    snprintf(buf, n, "%.1f kB", bytes / 1e3);
+  else
+    snprintf(buf, n, "%.0f B", bytes);
+}
