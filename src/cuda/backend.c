@@ -1,0 +1,480 @@
+/* The CUDA backend: the MoE layer on one GPU as a sequence of stream-ordered
+ * launches with no host synchronization (capturable in a CUDA graph):
+ *
+ *   router  x -> topk ids, weights                     (router.cu)
+ *   plan    ids -> expert-major permutation + tiles     (plan.cu)
+ *   experts h = swiglu(x[pairs] Wgu^T), y = w * h Wd^T  (experts.cu, gemm/)
+ *   shared  sh = down(swiglu(x)) in fp32                (same GEMMs, dense)
+ *   combine out = sum_j y[pair_rows] + gate * sh        (combine.cu)
+ *
+ * Grids come from host-known sizes only (T, max_tiles); the real tile count
+ * stays on the device. All scratch lives in one cudaMalloc made at create,
+ * sized for max_tokens. Every entry makes the context's device current and
+ * puts back the caller's device on the way out. */
+#include "cuda/cuda.h"
+#include "cuda/pipeline.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct ml_cu_ctx {
+  int sm_count;
+  int l2_bytes;
+  int smem_optin;
+  int cc_major, cc_minor;
+} ml_cu_ctx;
+
+/* Byte offsets of the workspace regions (each 256-byte aligned). */
+typedef struct ml_cu_layout {
+  size_t ids, wts, plan, keys_in, keys_out, vals_in, vals_out, sort_tmp, h, y, sh_h, sh_out,
+      partials, tickets;
+  size_t sort_tmp_bytes, tickets_bytes, total;
+} ml_cu_layout;
+
+typedef struct ml_cu_moe {
+  char *base;
+  ml_cu_layout lay;
+  int32_t *ids;
+  float *wts;
+  void *plan;
+  ml_cuda_sort_ws sort;
+  void *h, *y, *sh_h;
+  float *sh_out;
+  float *partials;
+  int32_t *tickets;
+} ml_cu_moe;
+
+static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx->impl; }
+
+/* ---- device guard ------------------------------------------------------------ */
+
+static moelink_status_t ml_cu_enter(moelink_context_t ctx, int *prev) {
+  /* A failed call made earlier on this thread (by anyone) leaves its error
+   * behind; drop it so that the launch checks below report our own. Sticky
+   * errors (a faulted context) come back from the next call anyway. */
+  (void)cudaGetLastError();
+  ML_CUDA_TRY(cudaGetDevice(prev));
+  if (*prev != ctx->device) ML_CUDA_TRY(cudaSetDevice(ctx->device));
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_cu_leave(moelink_context_t ctx, int prev, moelink_status_t s) {
+  if (prev != ctx->device) {
+    cudaError_t e = cudaSetDevice(prev);
+    if (e != cudaSuccess && s == MOELINK_SUCCESS)
+      return ml_fail(MOELINK_ERR_CUDA, "cudaSetDevice(%d) to restore the caller's device: %s",
+                     prev, cudaGetErrorString(e));
+  }
+  return s;
+}
+
+#define ML_CU_GUARDED(ctx, call)                                               \
+  do {                                                                         \
+    int ml_prev_ = 0;                                                          \
+    ML_TRY(ml_cu_enter((ctx), &ml_prev_));                                     \
+    moelink_status_t ml_s_ = (call);                                           \
+    return ml_cu_leave((ctx), ml_prev_, ml_s_);                                \
+  } while (0)
+
+static int ml_cu_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
+
+/* MOELINK_CUDA_SYNC_CHECK=1: after each step of a call, wait for the stream
+ * and name the step whose kernels faulted. For debugging only: it costs a
+ * host round trip per step (skipped while the stream is being captured). */
+MOELINK_PARAM(CUDA_SYNC_CHECK, 0)
+
+static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
+  if (!ml_param_CUDA_SYNC_CHECK()) return MOELINK_SUCCESS;
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return MOELINK_SUCCESS;
+  }
+  if (cs != cudaStreamCaptureStatusNone) return MOELINK_SUCCESS;
+  cudaError_t e = cudaStreamSynchronize(st);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "%s failed on the device: %s (MOELINK_CUDA_SYNC_CHECK)", step,
+                   cudaGetErrorString(e));
+  return MOELINK_SUCCESS;
+}
+
+/* ---- context ------------------------------------------------------------------ */
+
+static moelink_status_t ml_cu_context_init(moelink_context_t ctx) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "no usable CUDA device: cudaGetDeviceCount: %s",
+                   cudaGetErrorString(e));
+  }
+  if (ctx->device >= n)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "CUDA device %d does not exist (%d visible)",
+                   ctx->device, n);
+  ml_cu_ctx c;
+  memset(&c, 0, sizeof c);
+  const int d = ctx->device;
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&c.cc_major, cudaDevAttrComputeCapabilityMajor, d));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&c.cc_minor, cudaDevAttrComputeCapabilityMinor, d));
+  if (c.cc_major < 9)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "needs sm_90 (Hopper), device %d is sm_%d%d", d,
+                   c.cc_major, c.cc_minor);
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&c.sm_count, cudaDevAttrMultiProcessorCount, d));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&c.l2_bytes, cudaDevAttrL2CacheSize, d));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&c.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, d));
+  ml_cu_ctx *impl = (ml_cu_ctx *)malloc(sizeof *impl);
+  if (!impl) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "CUDA context state allocation failed");
+  *impl = c;
+  ctx->impl = impl;
+  return MOELINK_SUCCESS;
+}
+
+static void ml_cu_context_fini(moelink_context_t ctx) {
+  free(ctx->impl);
+  ctx->impl = NULL;
+}
+
+/* ---- layer shape and workspace ------------------------------------------------- */
+
+static moelink_status_t ml_cu_check_config(const ml_cu_ctx *c, const moelink_moe_config_t *cfg) {
+  const moelink_status_t no = MOELINK_ERR_UNSUPPORTED;
+  if (cfg->dtype != MOELINK_DTYPE_BF16 && cfg->dtype != MOELINK_DTYPE_F16)
+    return ml_fail(no, "dtype %s is not supported by the CUDA backend (bf16 or f16)",
+                   moelink_dtype_name(cfg->dtype));
+  if (cfg->num_experts > ML_CUDA_MAX_EXPERTS)
+    return ml_fail(no, "num_experts %d > %d, the CUDA backend's limit", cfg->num_experts,
+                   ML_CUDA_MAX_EXPERTS);
+  if (cfg->top_k > ML_CUDA_MAX_TOPK)
+    return ml_fail(no, "top_k %d > %d, the CUDA backend's limit", cfg->top_k, ML_CUDA_MAX_TOPK);
+  if (cfg->hidden % 8 != 0)
+    return ml_fail(no, "hidden %d is not a multiple of 8 (CUDA backend: 16-byte rows)",
+                   cfg->hidden);
+  if (cfg->inter % 8 != 0)
+    return ml_fail(no, "inter %d is not a multiple of 8 (CUDA backend: 16-byte rows)",
+                   cfg->inter);
+  if (cfg->shared_inter % 8 != 0)
+    return ml_fail(no, "shared_inter %d is not a multiple of 8 (CUDA backend: 16-byte rows)",
+                   cfg->shared_inter);
+  const size_t smem = ml_cuda_router_smem(cfg->num_experts);
+  if (smem + 64 > (size_t)c->smem_optin)
+    return ml_fail(no, "router needs %zu bytes of shared memory for %d experts, device allows %d",
+                   smem, cfg->num_experts, c->smem_optin);
+  return MOELINK_SUCCESS;
+}
+
+static size_t ml_cu_take(size_t *cursor, size_t bytes) {
+  size_t at = (*cursor + 255) & ~(size_t)255;
+  *cursor = at + bytes;
+  return at;
+}
+
+/* The workspace for T = max_tokens: everything grows with T*k*(H+I) or T*H,
+ * plus router partials bounded by the SM count. Needs the layer's device
+ * current (the sort's temporary size is a device query). */
+static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_config_t *cfg,
+                                         ml_cu_layout *L) {
+  memset(L, 0, sizeof *L);
+  const size_t T = (size_t)cfg->max_tokens, k = (size_t)cfg->top_k, P = T * k;
+  const size_t H = (size_t)cfg->hidden, I = (size_t)cfg->inter, Is = (size_t)cfg->shared_inter;
+  const size_t ds = moelink_dtype_size(cfg->dtype);
+  ML_TRY(ml_cuda_plan_tmp_bytes((int)P, cfg->num_experts, &L->sort_tmp_bytes));
+  size_t cur = 0;
+  L->ids = ml_cu_take(&cur, P * sizeof(int32_t));
+  L->wts = ml_cu_take(&cur, P * sizeof(float));
+  L->plan = ml_cu_take(&cur, moelink_plan_bytes(cfg->max_tokens, cfg->top_k, cfg->num_experts,
+                                                ML_CUDA_TILE_ROWS));
+  L->keys_in = ml_cu_take(&cur, P * sizeof(uint32_t));
+  L->keys_out = ml_cu_take(&cur, P * sizeof(uint32_t));
+  L->vals_in = ml_cu_take(&cur, P * sizeof(int32_t));
+  L->vals_out = ml_cu_take(&cur, P * sizeof(int32_t));
+  L->sort_tmp = ml_cu_take(&cur, L->sort_tmp_bytes);
+  L->h = ml_cu_take(&cur, P * I * ds);
+  L->y = ml_cu_take(&cur, P * H * ds);
+  L->sh_h = ml_cu_take(&cur, Is > 0 ? T * Is * ds : 0);
+  L->sh_out = ml_cu_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
+  L->partials = ml_cu_take(&cur, ml_cuda_router_partial_floats(cfg->num_experts, c->sm_count) *
+                                     sizeof(float));
+  L->tickets_bytes = (size_t)(c->sm_count > 0 ? c->sm_count : 1) * sizeof(int32_t);
+  L->tickets = ml_cu_take(&cur, L->tickets_bytes);
+  L->total = (cur + 255) & ~(size_t)255;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_cu_workspace_size_impl(moelink_context_t ctx,
+                                                  const moelink_moe_config_t *cfg,
+                                                  size_t *bytes) {
+  const ml_cu_ctx *c = ml_cu_ctx_of(ctx);
+  ML_TRY(ml_cu_check_config(c, cfg));
+  ml_cu_layout L;
+  ML_TRY(ml_cu_layout_for(c, cfg, &L));
+  *bytes = L.total;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_cu_workspace_size(moelink_context_t ctx,
+                                             const moelink_moe_config_t *cfg, size_t *bytes) {
+  ML_CU_GUARDED(ctx, ml_cu_workspace_size_impl(ctx, cfg, bytes));
+}
+
+static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
+  const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ML_TRY(ml_cu_check_config(c, cfg));
+  ml_cu_moe *m = (ml_cu_moe *)calloc(1, sizeof *m);
+  if (!m) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "CUDA layer state allocation failed");
+  moelink_status_t s = ml_cu_layout_for(c, cfg, &m->lay);
+  if (s != MOELINK_SUCCESS) {
+    free(m);
+    return s;
+  }
+  s = ml_cuda_router_prepare(c->smem_optin);
+  if (s != MOELINK_SUCCESS) {
+    free(m);
+    return s;
+  }
+  void *base = NULL;
+  cudaError_t e = cudaMalloc(&base, m->lay.total);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    const size_t total = m->lay.total;
+    free(m);
+    return ml_fail(e == cudaErrorMemoryAllocation ? MOELINK_ERR_OUT_OF_MEMORY : MOELINK_ERR_CUDA,
+                   "cudaMalloc of the %zu-byte layer workspace (max_tokens %d) on device %d: %s",
+                   total, cfg->max_tokens, moe->ctx->device, cudaGetErrorString(e));
+  }
+  m->base = (char *)base;
+  const ml_cu_layout *L = &m->lay;
+  m->ids = (int32_t *)(m->base + L->ids);
+  m->wts = (float *)(m->base + L->wts);
+  m->plan = m->base + L->plan;
+  m->sort.keys_in = (uint32_t *)(m->base + L->keys_in);
+  m->sort.keys_out = (uint32_t *)(m->base + L->keys_out);
+  m->sort.vals_in = (int32_t *)(m->base + L->vals_in);
+  m->sort.vals_out = (int32_t *)(m->base + L->vals_out);
+  m->sort.tmp = m->base + L->sort_tmp;
+  m->sort.tmp_bytes = L->sort_tmp_bytes;
+  m->h = m->base + L->h;
+  m->y = m->base + L->y;
+  m->sh_h = m->base + L->sh_h;
+  m->sh_out = (float *)(m->base + L->sh_out);
+  m->partials = (float *)(m->base + L->partials);
+  m->tickets = (int32_t *)(m->base + L->tickets);
+  /* The router's tickets must start at zero; every launch leaves them so. The
+   * wait is at create, never on the hot path, and makes the zeros visible to
+   * streams that do not synchronize with the legacy default stream. */
+  e = cudaMemset(m->tickets, 0, L->tickets_bytes);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(0);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaFree(base);
+    free(m);
+    return ml_fail(MOELINK_ERR_CUDA, "clearing the router tickets: %s", cudaGetErrorString(e));
+  }
+  moe->impl = m;
+  moe->tile_rows = ML_CUDA_TILE_ROWS;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_cu_moe_init(moelink_moe_t moe) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_moe_init_impl(moe));
+}
+
+static void ml_cu_moe_fini(moelink_moe_t moe) {
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (!m) return;
+  int prev = 0;
+  if (ml_cu_enter(moe->ctx, &prev) == MOELINK_SUCCESS) {
+    (void)cudaFree(m->base);
+    (void)ml_cu_leave(moe->ctx, prev, MOELINK_SUCCESS);
+  }
+  free(m);
+  moe->impl = NULL;
+}
+
+/* ---- the pieces ------------------------------------------------------------------ */
+
+static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T, int32_t *ids,
+                                         float *weights, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (ml_cu_misaligned(x))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "x %p must be 16-byte aligned on the CUDA backend",
+                   x);
+  if (ml_cu_misaligned(moe->w.router))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "weights.router %p must be 16-byte aligned on the CUDA backend",
+                   moe->w.router);
+  if (((uintptr_t)ids & 3u) || ((uintptr_t)weights & 3u))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_ids %p / topk_weights %p not 4-byte aligned",
+                   (void *)ids, (void *)weights);
+  ml_cuda_router_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = cfg->dtype;
+  a.x = x;
+  a.w = moe->w.router;
+  a.bias = cfg->correction_bias ? moe->w.correction_bias : NULL;
+  a.num_tokens = T;
+  a.hidden = cfg->hidden;
+  a.num_experts = cfg->num_experts;
+  a.top_k = cfg->top_k;
+  a.router = cfg->router;
+  a.renormalize = cfg->renormalize;
+  a.n_group = cfg->n_group;
+  a.topk_group = cfg->topk_group;
+  a.routed_scaling = cfg->routed_scaling;
+  a.ids = ids;
+  a.weights = weights;
+  a.splits = ml_cuda_router_splits(T, cfg->hidden, c->sm_count);
+  a.partials = m->partials;
+  a.tickets = m->tickets;
+  ML_TRY(ml_cuda_router(&a, st));
+  return ml_cu_step(st, "router");
+}
+
+static moelink_status_t ml_cu_plan_impl(moelink_moe_t moe, const int32_t *ids, int T,
+                                        void *plan_buffer, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  moelink_plan_t plan;
+  ML_TRY(moelink_plan_view(plan_buffer, T, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS,
+                           &plan));
+  if (T > 0 && ((uintptr_t)ids & 3u))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_ids %p not 4-byte aligned",
+                   (const void *)ids);
+  ML_TRY(ml_cuda_plan(ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
+  return ml_cu_step(st, "plan");
+}
+
+/* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h Wd^T. */
+static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
+                                     const float *weights, void *y, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
+                             moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles,
+                             plan->num_tiles, plan->max_tiles, 0, m->h, st));
+  ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
+  ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
+                             plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights,
+                             weights ? plan->sorted_pairs : NULL, y, 0, st));
+  return ml_cu_step(st, "routed down GEMM");
+}
+
+static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int T,
+                                           const void *plan_buffer, const float *weights,
+                                           void *y, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  moelink_plan_t plan;
+  ML_TRY(moelink_plan_view((void *)plan_buffer, T, cfg->top_k, cfg->num_experts,
+                           ML_CUDA_TILE_ROWS, &plan));
+  if (weights && ((uintptr_t)weights & 3u))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
+                   (const void *)weights);
+  return ml_cu_routed(moe, x, &plan, weights, y, st);
+}
+
+static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
+                                           const void *plan_buffer, void *out, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  moelink_plan_t plan;
+  ML_TRY(moelink_plan_view((void *)plan_buffer, T, cfg->top_k, cfg->num_experts,
+                           ML_CUDA_TILE_ROWS, &plan));
+  ML_TRY(ml_cuda_combine(cfg->dtype, y, plan.pair_rows, T, cfg->top_k, cfg->hidden, NULL, NULL,
+                         NULL, out, st));
+  return ml_cu_step(st, "combine");
+}
+
+static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int T, void *out,
+                                           cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  const moelink_moe_weights_t *w = &moe->w;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (ml_cu_misaligned(out))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "out %p must be 16-byte aligned on the CUDA backend",
+                   out);
+  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, st));
+  moelink_plan_t plan;
+  ML_TRY(moelink_plan_view(m->plan, T, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS, &plan));
+  ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
+  ML_TRY(ml_cu_step(st, "plan"));
+  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
+  const float *sh = NULL;
+  if (cfg->shared_inter > 0) {
+    ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
+                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, st));
+    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
+                               cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
+                               m->sh_out, 1, st));
+    ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
+    sh = m->sh_out;
+  }
+  ML_TRY(ml_cuda_combine(cfg->dtype, m->y, plan.pair_rows, T, cfg->top_k, cfg->hidden, sh, x,
+                         cfg->shared_gate ? w->shared_gate : NULL, out, st));
+  return ml_cu_step(st, "combine");
+}
+
+static moelink_status_t ml_cu_fill_impl(moelink_context_t ctx, moelink_dtype_t dtype, void *ptr,
+                                        size_t n, uint64_t seed, float scale, float offset,
+                                        cudaStream_t st) {
+  const size_t es = moelink_dtype_size(dtype);
+  if (es > 1 && ((uintptr_t)ptr % es) != 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "fill_random: ptr %p is not %zu-byte aligned",
+                   ptr, es);
+  ML_TRY(ml_cuda_fill(dtype, ptr, n, seed, scale, offset, ml_cu_ctx_of(ctx)->sm_count, st));
+  return ml_cu_step(st, "fill_random");
+}
+
+/* ---- the table -------------------------------------------------------------------- */
+
+static moelink_status_t ml_cu_route(moelink_moe_t moe, const void *x, int T, int32_t *ids,
+                                    float *weights, void *stream) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_plan(moelink_moe_t moe, const int32_t *ids, int T,
+                                   void *plan_buffer, void *stream) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_plan_impl(moe, ids, T, plan_buffer, (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_experts(moelink_moe_t moe, const void *x, int T,
+                                      const void *plan_buffer, const float *weights, void *y,
+                                      void *stream) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_experts_impl(moe, x, T, plan_buffer, weights, y,
+                                             (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_combine(moelink_moe_t moe, const void *y, int T,
+                                      const void *plan_buffer, void *out, void *stream) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_combine_impl(moe, y, T, plan_buffer, out, (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_forward(moelink_moe_t moe, const void *x, int T, void *out,
+                                      void *stream) {
+  ML_CU_GUARDED(moe->ctx, ml_cu_forward_impl(moe, x, T, out, (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_fill(moelink_context_t ctx, moelink_dtype_t dtype, void *ptr,
+                                   size_t n, uint64_t seed, float scale, float offset,
+                                   void *stream) {
+  ML_CU_GUARDED(ctx, ml_cu_fill_impl(ctx, dtype, ptr, n, seed, scale, offset,
+                                     (cudaStream_t)stream));
+}
+
+static const ml_backend_ops ml_cuda_ops = {
+    "cuda",
+    ml_cu_context_init,
+    ml_cu_context_fini,
+    ml_cu_workspace_size,
+    ml_cu_moe_init,
+    ml_cu_moe_fini,
+    ml_cu_route,
+    ml_cu_plan,
+    ml_cu_experts,
+    ml_cu_combine,
+    ml_cu_fill,
+    ml_cu_forward,
+};
+
+const ml_backend_ops *ml_cuda_backend(void) { return &ml_cuda_ops; }

@@ -1,0 +1,154 @@
+/* Combine: one CTA per token, each thread owning 8-element (16-byte) column
+ * chunks. A thread adds the token's k expert rows in slot order, then the
+ * (gated) shared expert, all in fp32, and rounds once: every output element
+ * has one fixed summation order, so the result is bitwise reproducible.
+ *
+ * The shared expert's gate sigmoid(x . w_g) is computed here too, by the
+ * token's CTA, with a fixed-shape tree reduction; it saves a launch and a
+ * [T] buffer. */
+#include "cuda/pipeline.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ML_C_THREADS 128
+
+typedef struct ml_combine_params {
+  const void *y;
+  const int32_t *pair_rows;
+  const float *shared_out;
+  const void *x;
+  const void *shared_gate;
+  void *out;
+  int k, H;
+} ml_combine_params;
+
+/* 8 values of dtype DT (one 16-byte word) to fp32. */
+template <int DT>
+static __device__ __forceinline__ void ml_c_unpack(uint4 v, float *f) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (DT == MOELINK_DTYPE_BF16) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    } else {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 p = __half22float2(h);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+}
+
+/* fp32 to 8 values of DT, round to nearest even. */
+template <int DT>
+static __device__ __forceinline__ uint4 ml_c_pack(const float *f) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (DT == MOELINK_DTYPE_BF16) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      memcpy(&w[i], &b, 4);
+    } else {
+      const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      memcpy(&w[i], &h, 4);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <int DT>
+static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const ml_combine_params p) {
+  const int t = (int)blockIdx.x, tid = (int)threadIdx.x;
+  const int chunks = p.H / 8;
+  float gate = 1.0f;
+  if (p.shared_gate != NULL) {
+    __shared__ float red[ML_C_THREADS];
+    const uint4 *xr = (const uint4 *)((const char *)p.x + (size_t)t * p.H * 2);
+    const uint4 *gr = (const uint4 *)p.shared_gate;
+    float part = 0.0f;
+    for (int q = tid; q < chunks; q += ML_C_THREADS) {
+      float xv[8], gv[8];
+      ml_c_unpack<DT>(__ldg(xr + q), xv);
+      ml_c_unpack<DT>(__ldg(gr + q), gv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) part += xv[i] * gv[i];
+    }
+    red[tid] = part;
+    __syncthreads();
+#pragma unroll
+    for (int s = ML_C_THREADS / 2; s > 0; s >>= 1) {
+      if (tid < s) red[tid] += red[tid + s];
+      __syncthreads();
+    }
+    gate = 1.0f / (1.0f + expf(-red[0]));
+  }
+
+  const int32_t *rows = p.pair_rows + (size_t)t * p.k;
+  const uint4 *y = (const uint4 *)p.y;
+  const size_t row_chunks = (size_t)chunks;
+  for (int q = tid; q < chunks; q += ML_C_THREADS) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < p.k; ++j) {
+      const int r = __ldg(rows + j);
+      if (r < 0) continue; /* empty slot */
+      float v[8];
+      ml_c_unpack<DT>(__ldg(y + (size_t)r * row_chunks + q), v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += v[i];
+    }
+    if (p.shared_out != NULL) {
+      const float4 *s = (const float4 *)(p.shared_out + (size_t)t * p.H) + 2 * q;
+      const float4 a = __ldg(s), b = __ldg(s + 1);
+      const float sv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] += gate * sv[i];
+    }
+    ((uint4 *)p.out)[(size_t)t * row_chunks + q] = ml_c_pack<DT>(acc);
+  }
+}
+
+static int ml_c_misaligned(const void *ptr) { return ((uintptr_t)ptr & 15u) != 0; }
+
+extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
+                                            const int32_t *pair_rows, int num_tokens, int top_k,
+                                            int hidden, const float *shared_out, const void *x,
+                                            const void *shared_gate, void *out,
+                                            cudaStream_t stream) {
+  if (num_tokens <= 0) return MOELINK_SUCCESS;
+  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "combine: dtype %s not supported (bf16 or f16)",
+                   moelink_dtype_name(dt));
+  if (hidden % 8 != 0 || top_k < 1)
+    return ml_fail(MOELINK_ERR_INTERNAL, "combine: H %d, k %d out of range", hidden, top_k);
+  if (shared_gate != NULL && (x == NULL || shared_out == NULL))
+    return ml_fail(MOELINK_ERR_INTERNAL, "combine: a shared gate without x or shared output");
+  if (ml_c_misaligned(y) || ml_c_misaligned(out) || ml_c_misaligned(shared_out) ||
+      ml_c_misaligned(x) || ml_c_misaligned(shared_gate))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "combine: y %p, out %p, x %p, shared gate %p must be 16-byte aligned", y, out,
+                   x, shared_gate);
+  ml_combine_params p;
+  p.y = y;
+  p.pair_rows = pair_rows;
+  p.shared_out = shared_out;
+  p.x = x;
+  p.shared_gate = shared_gate;
+  p.out = out;
+  p.k = top_k;
+  p.H = hidden;
+  if (dt == MOELINK_DTYPE_BF16) {
+    ml_combine_kernel<MOELINK_DTYPE_BF16><<<(unsigned)num_tokens, ML_C_THREADS, 0, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_combine_kernel<bf16>");
+  } else {
+    ml_combine_kernel<MOELINK_DTYPE_F16><<<(unsigned)num_tokens, ML_C_THREADS, 0, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_combine_kernel<f16>");
+  }
+  return MOELINK_SUCCESS;
+}

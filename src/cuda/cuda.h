@@ -1,0 +1,70 @@
+/* Internal declarations shared by the CUDA backend's files (C and CUDA).
+ * Launchers are extern "C", take the stream last and never synchronize. */
+#ifndef MOELINK_CUDA_H
+#define MOELINK_CUDA_H
+
+#include "core/core.h"
+#include "moe/backend.h"
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A CUDA runtime call that must succeed; the message names the call and place. */
+#define ML_CUDA_TRY(call)                                                      \
+  do {                                                                         \
+    cudaError_t ml_cuda_err_ = (call);                                         \
+    if (ml_cuda_err_ != cudaSuccess)                                           \
+      return ml_fail(MOELINK_ERR_CUDA, "%s failed: %s (%s:%d)", #call,         \
+                     cudaGetErrorString(ml_cuda_err_), __FILE__, __LINE__);    \
+  } while (0)
+
+/* After a kernel launch: reports a bad launch configuration at once. */
+#define ML_CUDA_LAUNCHED(what)                                                 \
+  do {                                                                         \
+    cudaError_t ml_cuda_err_ = cudaGetLastError();                             \
+    if (ml_cuda_err_ != cudaSuccess)                                           \
+      return ml_fail(MOELINK_ERR_CUDA, "launch of %s failed: %s", (what),      \
+                     cudaGetErrorString(ml_cuda_err_));                        \
+  } while (0)
+
+/* Rows per tile of the grouped GEMMs; plans built by the CUDA backend use it. */
+#define ML_CUDA_TILE_ROWS 64
+
+/* ---- grouped GEMM engine (src/cuda/gemm/, src/cuda/experts.cu) ----------
+ * Problems are described by a tile list in the plan layout: tiles[3*i] =
+ * expert, tiles[3*i+1] = first row, tiles[3*i+2] = rows (1..ML_CUDA_TILE_ROWS),
+ * for i < *num_tiles (device memory, read on the device: no host sync).
+ * The grid is sized for max_tiles (known on the host); tiles past *num_tiles
+ * exit at once. With tiles == NULL the problem is dense: rows [0, dense_rows)
+ * all belong to expert 0. Operands are bf16 or f16 (dt); accumulation fp32.
+ * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T. */
+
+/* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
+ * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.
+ * B = [E, 2n, k] (gate rows 0..n-1 first, then up rows). out [rows, n]
+ * (ld n, dtype dt): out[r, j] = silu(g) * u with g, u the fp32 accumulators
+ * of gate row j and up row j. */
+moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
+                                     const int32_t *a_index, int a_div, const void *b, int n,
+                                     int k, const int32_t *tiles, const int32_t *num_tiles,
+                                     int max_tiles, int dense_rows, void *out,
+                                     cudaStream_t stream);
+
+/* Plain grouped GEMM with a row scale: out[r, j] = s(r) * sum_k a[r, k] * B[e][j][k]
+ * for j < n, a [rows, k] (ld lda, not gathered), B = [E, n, k]. s(r) =
+ * row_scale[scale_index[r]] when row_scale != NULL (scale_index == NULL:
+ * row_scale[r]), else 1. out [rows, n] (ld n): dtype dt, or fp32 if out_f32. */
+moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b,
+                                     int n, int k, const int32_t *tiles,
+                                     const int32_t *num_tiles, int max_tiles, int dense_rows,
+                                     const float *row_scale, const int32_t *scale_index,
+                                     void *out, int out_f32, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,239 @@
+/* The two grouped GEMMs of a MoE layer's experts, on the tile engine of
+ * src/cuda/gemm/ (mma.sync tensor cores, cp.async pipeline):
+ *
+ *   ml_cuda_gemm_swiglu  h = silu(x_perm Wg^T) * (x_perm Wu^T), x_perm rows
+ *                        gathered from x through the plan's index
+ *   ml_cuda_gemm_scaled  y = diag(s) h Wd^T, s the routing weight of each row
+ *
+ * One CTA = one plan tile (<= 64 rows of one expert) x one block of output
+ * columns; its index in the tile list is blockIdx.x, so the grid is sized
+ * from max_tiles on the host and the count of real tiles is read on the
+ * device (no host round trip, graph capturable). blockIdx.x varies fastest,
+ * so CTAs resident together share a column block of the weights. */
+#include "cuda/cuda.h"
+#include "cuda/gemm/epilogue.cuh"
+#include "cuda/gemm/tile.cuh"
+
+#include <stdint.h>
+
+/* 64 x 128 x 64 tiles, 4 warps of 32 x 64, 3 stages: 72 KiB of shared memory,
+ * three CTAs per SM. For SwiGLU the 128 B rows are 64 gate/up column pairs,
+ * so a CTA writes 64 output columns; the scaled GEMM writes 128. */
+typedef ml_gemm_shape<ML_CUDA_TILE_ROWS, 128, 64, 2, 2, 3> ml_xs;
+
+#define ML_SWIGLU_COLS (ml_xs::BN / 2)
+#define ML_SCALED_COLS (ml_xs::BN)
+
+typedef struct ml_swiglu_args {
+  const void *a;
+  const int32_t *a_index;
+  const void *b;
+  void *out;
+  const int32_t *tiles;
+  const int32_t *num_tiles;
+  int lda, a_div, n, k, dense_rows;
+} ml_swiglu_args;
+
+typedef struct ml_scaled_args {
+  const void *a;
+  const void *b;
+  void *out;
+  const int32_t *tiles;
+  const int32_t *num_tiles;
+  const float *row_scale;
+  const int32_t *scale_index;
+  int lda, n, k, dense_rows;
+} ml_scaled_args;
+
+template <int DT>
+static __global__ void __launch_bounds__(ml_xs::THREADS)
+    ml_swiglu_kernel(const ml_swiglu_args p) {
+  extern __shared__ __align__(128) char ml_gemm_smem[];
+  int expert, row0, rows;
+  if (!ml_gemm_tile_of<ml_xs::BM>(p.tiles, p.num_tiles, p.dense_rows, &expert, &row0, &rows))
+    return;
+  int j0 = (int)blockIdx.y * ML_SWIGLU_COLS;
+  ml_gemm_rows<ml_xs::A_LOADS> a;
+  ml_gemm_a_gathered<ml_xs>(&a, p.a, p.lda, p.a_index, p.a_div, row0, rows);
+  ml_gemm_rows<ml_xs::B_LOADS> b;
+  const char *w = (const char *)p.b + (size_t)expert * 2 * (size_t)p.n * (size_t)p.k * 2;
+  ml_gemm_b_gate_up<ml_xs>(&b, w, p.n, p.k, j0);
+  ml_gemm_acc<ml_xs> acc;
+  ml_gemm_mainloop<ml_xs, DT>(ml_gemm_smem, &a, &b, p.k, &acc);
+  ml_gemm_store_swiglu<ml_xs, DT>(&acc, p.out, p.n, row0, rows, j0, p.n);
+}
+
+template <int DT, int OUT_F32>
+static __global__ void __launch_bounds__(ml_xs::THREADS)
+    ml_scaled_kernel(const ml_scaled_args p) {
+  extern __shared__ __align__(128) char ml_gemm_smem[];
+  int expert, row0, rows;
+  if (!ml_gemm_tile_of<ml_xs::BM>(p.tiles, p.num_tiles, p.dense_rows, &expert, &row0, &rows))
+    return;
+  int n0 = (int)blockIdx.y * ML_SCALED_COLS;
+  ml_gemm_rows<ml_xs::A_LOADS> a;
+  ml_gemm_a_dense<ml_xs>(&a, p.a, p.lda, row0, rows);
+  ml_gemm_rows<ml_xs::B_LOADS> b;
+  const char *w = (const char *)p.b + (size_t)expert * (size_t)p.n * (size_t)p.k * 2;
+  ml_gemm_b_plain<ml_xs>(&b, w, p.n, p.k, n0);
+  ml_gemm_acc<ml_xs> acc;
+  ml_gemm_mainloop<ml_xs, DT>(ml_gemm_smem, &a, &b, p.k, &acc);
+  ml_gemm_store_scaled<ml_xs, DT, OUT_F32>(&acc, p.out, p.n, row0, rows, n0, p.n, p.row_scale,
+                                           p.scale_index);
+}
+
+/* ---- host side ----------------------------------------------------------- */
+
+/* Kernels whose dynamic shared memory has been allowed past 48 KiB, per
+ * device (the attribute belongs to the function in the device's context).
+ * Setting it twice is harmless, so a race between threads costs one extra
+ * call and nothing else. */
+enum { ML_K_SWIGLU_BF16, ML_K_SWIGLU_F16, ML_K_SCALED_BF16, ML_K_SCALED_BF16_F32,
+       ML_K_SCALED_F16, ML_K_SCALED_F16_F32, ML_K_COUNT };
+#define ML_GEMM_MAX_DEVICES 64
+static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
+
+static moelink_status_t ml_gemm_allow_smem(const void *kernel, int which, int bytes) {
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
+  if (cached && __atomic_load_n(&ml_gemm_smem_ready[dev][which], __ATOMIC_ACQUIRE)) return MOELINK_SUCCESS;
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  /* a hint: three 72 KiB CTAs per SM need the largest shared-memory carveout */
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared));
+  if (cached) __atomic_store_n(&ml_gemm_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
+  return MOELINK_SUCCESS;
+}
+
+static int ml_misaligned(const void *p) { return ((uintptr_t)p & 15) != 0; }
+
+/* Checks shared by both GEMMs; sets *grid_x (0: nothing to do). */
+static moelink_status_t ml_gemm_check(const char *what, moelink_dtype_t dt, const void *a,
+                                      int lda, const void *b, int n, int k,
+                                      const int32_t *tiles, const int32_t *num_tiles,
+                                      int max_tiles, int dense_rows, const void *out,
+                                      int cols_per_cta, unsigned *grid_x, unsigned *grid_y) {
+  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
+                   moelink_dtype_name(dt));
+  if (n < 0 || k < 0 || lda < k)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: n %d, k %d, lda %d (need n, k >= 0, lda >= k)",
+                   what, n, k, lda);
+  if (n % 8 || k % 8 || lda % 8)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: n %d, k %d, lda %d must be multiples of 8 (16-byte rows)", what, n, k,
+                   lda);
+  if (tiles != NULL) {
+    if (num_tiles == NULL)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: tiles given without num_tiles", what);
+    if (max_tiles < 0)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: max_tiles %d < 0", what, max_tiles);
+    *grid_x = (unsigned)max_tiles;
+  } else {
+    if (dense_rows < 0)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: dense_rows %d < 0", what, dense_rows);
+    *grid_x = (unsigned)((dense_rows + ML_CUDA_TILE_ROWS - 1) / ML_CUDA_TILE_ROWS);
+  }
+  *grid_y = (unsigned)((n + cols_per_cta - 1) / cols_per_cta);
+  if (*grid_x == 0 || *grid_y == 0) return MOELINK_SUCCESS;
+  if (*grid_y > 65535)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: n %d needs %u column blocks (max 65535)", what,
+                   n, *grid_y);
+  if (a == NULL || b == NULL || out == NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL operand (a %p, b %p, out %p)", what,
+                   a, b, out);
+  if (ml_misaligned(a) || ml_misaligned(b) || ml_misaligned(out))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: operands must be 16-byte aligned (a %p, b %p, out %p)", what, a, b, out);
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
+                                                const int32_t *a_index, int a_div, const void *b,
+                                                int n, int k, const int32_t *tiles,
+                                                const int32_t *num_tiles, int max_tiles,
+                                                int dense_rows, void *out, cudaStream_t stream) {
+  const char *what = "ml_cuda_gemm_swiglu";
+  unsigned gx = 0, gy = 0;
+  ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
+                       ML_SWIGLU_COLS, &gx, &gy));
+  if (a_index != NULL && a_div < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
+
+  ml_swiglu_args p;
+  p.a = a;
+  p.a_index = a_index;
+  p.b = b;
+  p.out = out;
+  p.tiles = tiles;
+  p.num_tiles = num_tiles;
+  p.lda = lda;
+  p.a_div = a_index != NULL ? a_div : 1;
+  p.n = n;
+  p.k = k;
+  p.dense_rows = dense_rows;
+  dim3 grid(gx, gy);
+  if (dt == MOELINK_DTYPE_BF16) {
+    ML_TRY(ml_gemm_allow_smem((const void *)ml_swiglu_kernel<MOELINK_DTYPE_BF16>,
+                              ML_K_SWIGLU_BF16, ml_xs::SMEM_BYTES));
+    ml_swiglu_kernel<MOELINK_DTYPE_BF16><<<grid, ml_xs::THREADS, ml_xs::SMEM_BYTES, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_swiglu_kernel<bf16>");
+  } else {
+    ML_TRY(ml_gemm_allow_smem((const void *)ml_swiglu_kernel<MOELINK_DTYPE_F16>,
+                              ML_K_SWIGLU_F16, ml_xs::SMEM_BYTES));
+    ml_swiglu_kernel<MOELINK_DTYPE_F16><<<grid, ml_xs::THREADS, ml_xs::SMEM_BYTES, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_swiglu_kernel<f16>");
+  }
+  return MOELINK_SUCCESS;
+}
+
+/* Launches one instantiation of the scaled kernel. */
+template <int DT, int OUT_F32>
+static moelink_status_t ml_scaled_launch(const ml_scaled_args *p, dim3 grid, int which,
+                                         const char *name, cudaStream_t stream) {
+  ML_TRY(ml_gemm_allow_smem((const void *)ml_scaled_kernel<DT, OUT_F32>, which,
+                            ml_xs::SMEM_BYTES));
+  ml_scaled_kernel<DT, OUT_F32><<<grid, ml_xs::THREADS, ml_xs::SMEM_BYTES, stream>>>(*p);
+  ML_CUDA_LAUNCHED(name);
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
+                                                const void *b, int n, int k,
+                                                const int32_t *tiles, const int32_t *num_tiles,
+                                                int max_tiles, int dense_rows,
+                                                const float *row_scale,
+                                                const int32_t *scale_index, void *out,
+                                                int out_f32, cudaStream_t stream) {
+  const char *what = "ml_cuda_gemm_scaled";
+  unsigned gx = 0, gy = 0;
+  ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
+                       ML_SCALED_COLS, &gx, &gy));
+  if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
+
+  ml_scaled_args p;
+  p.a = a;
+  p.b = b;
+  p.out = out;
+  p.tiles = tiles;
+  p.num_tiles = num_tiles;
+  p.row_scale = row_scale;
+  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  p.lda = lda;
+  p.n = n;
+  p.k = k;
+  p.dense_rows = dense_rows;
+  dim3 grid(gx, gy);
+  if (dt == MOELINK_DTYPE_BF16)
+    return out_f32 ? ml_scaled_launch<MOELINK_DTYPE_BF16, 1>(&p, grid, ML_K_SCALED_BF16_F32,
+                                                             "ml_scaled_kernel<bf16, f32 out>",
+                                                             stream)
+                   : ml_scaled_launch<MOELINK_DTYPE_BF16, 0>(&p, grid, ML_K_SCALED_BF16,
+                                                             "ml_scaled_kernel<bf16>", stream);
+  return out_f32 ? ml_scaled_launch<MOELINK_DTYPE_F16, 1>(&p, grid, ML_K_SCALED_F16_F32,
+                                                          "ml_scaled_kernel<f16, f32 out>", stream)
+                 : ml_scaled_launch<MOELINK_DTYPE_F16, 0>(&p, grid, ML_K_SCALED_F16,
+                                                          "ml_scaled_kernel<f16>", stream);
+}

@@ -1,0 +1,78 @@
+/* PTX building blocks of the tile GEMM engine: asynchronous 16-byte copies
+ * into shared memory, ldmatrix, the m16n8k16 tensor-core MMA and fp32 ->
+ * 16-bit packing. Each is one instruction; they are wrapped so the engine
+ * reads as the algorithm rather than as assembly.
+ *
+ * All wrappers that touch memory are asm volatile with a memory clobber:
+ * a shared-memory slot is refilled every STAGES k-steps at the same address,
+ * so the compiler must never merge or hoist two ldmatrix of one address. */
+#ifndef MOELINK_CUDA_GEMM_PTX_CUH
+#define MOELINK_CUDA_GEMM_PTX_CUH
+
+#include "moelink.h"
+
+#include <stdint.h>
+
+static __device__ __forceinline__ uint32_t ml_smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* 16 bytes global -> shared, bypassing L1 (.cg: every tile element is used
+ * once per CTA, so L1 would only hold dead lines). src_bytes is 16 or 0; 0
+ * writes zeros and reads nothing, which is how rows past a tile and columns
+ * past k become zero without a branch around the copy. */
+static __device__ __forceinline__ void ml_cp_async16(uint32_t dst, const void *src,
+                                                     int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
+static __device__ __forceinline__ void ml_cp_async_commit(void) {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Waits until at most N of this thread's committed groups are in flight. */
+template <int N> static __device__ __forceinline__ void ml_cp_async_wait(void) {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8. */
+static __device__ __forceinline__ void ml_ldmatrix_x4(uint32_t addr, uint32_t r[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+/* c += a * b for one 16x8x16 step, fp32 accumulate. DT is MOELINK_DTYPE_BF16
+ * or MOELINK_DTYPE_F16 (the operand format of a and b). */
+template <int DT>
+static __device__ __forceinline__ void ml_mma_16816(float c[4], const uint32_t a[4],
+                                                    const uint32_t b[2]) {
+  if constexpr (DT == MOELINK_DTYPE_BF16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+/* Two fp32 values rounded to nearest even into one 32-bit word of two DT
+ * elements, lo at the lower address. */
+template <int DT>
+static __device__ __forceinline__ uint32_t ml_pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (DT == MOELINK_DTYPE_BF16)
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+#endif

@@ -1,0 +1,98 @@
+/* Launchers of the CUDA MoE pipeline's own kernels (router, plan, combine,
+ * fill), called by src/cuda/backend.c. The grouped GEMMs are in cuda.h.
+ * Every launcher takes the stream last, never synchronizes, and sizes its
+ * grid from host-known values only (token count, layer shape), so a forward
+ * built from them is capturable in a CUDA graph. */
+#ifndef MOELINK_CUDA_PIPELINE_H
+#define MOELINK_CUDA_PIPELINE_H
+
+#include "cuda/cuda.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Limits of the router kernel: a warp holds a token's scores as 16 values per
+ * lane, and a lane keeps one of the k winners. */
+#define ML_CUDA_MAX_EXPERTS 512
+#define ML_CUDA_MAX_TOPK 16
+
+/* ---- router (router.cu) ----------------------------------------------------
+ * logits = x router^T (tensor cores, fp32 accumulation), scores, correction
+ * bias, group-limited top-k and final weights, one kernel. Tokens go in blocks
+ * of 16; with splits > 1 each block's hidden dimension is cut into `splits`
+ * ranges computed by separate CTAs whose fp32 partial logits are summed in a
+ * fixed order by the last CTA to finish (tickets), so small batches use more
+ * than one SM per block and the result stays deterministic. */
+typedef struct ml_cuda_router_args {
+  moelink_dtype_t dtype;     /* bf16 or f16 */
+  const void *x;             /* [T, H], 16-byte aligned */
+  const void *w;             /* [E, H] router weight, 16-byte aligned */
+  const float *bias;         /* [E] or NULL */
+  int num_tokens, hidden, num_experts, top_k;
+  moelink_router_t router;
+  int renormalize, n_group, topk_group;
+  float routed_scaling;
+  int32_t *ids;              /* [T, k] out */
+  float *weights;            /* [T, k] out */
+  int splits;                /* >= 1, from ml_cuda_router_splits */
+  float *partials;           /* splits > 1: ml_cuda_router_partial_floats() floats */
+  int32_t *tickets;          /* splits > 1: [blocks] zero-initialized, left zero */
+} ml_cuda_router_args;
+
+/* Hidden-dimension splits for T tokens: 1 when the token blocks alone fill
+ * the GPU; never more than sm_count / blocks, so blocks * splits <= sm_count. */
+int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);
+/* Floats of partial logits that blocks * splits <= sm_count CTAs may write. */
+size_t ml_cuda_router_partial_floats(int num_experts, int sm_count);
+/* Dynamic shared memory of the router kernel for E experts. */
+size_t ml_cuda_router_smem(int num_experts);
+/* Allows the router kernels the shared memory of E = ML_CUDA_MAX_EXPERTS on
+ * the current device (bounded by smem_optin). */
+moelink_status_t ml_cuda_router_prepare(int smem_optin);
+moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStream_t stream);
+
+/* ---- plan (plan.cu) ---------------------------------------------------------
+ * A stable radix sort of the T*k pairs by expert id (invalid ids sort last as
+ * key E), then one kernel for offsets, tiles, sorted_pairs and pair_rows. */
+typedef struct ml_cuda_sort_ws {
+  uint32_t *keys_in, *keys_out;  /* [max_pairs] each */
+  int32_t *vals_in, *vals_out;   /* [max_pairs] each */
+  void *tmp;                     /* sort temporary storage */
+  size_t tmp_bytes;
+} ml_cuda_sort_ws;
+
+/* Temporary bytes of the sort for up to max_pairs pairs (host query, no
+ * device work; the current device must be the layer's). */
+moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts, size_t *bytes);
+/* Builds the plan of ids [T, k] (T may be 0) into plan (a view with
+ * tile_rows = ML_CUDA_TILE_ROWS). */
+moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int top_k, int num_experts,
+                              const ml_cuda_sort_ws *ws, const moelink_plan_t *plan,
+                              cudaStream_t stream);
+
+/* ---- combine (combine.cu) ---------------------------------------------------
+ * out[t] = sum_{j<k, in order} y[pair_rows[t*k+j]] (rows < 0 skipped)
+ *          + gate(t) * shared_out[t]        (when shared_out != NULL)
+ * in fp32, rounded once to dt. gate(t) = sigmoid(x[t] . shared_gate) when
+ * shared_gate != NULL (x needed then), else 1. y, out, x, shared_gate,
+ * shared_out 16-byte aligned; H a multiple of 8. */
+moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y, const int32_t *pair_rows,
+                                 int num_tokens, int top_k, int hidden, const float *shared_out,
+                                 const void *x, const void *shared_gate, void *out,
+                                 cudaStream_t stream);
+
+/* ---- fill (fill.cu) -----------------------------------------------------------
+ * p[i] = dtype(offset + scale * ml_random_unit(seed, i)), bitwise what the
+ * CPU writes. dt is F32, BF16 or F16. */
+moelink_status_t ml_cuda_fill(moelink_dtype_t dt, void *p, size_t n, uint64_t seed, float scale,
+                              float offset, int sm_count, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

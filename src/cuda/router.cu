@@ -1,0 +1,471 @@
+/* The router in one kernel: logits on tensor cores, then scores, correction
+ * bias, group limit, top-k and final weights, one warp per token.
+ *
+ * A CTA owns 16 tokens (the M of mma.m16n8k16) and all E <= 512 experts (E
+ * padded to a multiple of 8 with copies of the last row, whose columns are
+ * never read). The hidden dimension streams through a 3-stage cp.async ring
+ * of 64-element chunks: 16 x rows and E router rows per stage, each row 144
+ * bytes apart so that the fragment loads (8 rows x 4 words per warp) hit 32
+ * distinct banks. Warp w accumulates the 8-expert column tiles w, w+16, w+32,
+ * w+48. After the last chunk the ring's memory is reused for the fp32 logits
+ * and the selection scratch.
+ *
+ * Small batches leave most SMs idle, and the router's weights (up to 7 MiB)
+ * then stream through one SM. With splits > 1 the chunks of a block are cut
+ * into ranges, one CTA per range; each writes its fp32 partial logits to
+ * global memory and takes a ticket; the CTA that takes the last ticket adds
+ * the partials in range order (the same order whichever CTA finishes last,
+ * so results are deterministic), resets the ticket and does the selection.
+ * Nobody waits for anybody, so there is no deadlock whatever the scheduling. */
+#include "cuda/pipeline.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+
+#define ML_R_TOKENS 16
+#define ML_R_WARPS 16
+#define ML_R_THREADS (ML_R_WARPS * 32)
+#define ML_R_KC 64                  /* hidden elements per stage */
+#define ML_R_ROW 144                /* bytes between staged rows (128 + 16) */
+#define ML_R_STAGES 3
+#define ML_R_TILES_PER_WARP 4       /* ML_CUDA_MAX_EXPERTS / 8 / ML_R_WARPS */
+#define ML_R_PER_LANE 16            /* ML_CUDA_MAX_EXPERTS / 32 */
+#define ML_FULL 0xffffffffu
+
+static_assert(ML_R_TILES_PER_WARP * 8 * ML_R_WARPS == ML_CUDA_MAX_EXPERTS, "tile ownership");
+static_assert(ML_R_PER_LANE * 32 == ML_CUDA_MAX_EXPERTS, "selection registers");
+static_assert(ML_CUDA_MAX_TOPK <= 32, "a lane keeps one winner");
+
+typedef struct ml_router_params {
+  const void *x;
+  const void *w;
+  const float *bias;
+  int32_t *ids;
+  float *weights;
+  float *partials;
+  int32_t *tickets;
+  int T, H, E, k;
+  int router, renormalize, n_group, topk_group;
+  float scaling;
+} ml_router_params;
+
+static __host__ __device__ __forceinline__ int ml_r_epad(int E) { return (E + 7) & ~7; }
+
+/* ---- small PTX wrappers ------------------------------------------------------ */
+
+static __device__ __forceinline__ void ml_r_cp16(void *smem, const void *gmem, int src_bytes) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  /* src_bytes 0 zero-fills the 16 bytes: chunks past H contribute nothing. */
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+static __device__ __forceinline__ void ml_r_commit(void) {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+static __device__ __forceinline__ void ml_r_wait(void) {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+static __device__ __forceinline__ uint32_t ml_r_lds(const char *p) {
+  return *(const uint32_t *)p;
+}
+
+template <int DT>
+static __device__ __forceinline__ void ml_r_mma(float *d, uint32_t a0, uint32_t a1, uint32_t a2,
+                                                uint32_t a3, uint32_t b0, uint32_t b1) {
+  if (DT == MOELINK_DTYPE_BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+/* ---- logits ---------------------------------------------------------------- */
+
+/* Issues the copies of chunk `chunk` into one stage: 16 token rows (tokens
+ * past T repeat the last one; their results are never used), then E_pad
+ * router rows (rows past E repeat the last expert). */
+static __device__ __forceinline__ void ml_r_load_stage(char *stage, const ml_router_params &p,
+                                                       int t0, int chunk, int E_pad) {
+  const int rows = ML_R_TOKENS + E_pad;
+  const int k0 = chunk * ML_R_KC;
+  for (int q = (int)threadIdx.x; q < rows * 8; q += ML_R_THREADS) {
+    const int row = q >> 3, piece = q & 7;
+    const int kk = k0 + piece * 8;
+    const char *src;
+    if (row < ML_R_TOKENS) {
+      int t = t0 + row < p.T ? t0 + row : p.T - 1;
+      src = (const char *)p.x + (size_t)t * (size_t)p.H * 2;
+    } else {
+      int e = row - ML_R_TOKENS < p.E ? row - ML_R_TOKENS : p.E - 1;
+      src = (const char *)p.w + (size_t)e * (size_t)p.H * 2;
+    }
+    /* H is a multiple of 8: a 16-byte piece is wholly inside or past it. */
+    const int inside = kk < p.H;
+    ml_r_cp16(stage + row * ML_R_ROW + piece * 16, src + (inside ? (size_t)kk * 2 : 0),
+              inside ? 16 : 0);
+  }
+}
+
+/* acc += the 16 x 64 chunk of x times the warp's expert tiles.
+ * m16n8k16 fragments (g = lane / 4, c = lane % 4): A regs {row g, k 2c..2c+1},
+ * {row g+8, same k}, {row g, k +8}, {row g+8, k +8}; B regs {k 2c..2c+1,
+ * expert g}, {k +8, expert g}. Both read as 32-bit words of staged rows. */
+template <int DT>
+static __device__ __forceinline__ void ml_r_mma_stage(const char *stage, float (*acc)[4],
+                                                      int warp, int g, int c, int n_tiles) {
+  const char *A = stage;
+  const char *B = stage + ML_R_TOKENS * ML_R_ROW;
+#pragma unroll
+  for (int ks = 0; ks < ML_R_KC / 16; ++ks) {
+    const int off = ks * 32 + c * 4;
+    const uint32_t a0 = ml_r_lds(A + g * ML_R_ROW + off);
+    const uint32_t a1 = ml_r_lds(A + (g + 8) * ML_R_ROW + off);
+    const uint32_t a2 = ml_r_lds(A + g * ML_R_ROW + off + 16);
+    const uint32_t a3 = ml_r_lds(A + (g + 8) * ML_R_ROW + off + 16);
+#pragma unroll
+    for (int m = 0; m < ML_R_TILES_PER_WARP; ++m) {
+      const int j = warp + ML_R_WARPS * m;
+      if (j < n_tiles) {
+        const char *bp = B + (j * 8 + g) * ML_R_ROW + off;
+        ml_r_mma<DT>(acc[m], a0, a1, a2, a3, ml_r_lds(bp), ml_r_lds(bp + 16));
+      }
+    }
+  }
+}
+
+/* Writes the warp's accumulators for token rows < rows into a [16][E_pad]
+ * fp32 array (C fragment: {row g, cols 2c, 2c+1}, {row g+8, same cols}). */
+static __device__ __forceinline__ void ml_r_store_acc(float *dst, int E_pad, float (*acc)[4],
+                                                      int warp, int g, int c, int n_tiles,
+                                                      int rows) {
+#pragma unroll
+  for (int m = 0; m < ML_R_TILES_PER_WARP; ++m) {
+    const int j = warp + ML_R_WARPS * m;
+    if (j < n_tiles) {
+      const int col = j * 8 + c * 2;
+      if (g < rows) {
+        dst[g * E_pad + col] = acc[m][0];
+        dst[g * E_pad + col + 1] = acc[m][1];
+      }
+      if (g + 8 < rows) {
+        dst[(g + 8) * E_pad + col] = acc[m][2];
+        dst[(g + 8) * E_pad + col + 1] = acc[m][3];
+      }
+    }
+  }
+}
+
+/* ---- selection --------------------------------------------------------------- */
+
+static __device__ __forceinline__ float ml_r_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(ML_FULL, v, o));
+  return v;
+}
+
+/* Butterfly sum: both partners add the same two values, so every lane ends
+ * with bitwise the same total, and the tree is fixed: deterministic. */
+static __device__ __forceinline__ float ml_r_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(ML_FULL, v, o);
+  return v;
+}
+
+/* The k largest of a[0..n) (n <= 512, no NaN) in decreasing order, ties to
+ * the lower index. Lane l holds elements l + 32 i. Returns the lane's mask of
+ * chosen elements (bit i = element lane + 32 i); lane 0 writes the winners to
+ * out[0..k) when out != NULL. */
+static __device__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out, int lane) {
+  float v[ML_R_PER_LANE];
+  unsigned taken = 0, chosen = 0;
+#pragma unroll
+  for (int i = 0; i < ML_R_PER_LANE; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < n ? a[e] : -INFINITY;
+    if (e >= n) taken |= 1u << i;
+  }
+  for (int j = 0; j < k; ++j) {
+    /* This lane's best free element; ascending scan keeps the lower index on
+     * ties, and the first free element is taken even at -inf so that a
+     * winner always exists. */
+    float bv = -INFINITY;
+    int be = INT_MAX;
+#pragma unroll
+    for (int i = 0; i < ML_R_PER_LANE; ++i) {
+      if (!((taken >> i) & 1u) && (be == INT_MAX || v[i] > bv)) {
+        bv = v[i];
+        be = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(ML_FULL, bv, o);
+      const int oe = __shfl_xor_sync(ML_FULL, be, o);
+      if (oe != INT_MAX && (be == INT_MAX || ov > bv || (ov == bv && oe < be))) {
+        bv = ov;
+        be = oe;
+      }
+    }
+    be = __shfl_sync(ML_FULL, be, 0);
+    if (be == INT_MAX) be = 0; /* cannot happen with k <= n; keeps indices valid */
+    if ((be & 31) == lane) {
+      taken |= 1u << (be >> 5);
+      chosen |= 1u << (be >> 5);
+    }
+    if (out != NULL && lane == 0) out[j] = be;
+  }
+  return chosen;
+}
+
+/* One token: L holds its fp32 logits (becomes the unbiased scores), S the
+ * selection scores, G group scratch, O the k winners. */
+static __device__ void ml_r_select(const ml_router_params &p, float *L, float *S, float *G, int *O,
+                                   int t, int lane) {
+  const int E = p.E, k = p.k;
+  if (p.router == MOELINK_ROUTER_SOFTMAX_TOPK) {
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, L[e]);
+    m = ml_r_warp_max(m);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) sum += expf(L[e] - m);
+    sum = ml_r_warp_sum(sum);
+    for (int e = lane; e < E; e += 32) L[e] = expf(L[e] - m) / sum;
+  } else if (p.router == MOELINK_ROUTER_SIGMOID_TOPK) {
+    for (int e = lane; e < E; e += 32) L[e] = 1.0f / (1.0f + expf(-L[e]));
+  }
+  for (int e = lane; e < E; e += 32) {
+    const float s = p.bias != NULL ? L[e] + p.bias[e] : L[e];
+    S[e] = isnan(s) ? -INFINITY : s; /* a total order for the selection */
+  }
+  __syncwarp();
+
+  if (p.n_group > 1) {
+    const int gsize = E / p.n_group;
+    for (int g = lane; g < p.n_group; g += 32) {
+      float best = -INFINITY, second = -INFINITY;
+      for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
+        const float s = S[e];
+        if (s > best) {
+          second = best;
+          best = s;
+        } else if (s > second) {
+          second = s;
+        }
+      }
+      const float gs = gsize >= 2 ? best + second : best;
+      G[g] = isnan(gs) ? -INFINITY : gs;
+    }
+    __syncwarp();
+    const unsigned kept = ml_r_warp_topk(G, p.n_group, p.topk_group, NULL, lane);
+    __syncwarp(); /* every lane has read G before it turns into flags */
+#pragma unroll
+    for (int i = 0; i < ML_R_PER_LANE; ++i) {
+      const int g = lane + 32 * i;
+      if (g < p.n_group) G[g] = ((kept >> i) & 1u) ? 1.0f : 0.0f;
+    }
+    __syncwarp();
+    for (int e = lane; e < E; e += 32)
+      if (G[e / gsize] == 0.0f) S[e] = -INFINITY; /* dropped groups: excluded, never 0 */
+    __syncwarp();
+  }
+
+  (void)ml_r_warp_topk(S, E, k, O, lane);
+  __syncwarp();
+
+  int id = 0;
+  float w = 0.0f;
+  if (lane < k) {
+    id = O[lane];
+    w = L[id];
+  }
+  if (p.router == MOELINK_ROUTER_TOPK_SOFTMAX) {
+    const float m = ml_r_warp_max(lane < k ? w : -INFINITY);
+    const float ex = lane < k ? expf(w - m) : 0.0f;
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(ML_FULL, ex, j);
+    w = ex / sum; /* sums to 1 already: renormalize has nothing to do */
+  } else if (p.renormalize) {
+    float sum = 0.0f;
+    for (int j = 0; j < k; ++j) sum += __shfl_sync(ML_FULL, w, j);
+    /* all-zero scores (sigmoids underflowed) stay zero rather than NaN */
+    if (sum > 0.0f) w = w / sum;
+  }
+  w = w * p.scaling;
+  if (lane < k) {
+    p.ids[(size_t)t * k + lane] = id;
+    p.weights[(size_t)t * k + lane] = w;
+  }
+}
+
+/* ---- the kernel ---------------------------------------------------------------- */
+
+template <int DT>
+static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const ml_router_params p) {
+  extern __shared__ __align__(16) char ml_r_smem[];
+  __shared__ int ml_r_last;
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+  const int g = lane >> 2, c = lane & 3;
+  const int E_pad = ml_r_epad(p.E), n_tiles = E_pad >> 3;
+  const int t0 = (int)blockIdx.x * ML_R_TOKENS;
+  const int splits = (int)gridDim.y, s = (int)blockIdx.y;
+  const int chunks = (p.H + ML_R_KC - 1) / ML_R_KC;
+  const int c0 = (int)((long long)s * chunks / splits);
+  const int nc = (int)((long long)(s + 1) * chunks / splits) - c0;
+  const int stage_bytes = (ML_R_TOKENS + E_pad) * ML_R_ROW;
+
+  float acc[ML_R_TILES_PER_WARP][4];
+#pragma unroll
+  for (int m = 0; m < ML_R_TILES_PER_WARP; ++m)
+    acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+
+  /* One commit group per stage slot, empty ones included, so that
+   * wait_group<STAGES-2> always means "chunk i has landed". */
+#pragma unroll
+  for (int st = 0; st < ML_R_STAGES - 1; ++st) {
+    if (st < nc) ml_r_load_stage(ml_r_smem + st * stage_bytes, p, t0, c0 + st, E_pad);
+    ml_r_commit();
+  }
+  for (int i = 0; i < nc; ++i) {
+    ml_r_wait<ML_R_STAGES - 2>();
+    /* Chunk i is visible to all, and everyone is done with chunk i-1, whose
+     * slot the next copies overwrite. */
+    __syncthreads();
+    const int next = i + ML_R_STAGES - 1;
+    if (next < nc)
+      ml_r_load_stage(ml_r_smem + (next % ML_R_STAGES) * stage_bytes, p, t0, c0 + next, E_pad);
+    ml_r_commit();
+    ml_r_mma_stage<DT>(ml_r_smem + (i % ML_R_STAGES) * stage_bytes, acc, warp, g, c, n_tiles);
+  }
+  ml_r_wait<0>();
+  __syncthreads(); /* the ring is dead from here: its memory becomes the logits */
+
+  float *L = (float *)ml_r_smem;
+  /* Rows of tokens past T are padding: never stored, summed or selected. */
+  const int rows = p.T - t0 < ML_R_TOKENS ? p.T - t0 : ML_R_TOKENS;
+  if (splits > 1) {
+    float *part = p.partials + ((size_t)blockIdx.x * splits + s) * ML_R_TOKENS * E_pad;
+    ml_r_store_acc(part, E_pad, acc, warp, g, c, n_tiles, rows);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const int ticket = atomicAdd(&p.tickets[blockIdx.x], 1);
+      ml_r_last = ticket == splits - 1;
+      /* All splits have counted; the next launch finds the ticket at zero. */
+      if (ml_r_last) p.tickets[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!ml_r_last) return;
+    __threadfence();
+    const float *base = p.partials + (size_t)blockIdx.x * splits * ML_R_TOKENS * E_pad;
+    for (int i = (int)threadIdx.x; i < rows * E_pad; i += ML_R_THREADS) {
+      float v = 0.0f;
+      for (int q = 0; q < splits; ++q) v += __ldcg(base + (size_t)q * ML_R_TOKENS * E_pad + i);
+      L[i] = v;
+    }
+  } else {
+    ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
+  }
+  __syncthreads();
+
+  const int t = t0 + warp;
+  if (t < p.T) {
+    float *S = L + ML_R_TOKENS * E_pad;
+    float *G = S + ML_R_TOKENS * E_pad;
+    int *O = (int *)(G + ML_R_TOKENS * E_pad);
+    ml_r_select(p, L + warp * E_pad, S + warp * E_pad, G + warp * E_pad,
+                O + warp * ML_CUDA_MAX_TOPK, t, lane);
+  }
+}
+
+/* ---- host side ------------------------------------------------------------------ */
+
+extern "C" size_t ml_cuda_router_smem(int num_experts) {
+  const size_t E_pad = (size_t)ml_r_epad(num_experts);
+  const size_t ring = (size_t)ML_R_STAGES * (ML_R_TOKENS + E_pad) * ML_R_ROW;
+  const size_t select = 3 * ML_R_TOKENS * E_pad * sizeof(float) +
+                        (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
+  return ring > select ? ring : select;
+}
+
+extern "C" size_t ml_cuda_router_partial_floats(int num_experts, int sm_count) {
+  return (size_t)(sm_count > 0 ? sm_count : 1) * ML_R_TOKENS * (size_t)ml_r_epad(num_experts);
+}
+
+extern "C" int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count) {
+  const int blocks = (num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS;
+  const int chunks = (hidden + ML_R_KC - 1) / ML_R_KC;
+  if (sm_count <= 0 || blocks <= 0 || blocks * 2 > sm_count) return 1;
+  int s = sm_count / blocks;
+  /* Two chunks per CTA at least: with one, its copies cannot overlap math. */
+  const int cap = (chunks + 1) / 2;
+  if (s > cap) s = cap;
+  return s < 1 ? 1 : s;
+}
+
+extern "C" moelink_status_t ml_cuda_router_prepare(int smem_optin) {
+  size_t want = ml_cuda_router_smem(ML_CUDA_MAX_EXPERTS);
+  /* Leave room for the kernel's static shared memory (one int). */
+  const size_t room = smem_optin > 64 ? (size_t)smem_optin - 64 : 0;
+  if (want > room) want = room;
+  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)ml_router_kernel<MOELINK_DTYPE_BF16>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)want));
+  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)ml_router_kernel<MOELINK_DTYPE_F16>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)want));
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStream_t stream) {
+  if (a->num_tokens <= 0) return MOELINK_SUCCESS;
+  if (a->dtype != MOELINK_DTYPE_BF16 && a->dtype != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "router: dtype %s not supported (bf16 or f16)",
+                   moelink_dtype_name(a->dtype));
+  if (a->num_experts < 1 || a->num_experts > ML_CUDA_MAX_EXPERTS || a->top_k < 1 ||
+      a->top_k > ML_CUDA_MAX_TOPK || a->top_k > a->num_experts || a->hidden % 8 != 0 ||
+      a->splits < 1 || a->splits > 65535)
+    return ml_fail(MOELINK_ERR_INTERNAL, "router: E %d, k %d, H %d, splits %d out of range",
+                   a->num_experts, a->top_k, a->hidden, a->splits);
+  if (a->splits > 1 && (a->partials == NULL || a->tickets == NULL))
+    return ml_fail(MOELINK_ERR_INTERNAL, "router: splits %d without partials/tickets",
+                   a->splits);
+  ml_router_params p;
+  p.x = a->x;
+  p.w = a->w;
+  p.bias = a->bias;
+  p.ids = a->ids;
+  p.weights = a->weights;
+  p.partials = a->partials;
+  p.tickets = a->tickets;
+  p.T = a->num_tokens;
+  p.H = a->hidden;
+  p.E = a->num_experts;
+  p.k = a->top_k;
+  p.router = (int)a->router;
+  p.renormalize = a->renormalize;
+  p.n_group = a->n_group;
+  p.topk_group = a->topk_group;
+  p.scaling = a->routed_scaling;
+  const dim3 grid((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
+                  (unsigned)a->splits);
+  const size_t smem = ml_cuda_router_smem(a->num_experts);
+  if (a->dtype == MOELINK_DTYPE_BF16) {
+    ml_router_kernel<MOELINK_DTYPE_BF16><<<grid, ML_R_THREADS, smem, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_router_kernel<bf16>");
+  } else {
+    ml_router_kernel<MOELINK_DTYPE_F16><<<grid, ML_R_THREADS, smem, stream>>>(p);
+    ML_CUDA_LAUNCHED("ml_router_kernel<f16>");
+  }
+  return MOELINK_SUCCESS;
+}

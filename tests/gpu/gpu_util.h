@@ -1,0 +1,393 @@
+/* Helpers shared by the GPU tests (header-only: each test is one file).
+ *
+ * The GPU tests run on a machine the author cannot watch, so every failure
+ * prints what is needed to debug it from the log alone: sizes, the first
+ * offending elements with both values, and timings. */
+#ifndef ML_GPU_UTIL_H
+#define ML_GPU_UTIL_H
+
+#include "harness.h"
+#include "moelink.h"
+#include "ref.h"
+
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define GU_FN static __attribute__((unused))
+
+/* Routing decisions closer than this (ref_route_margin: relative gap of the
+ * two deciding scores) may flip between fp32 summation orders; anything
+ * farther apart must agree. Real selection bugs give gaps of 1e-2 and more. */
+#define GU_TIE 1e-4
+/* Output tolerances (DESIGN.md section 7: bf16 1e-2 relative L2); one token
+ * may be somewhat worse than the whole batch. */
+#define GU_TOL 1e-2
+#define GU_TOL_ROW 3e-2
+
+GU_FN void gu_bail(const char *why) {
+  printf("Bail out! %s\n", why);
+  fflush(stdout);
+  (void)ml_test_done();
+  exit(1);
+}
+
+/* A CUDA runtime call that must work; otherwise the test cannot go on. */
+#define GU_CUDA(call)                                                          \
+  do {                                                                         \
+    cudaError_t gu_e_ = (call);                                                \
+    if (gu_e_ != cudaSuccess) {                                                \
+      CHECK(0, "%s: %s (%s)", #call, cudaGetErrorName(gu_e_),                  \
+            cudaGetErrorString(gu_e_));                                        \
+      gu_bail("CUDA runtime error");                                           \
+    }                                                                          \
+  } while (0)
+
+/* A moelink call whose failure makes the rest meaningless. */
+#define GU_MUST(call, what)                                                    \
+  do {                                                                         \
+    moelink_status_t gu_s_ = (call);                                           \
+    if (gu_s_ != MOELINK_SUCCESS) {                                            \
+      CHECK(0, "%s: %s: %s", (what), moelink_status_string(gu_s_),             \
+            moelink_last_error());                                             \
+      gu_bail(what);                                                           \
+    }                                                                          \
+  } while (0)
+
+GU_FN double gu_now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+GU_FN void *gu_host(size_t bytes) {
+  void *p = malloc(bytes ? bytes : 1);
+  if (!p) {
+    CHECK(0, "host allocation of %zu bytes", bytes);
+    gu_bail("out of host memory");
+  }
+  return p;
+}
+
+GU_FN void *gu_dev(size_t bytes) {
+  void *p = NULL;
+  if (bytes == 0) bytes = 16;
+  cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    size_t fr = 0, tot = 0;
+    (void)cudaGetLastError();
+    cudaMemGetInfo(&fr, &tot);
+    CHECK(0, "cudaMalloc of %zu bytes: %s (%zu of %zu bytes free)", bytes, cudaGetErrorString(e),
+          fr, tot);
+    gu_bail("out of device memory");
+  }
+  return p;
+}
+
+GU_FN void gu_free(void *d) {
+  if (d) GU_CUDA(cudaFree(d));
+}
+
+GU_FN void gu_h2d(void *d, const void *h, size_t bytes) {
+  if (bytes) GU_CUDA(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+}
+
+GU_FN void gu_d2h(void *h, const void *d, size_t bytes) {
+  if (bytes) GU_CUDA(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
+GU_FN void gu_poison(void *d, size_t bytes) {
+  if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));
+}
+
+/* Both contexts, or a bail-out that says why the GPU is not usable. */
+GU_FN void gu_contexts(moelink_context_t *gpu, moelink_context_t *cpu) {
+  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
+  cc.backend = MOELINK_BACKEND_CUDA;
+  cc.device = 0;
+  moelink_status_t s = moelink_context_create(&cc, gpu);
+  CHECK(s == MOELINK_SUCCESS, "CUDA context on device 0%s%s", s ? ": " : "",
+        s ? moelink_last_error() : "");
+  if (s != MOELINK_SUCCESS) gu_bail("no CUDA context: the GPU tests need an sm_90 GPU");
+  GU_MUST(moelink_context_create(NULL, cpu), "CPU context");
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
+    ml_t_diag("device 0: %s, sm_%d%d, %d SMs, %.1f GiB", prop.name, prop.major, prop.minor,
+              prop.multiProcessorCount, (double)prop.totalGlobalMem / (1024.0 * 1024 * 1024));
+}
+
+GU_FN const char *gu_router_name(moelink_router_t r) {
+  switch (r) {
+  case MOELINK_ROUTER_SOFTMAX_TOPK: return "softmax_topk";
+  case MOELINK_ROUTER_SIGMOID_TOPK: return "sigmoid_topk";
+  case MOELINK_ROUTER_TOPK_SOFTMAX: return "topk_softmax";
+  }
+  return "?";
+}
+
+GU_FN void gu_describe(char *buf, size_t n, const moelink_moe_config_t *c) {
+  snprintf(buf, n,
+           "H %d I %d E %d k %d %s renorm %d groups %d/%d scale %g bias %d Is %d gate %d %s",
+           c->hidden, c->inter, c->num_experts, c->top_k, gu_router_name(c->router),
+           c->renormalize, c->topk_group, c->n_group, (double)c->routed_scaling,
+           c->correction_bias, c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype));
+}
+
+/* ---- a layer's weights on the device ------------------------------------------ */
+
+typedef struct gu_dev_layer {
+  void *router, *gate_up, *down, *sh_gate_up, *sh_down, *sh_gate;
+  float *bias;
+  moelink_moe_weights_t w;
+} gu_dev_layer;
+
+GU_FN size_t gu_elems_router(const moelink_moe_config_t *c) {
+  return (size_t)c->num_experts * (size_t)c->hidden;
+}
+GU_FN size_t gu_elems_gate_up(const moelink_moe_config_t *c) {
+  return (size_t)c->num_experts * 2 * (size_t)c->inter * (size_t)c->hidden;
+}
+GU_FN size_t gu_elems_down(const moelink_moe_config_t *c) {
+  return (size_t)c->num_experts * (size_t)c->hidden * (size_t)c->inter;
+}
+
+GU_FN void gu_dev_layer_bind(gu_dev_layer *D, moelink_dtype_t dt) {
+  moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
+  w.dtype = dt;
+  w.router = D->router;
+  w.correction_bias = D->bias;
+  w.gate_up = D->gate_up;
+  w.down = D->down;
+  w.shared_gate_up = D->sh_gate_up;
+  w.shared_down = D->sh_down;
+  w.shared_gate = D->sh_gate;
+  D->w = w;
+}
+
+/* Device copy of a host test layer. */
+GU_FN void gu_dev_layer_upload(gu_dev_layer *D, const ref_layer *L) {
+  const moelink_moe_config_t *c = &L->cfg;
+  const size_t es = moelink_dtype_size(c->dtype);
+  const size_t H = (size_t)c->hidden, Is = (size_t)c->shared_inter;
+  memset(D, 0, sizeof *D);
+  D->router = gu_dev(gu_elems_router(c) * es);
+  gu_h2d(D->router, L->router, gu_elems_router(c) * es);
+  D->gate_up = gu_dev(gu_elems_gate_up(c) * es);
+  gu_h2d(D->gate_up, L->gate_up, gu_elems_gate_up(c) * es);
+  D->down = gu_dev(gu_elems_down(c) * es);
+  gu_h2d(D->down, L->down, gu_elems_down(c) * es);
+  if (Is > 0) {
+    D->sh_gate_up = gu_dev(2 * Is * H * es);
+    gu_h2d(D->sh_gate_up, L->shared_gate_up, 2 * Is * H * es);
+    D->sh_down = gu_dev(H * Is * es);
+    gu_h2d(D->sh_down, L->shared_down, H * Is * es);
+  }
+  if (c->shared_gate) {
+    D->sh_gate = gu_dev(H * es);
+    gu_h2d(D->sh_gate, L->shared_gate, H * es);
+  }
+  if (c->correction_bias) {
+    D->bias = (float *)gu_dev((size_t)c->num_experts * sizeof(float));
+    gu_h2d(D->bias, L->bias, (size_t)c->num_experts * sizeof(float));
+  }
+  gu_dev_layer_bind(D, c->dtype);
+}
+
+GU_FN void gu_dev_layer_free(gu_dev_layer *D) {
+  gu_free(D->router);
+  gu_free(D->gate_up);
+  gu_free(D->down);
+  gu_free(D->sh_gate_up);
+  gu_free(D->sh_down);
+  gu_free(D->sh_gate);
+  gu_free(D->bias);
+  memset(D, 0, sizeof *D);
+}
+
+/* ---- comparisons ------------------------------------------------------------------ */
+
+/* Position of a 16-bit float in the total order of its bit patterns, so that
+ * neighbouring values differ by 1. */
+GU_FN int gu_ord16(uint16_t h) { return (h & 0x8000u) ? -(int)(h & 0x7fffu) : (int)h; }
+
+/* Relative L2 over rows [0, rows) of width H between got and want (both
+ * dtype), leaving out rows with skip[r] != 0 (skip may be NULL). Also the
+ * worst single row, and the number of non-finite values in got (poison that
+ * was never overwritten shows up here). Rows of a zero reference count their
+ * own norm, as ref_rel_l2 does. */
+typedef struct gu_err {
+  double rel;        /* over all compared rows */
+  double worst_row;  /* worst per-row relative L2 */
+  long worst_at;     /* its row */
+  long nonfinite;    /* NaN/Inf values in got (all rows, skipped ones too) */
+  long first_nonfinite;
+  long rows;         /* rows compared */
+} gu_err;
+
+GU_FN gu_err gu_compare(moelink_dtype_t dt, const void *got, const void *want, size_t rows,
+                        size_t H, const unsigned char *skip) {
+  gu_err r;
+  memset(&r, 0, sizeof r);
+  r.worst_at = -1;
+  r.first_nonfinite = -1;
+  double dsum = 0.0, nsum = 0.0;
+  for (size_t t = 0; t < rows; ++t) {
+    double d = 0.0, n = 0.0;
+    int bad = 0;
+    for (size_t i = 0; i < H; ++i) {
+      const double g = ref_load(dt, got, t * H + i), w = ref_load(dt, want, t * H + i);
+      if (!isfinite(g)) {
+        if (r.nonfinite++ == 0) r.first_nonfinite = (long)(t * H + i);
+        bad = 1;
+        continue;
+      }
+      d += (g - w) * (g - w);
+      n += w * w;
+    }
+    if (skip && skip[t]) continue;
+    ++r.rows;
+    dsum += d;
+    nsum += n;
+    double rel = bad ? INFINITY : (n > 0.0 ? sqrt(d / n) : sqrt(d));
+    if (rel > r.worst_row || r.worst_at < 0) {
+      r.worst_row = rel;
+      r.worst_at = (long)t;
+    }
+  }
+  r.rel = r.nonfinite ? INFINITY : (nsum > 0.0 ? sqrt(dsum / nsum) : sqrt(dsum));
+  return r;
+}
+
+/* Prints the first few differing elements of row `row` (for a failed check). */
+GU_FN void gu_show_row(const char *what, moelink_dtype_t dt, const void *got, const void *want,
+                       size_t row, size_t H) {
+  int shown = 0;
+  for (size_t i = 0; i < H && shown < 6; ++i) {
+    const double g = ref_load(dt, got, row * H + i), w = ref_load(dt, want, row * H + i);
+    if (!(fabs(g - w) <= 1e-2 * fabs(w) + 1e-3)) {
+      ml_t_diag("  %s row %zu col %zu: got %.6g want %.6g", what, row, i, g, w);
+      ++shown;
+    }
+  }
+  if (!shown && H > 0)
+    ml_t_diag("  %s row %zu: col 0 got %.6g want %.6g (no single element off by > 1%%)", what,
+              row, ref_load(dt, got, row * H), ref_load(dt, want, row * H));
+}
+
+/* Checks an error report against the tolerances, with diagnostics. */
+GU_FN void gu_check_err(const char *what, gu_err e, moelink_dtype_t dt, const void *got,
+                        const void *want, size_t H) {
+  CHECK(e.nonfinite == 0, "%s: all outputs finite (%ld non-finite, first at element %ld)", what,
+        e.nonfinite, e.first_nonfinite);
+  CHECK(e.rel <= GU_TOL, "%s: relative L2 %.3g <= %g over %ld rows", what, e.rel, GU_TOL, e.rows);
+  CHECK(e.worst_row <= GU_TOL_ROW, "%s: worst row %ld relative L2 %.3g <= %g", what, e.worst_at,
+        e.worst_row, GU_TOL_ROW);
+  if ((e.rel > GU_TOL || e.worst_row > GU_TOL_ROW) && e.worst_at >= 0)
+    gu_show_row(what, dt, got, want, (size_t)e.worst_at, H);
+}
+
+/* ---- routing ------------------------------------------------------------------------ */
+
+typedef struct gu_route_stats {
+  int tokens, exact, near_ties, bad, bad_ids, weight_bad;
+  double max_wrel;
+} gu_route_stats;
+
+GU_FN void gu_print_ids(const char *label, const int32_t *ids, int k) {
+  char buf[512];
+  int n = 0;
+  for (int j = 0; j < k && n < (int)sizeof buf - 16; ++j)
+    n += snprintf(buf + n, sizeof buf - (size_t)n, "%s%d", j ? " " : "", ids[j]);
+  ml_t_diag("    %s [%s]", label, buf);
+}
+
+/* Compares GPU routing (gi, gw) with the CPU's (ci, cw) for host x [T, H] and
+ * host weights hw. A token whose ids differ is accepted only as a near tie
+ * (ref_route_margin < GU_TIE); such tokens get tie[t] = 1 (tie may be NULL) so
+ * that output comparisons leave them out. GPU ids must be valid and distinct. */
+GU_FN gu_route_stats gu_compare_routes(const char *what, const moelink_moe_config_t *cfg,
+                                       const moelink_moe_weights_t *hw, const void *hx, int T,
+                                       const int32_t *gi, const float *gw, const int32_t *ci,
+                                       const float *cw, unsigned char *tie) {
+  const int k = cfg->top_k, E = cfg->num_experts;
+  const size_t row = (size_t)cfg->hidden * moelink_dtype_size(cfg->dtype);
+  gu_route_stats st;
+  memset(&st, 0, sizeof st);
+  st.tokens = T;
+  int shown_bad = 0, shown_tie = 0, shown_w = 0;
+  for (int t = 0; t < T; ++t) {
+    const int32_t *g = gi + (size_t)t * k, *c = ci + (size_t)t * k;
+    if (tie) tie[t] = 0;
+    int valid = 1;
+    for (int j = 0; j < k; ++j) {
+      if (g[j] < 0 || g[j] >= E) valid = 0;
+      for (int q = 0; q < j; ++q)
+        if (g[q] == g[j]) valid = 0;
+    }
+    if (!valid) {
+      ++st.bad_ids;
+      if (tie) tie[t] = 1;
+      if (shown_bad++ < 8) {
+        ml_t_diag("  %s token %d: invalid or repeated GPU ids", what, t);
+        gu_print_ids("gpu", g, k);
+      }
+      continue;
+    }
+    if (memcmp(g, c, sizeof(int32_t) * (size_t)k) == 0) {
+      ++st.exact;
+      for (int j = 0; j < k; ++j) {
+        const double a = gw[(size_t)t * k + j], b = cw[(size_t)t * k + j];
+        const double rel = fabs(a - b) / fmax(fabs(b), 1e-30);
+        if (!(rel <= st.max_wrel)) st.max_wrel = isnan(rel) ? INFINITY : rel;
+        if (!(rel <= 1e-3)) {
+          ++st.weight_bad;
+          if (shown_w++ < 8)
+            ml_t_diag("  %s token %d slot %d expert %d: gpu weight %.9g cpu weight %.9g", what,
+                      t, j, g[j], a, b);
+        }
+      }
+      continue;
+    }
+    const double margin = ref_route_margin(cfg, hw, (const char *)hx + row * (size_t)t);
+    if (margin >= 0.0 && margin < GU_TIE) {
+      ++st.near_ties;
+      if (tie) tie[t] = 1;
+      if (shown_tie++ < 3) {
+        ml_t_diag("  %s token %d: near tie (margin %.3g), ids differ", what, t, margin);
+        gu_print_ids("gpu", g, k);
+        gu_print_ids("cpu", c, k);
+      }
+    } else {
+      ++st.bad;
+      if (tie) tie[t] = 1;
+      if (shown_bad++ < 8) {
+        ml_t_diag("  %s token %d: ids differ, margin %.3g is no tie", what, t, margin);
+        gu_print_ids("gpu", g, k);
+        gu_print_ids("cpu", c, k);
+        int32_t rid[64];
+        double rw[64];
+        if (k <= 64 && ref_route_token(cfg, hw, (const char *)hx + row * (size_t)t, rid, rw) == 0)
+          gu_print_ids("ref", rid, k);
+      }
+    }
+  }
+  return st;
+}
+
+GU_FN void gu_check_routes(const char *what, gu_route_stats st) {
+  const int allowed = st.tokens / 50 > 3 ? st.tokens / 50 : 3;
+  CHECK(st.bad_ids == 0, "%s: GPU ids valid and distinct (%d bad tokens of %d)", what, st.bad_ids,
+        st.tokens);
+  CHECK(st.bad == 0, "%s: ids equal the CPU's but for near ties (%d equal, %d near ties, %d wrong "
+                     "of %d)", what, st.exact, st.near_ties, st.bad, st.tokens);
+  CHECK(st.near_ties <= allowed, "%s: near ties %d <= %d", what, st.near_ties, allowed);
+  CHECK(st.weight_bad == 0, "%s: weights within 1e-3 relative (worst %.3g, %d off)", what,
+        st.max_wrel, st.weight_bad);
+}
+
+#endif

@@ -1,0 +1,474 @@
+/* moelink_moe_forward on the GPU against the CPU backend:
+ *  - every preset at reduced H/I (router family, groups, bias, scaling and
+ *    shared expert kept), plus top-k-then-softmax, softmax with groups, zipf
+ *    skew, all tokens on one or two experts (the others empty), a chunked
+ *    forward; T in {1, 7, 128, 4097}; every output token compared;
+ *  - every preset at full size, weights filled on the device, the CPU
+ *    reference on a sample of tokens (weights copied back to the host, so both
+ *    sides hold the same values by construction).
+ * Outputs are poisoned before each run; tokens whose routing is a near tie
+ * (fp32 summation order may flip it) are reported and left out. */
+#include "gpu_util.h"
+
+static moelink_context_t g_gpu, g_cpu;
+
+static const int g_Ts[] = {1, 7, 128, 4097};
+#define NTS ((int)(sizeof g_Ts / sizeof g_Ts[0]))
+
+/* ---- reduced sizes ------------------------------------------------------------------ */
+
+/* One batch of T tokens through both backends. */
+static void layer_batch(const char *name, const ref_layer *L, moelink_moe_t gmoe,
+                        moelink_moe_t cmoe, int T, int check_top1_zero) {
+  const moelink_moe_config_t *cfg = &L->cfg;
+  const moelink_dtype_t dt = cfg->dtype;
+  const size_t es = moelink_dtype_size(dt), H = (size_t)cfg->hidden, xb = (size_t)T * H * es;
+  const int k = cfg->top_k;
+  char what[300];
+  snprintf(what, sizeof what, "%s T %d", name, T);
+
+  void *hx = gu_host(xb);
+  ref_fill_x(L, hx, T, 2000u + (unsigned)T);
+  void *dx = gu_dev(xb), *dout = gu_dev(xb), *dout2 = gu_dev(xb);
+  gu_h2d(dx, hx, xb);
+  gu_poison(dout, xb);
+  gu_poison(dout2, xb);
+  const double t0 = gu_now();
+  CHECK_OK(moelink_moe_forward(gmoe, dx, T, dout, NULL), what);
+  GU_CUDA(cudaDeviceSynchronize());
+  const double t1 = gu_now();
+  CHECK_OK(moelink_moe_forward(gmoe, dx, T, dout2, NULL), "second forward");
+  void *go = gu_host(xb), *go2 = gu_host(xb), *co = gu_host(xb);
+  gu_d2h(go, dout, xb);
+  gu_d2h(go2, dout2, xb);
+  CHECK(memcmp(go, go2, xb) == 0, "%s: two forwards bitwise equal", what);
+
+  const double t2 = gu_now();
+  CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
+  const double t3 = gu_now();
+
+  /* Routing of both sides, to tell near ties from errors. */
+  int32_t *dids = gu_dev((size_t)T * k * 4);
+  float *dw = gu_dev((size_t)T * k * 4);
+  /* the route piece takes max_tokens at most: slices */
+  moelink_moe_config_t gc;
+  moelink_moe_get_config(gmoe, &gc);
+  for (int t0r = 0; t0r < T; t0r += gc.max_tokens) {
+    const int n = T - t0r < gc.max_tokens ? T - t0r : gc.max_tokens;
+    CHECK_OK(moelink_moe_route(gmoe, (const char *)dx + (size_t)t0r * H * es, n,
+                               dids + (size_t)t0r * k, dw + (size_t)t0r * k, NULL),
+             "GPU route");
+  }
+  int32_t *gi = gu_host((size_t)T * k * 4), *ci = gu_host((size_t)T * k * 4);
+  float *gw = gu_host((size_t)T * k * 4), *cw = gu_host((size_t)T * k * 4);
+  gu_d2h(gi, dids, (size_t)T * k * 4);
+  gu_d2h(gw, dw, (size_t)T * k * 4);
+  CHECK_OK(moelink_moe_route(cmoe, hx, T, ci, cw, NULL), "CPU route");
+  unsigned char *tie = gu_host((size_t)T);
+  gu_route_stats rs = gu_compare_routes(what, cfg, &L->w, hx, T, gi, gw, ci, cw, tie);
+  gu_check_routes(what, rs);
+  if (check_top1_zero) {
+    int off = 0;
+    for (int t = 0; t < T; ++t) off += gi[(size_t)t * k] != 0;
+    CHECK(off == 0, "%s: every token's first expert is 0 (%d are not)", what, off);
+  }
+
+  gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
+  gu_check_err(what, e, dt, go, co, H);
+
+  /* The independent double-precision reference on the first and last token. */
+  double *ref = gu_host(H * sizeof(double));
+  const int probe[2] = {0, T - 1};
+  for (int i = 0; i < (T > 1 ? 2 : 1); ++i) {
+    const int t = probe[i];
+    if (tie[t]) continue;
+    if (ref_forward_token(cfg, &L->w, (const char *)hx + (size_t)t * H * es, ref) != 0) {
+      CHECK(0, "%s: reference forward of token %d", what, t);
+      continue;
+    }
+    const double eg = ref_rel_l2(dt, (const char *)go + (size_t)t * H * es, ref, H);
+    const double ec = ref_rel_l2(dt, (const char *)co + (size_t)t * H * es, ref, H);
+    CHECK(eg <= GU_TOL, "%s: token %d vs double reference: GPU %.3g (CPU %.3g) <= %g", what, t,
+          eg, ec, GU_TOL);
+  }
+  ml_t_diag("%s: GPU forward %.2f ms (first call incl.), CPU %.1f ms, rel L2 %.2e, %d near ties",
+            what, 1e3 * (t1 - t0), 1e3 * (t3 - t2), e.rel, rs.near_ties);
+
+  free(ref);
+  free(tie);
+  free(gi);
+  free(ci);
+  free(gw);
+  free(cw);
+  free(hx);
+  free(go);
+  free(go2);
+  free(co);
+  gu_free(dids);
+  gu_free(dw);
+  gu_free(dx);
+  gu_free(dout);
+  gu_free(dout2);
+}
+
+static moelink_moe_config_t reduced(const char *preset, moelink_dtype_t dt) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  if (moelink_moe_preset(preset, &c) != MOELINK_SUCCESS) {
+    CHECK(0, "preset %s: %s", preset, moelink_last_error());
+    gu_bail("unknown preset");
+  }
+  c.hidden = 256;
+  c.inter = 128;
+  if (c.shared_inter > 0) c.shared_inter = 256;
+  c.dtype = dt;
+  c.max_tokens = 4097;
+  return c;
+}
+
+static void layer_reduced(const char *label, const moelink_moe_config_t *cfg, double zipf,
+                          uint64_t seed, int check_top1_zero) {
+  char desc[200], skew[40] = "", name[320];
+  gu_describe(desc, sizeof desc, cfg);
+  if (zipf > 0) snprintf(skew, sizeof skew, ", zipf %.1f", zipf);
+  snprintf(name, sizeof name, "%s (%s%s)", label, desc, skew);
+  ref_layer L;
+  if (ref_layer_make(&L, cfg, seed, zipf) != 0) {
+    CHECK(0, "ref_layer_make for %s", name);
+    return;
+  }
+  gu_dev_layer D;
+  gu_dev_layer_upload(&D, &L);
+  moelink_moe_t gmoe = NULL, cmoe = NULL;
+  GU_MUST(moelink_moe_create(g_gpu, cfg, &gmoe), "GPU layer");
+  GU_MUST(moelink_moe_create(g_cpu, cfg, &cmoe), "CPU layer");
+  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
+  GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
+  for (int i = 0; i < NTS; ++i) layer_batch(name, &L, gmoe, cmoe, g_Ts[i], check_top1_zero);
+  moelink_moe_destroy(gmoe);
+
+  /* A forward longer than max_tokens runs in chunks. */
+  moelink_moe_config_t small = *cfg;
+  small.max_tokens = 100;
+  GU_MUST(moelink_moe_create(g_gpu, &small, &gmoe), "GPU layer with max_tokens 100");
+  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
+  char cname[360];
+  snprintf(cname, sizeof cname, "%s, chunks of 100", name);
+  layer_batch(cname, &L, gmoe, cmoe, 257, check_top1_zero);
+  moelink_moe_destroy(gmoe);
+
+  moelink_moe_destroy(cmoe);
+  gu_dev_layer_free(&D);
+  ref_layer_free(&L);
+}
+
+static void test_reduced(void) {
+  const double t0 = gu_now();
+  const char *presets[] = {"mixtral-8x7b",  "mixtral-8x22b",   "qwen2-57b-a14b",
+                           "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3"};
+  for (int i = 0; i < 6; ++i) {
+    /* Alternate the dtypes so that both go through every router family. */
+    const moelink_dtype_t dt = (i % 2) ? MOELINK_DTYPE_F16 : MOELINK_DTYPE_BF16;
+    moelink_moe_config_t c = reduced(presets[i], dt);
+    layer_reduced(presets[i], &c, 0.0, 500 + (uint64_t)i, 0);
+  }
+  moelink_moe_config_t c;
+  /* gpt-oss style: top-k of the logits, softmax over the k. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_BF16);
+  c.num_experts = 32;
+  c.top_k = 4;
+  c.router = MOELINK_ROUTER_TOPK_SOFTMAX;
+  c.renormalize = 0;
+  layer_reduced("topk-softmax", &c, 0.0, 600, 0);
+  /* Softmax scores with a bias and group-limited selection. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_F16);
+  c.num_experts = 64;
+  c.top_k = 6;
+  c.n_group = 8;
+  c.topk_group = 3;
+  c.correction_bias = 1;
+  c.routed_scaling = 1.5f;
+  layer_reduced("softmax-groups", &c, 0.0, 601, 0);
+  /* Skewed routing: a zipf-like load over 128 experts. */
+  c = reduced("qwen3-30b-a3b", MOELINK_DTYPE_BF16);
+  layer_reduced("qwen3-30b-a3b skewed", &c, 1.2, 602, 0);
+  /* All tokens on expert 0 (k = 1), the other seven empty. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_BF16);
+  c.top_k = 1;
+  layer_reduced("one expert", &c, 30.0, 603, 1);
+  /* All tokens on experts 0 and 1. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_F16);
+  layer_reduced("two experts", &c, 30.0, 604, 1);
+  /* DeepSeek's groups and bias under skew. Not a heavy one: with sigmoid
+   * scores far below zero the renormalized weights become ratios of values
+   * that underflow in fp32, and no fp32 backend can match the reference. */
+  c = reduced("deepseek-v3", MOELINK_DTYPE_BF16);
+  layer_reduced("deepseek-v3 skewed", &c, 1.2, 605, 0);
+  ml_t_diag("reduced presets: %.1f s", gu_now() - t0);
+}
+
+/* ---- full size ------------------------------------------------------------------------ */
+
+typedef struct full_tensor {
+  const char *name;
+  int id;            /* REF_T_* */
+  moelink_dtype_t dt;
+  size_t n;
+  void *dev, *host;
+} full_tensor;
+
+/* Sample tokens of a batch of T: first, last, and two in between. */
+static int sample_tokens(int T, int *out) {
+  const int cand[4] = {0, T - 1, T / 3, (2 * T) / 3};
+  int n = 0;
+  for (int i = 0; i < 4; ++i) {
+    int dup = 0;
+    for (int j = 0; j < n; ++j) dup |= out[j] == cand[i];
+    if (!dup) out[n++] = cand[i];
+  }
+  return n;
+}
+
+static void full_preset(const char *preset, uint64_t seed) {
+  const double t_start = gu_now();
+  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
+  GU_MUST(moelink_moe_preset(preset, &cfg), preset);
+  cfg.dtype = MOELINK_DTYPE_BF16;
+  cfg.max_tokens = g_Ts[NTS - 1];
+  const moelink_dtype_t dt = cfg.dtype;
+  const size_t es = moelink_dtype_size(dt), H = (size_t)cfg.hidden;
+  const size_t Is = (size_t)cfg.shared_inter;
+  const int Tmax = cfg.max_tokens, k = cfg.top_k;
+  char desc[200], name[300];
+  gu_describe(desc, sizeof desc, &cfg);
+  snprintf(name, sizeof name, "%s full (%s)", preset, desc);
+
+  full_tensor ts[8];
+  int nt = 0;
+  ts[nt++] = (full_tensor){"router", REF_T_ROUTER, dt, gu_elems_router(&cfg), NULL, NULL};
+  ts[nt++] = (full_tensor){"gate_up", REF_T_GATE_UP, dt, gu_elems_gate_up(&cfg), NULL, NULL};
+  ts[nt++] = (full_tensor){"down", REF_T_DOWN, dt, gu_elems_down(&cfg), NULL, NULL};
+  if (Is > 0) {
+    ts[nt++] = (full_tensor){"shared_gate_up", REF_T_SH_GATE_UP, dt, 2 * Is * H, NULL, NULL};
+    ts[nt++] = (full_tensor){"shared_down", REF_T_SH_DOWN, dt, H * Is, NULL, NULL};
+  }
+  if (cfg.shared_gate)
+    ts[nt++] = (full_tensor){"shared_gate", REF_T_SH_GATE, dt, H, NULL, NULL};
+  if (cfg.correction_bias)
+    ts[nt++] = (full_tensor){"bias", REF_T_BIAS, MOELINK_DTYPE_F32,
+                             (size_t)cfg.num_experts, NULL, NULL};
+  ts[nt++] = (full_tensor){"x", REF_T_X, dt, (size_t)Tmax * H, NULL, NULL};
+
+  /* Say so, loudly, if the GPU cannot hold it. */
+  size_t need = 0, ws = 0, fr = 0, tot = 0;
+  for (int i = 0; i < nt; ++i) need += ts[i].n * moelink_dtype_size(ts[i].dt);
+  GU_MUST(moelink_moe_workspace_size(g_gpu, &cfg, &ws), "workspace size");
+  need += ws + 2 * (size_t)Tmax * H * es + ((size_t)Tmax * k * 8);
+  GU_CUDA(cudaMemGetInfo(&fr, &tot));
+  if (need + ((size_t)1 << 30) > fr) {
+    CHECK(0, "%s: NOT RUN: needs %.1f GiB of device memory, %.1f GiB free", name,
+          (double)need / (1 << 30), (double)fr / (1 << 30));
+    return;
+  }
+
+  /* Weights and x on the device with ref_layer_make's seeds and scales. */
+  double t0 = gu_now();
+  for (int i = 0; i < nt; ++i) {
+    const size_t bytes = ts[i].n * moelink_dtype_size(ts[i].dt);
+    ts[i].dev = gu_dev(bytes);
+    GU_MUST(moelink_fill_random(g_gpu, ts[i].dt, ts[i].dev, ts[i].n,
+                                ref_tensor_seed(seed, ts[i].id), ref_tensor_scale(&cfg, ts[i].id),
+                                0.0f, NULL),
+            ts[i].name);
+  }
+  GU_CUDA(cudaDeviceSynchronize());
+  const double t_fill = gu_now() - t0;
+
+  /* Host copies of all weights (x: only the sampled rows below). */
+  t0 = gu_now();
+  size_t host_bytes = 0;
+  for (int i = 0; i < nt; ++i) {
+    if (ts[i].id == REF_T_X) continue;
+    const size_t bytes = ts[i].n * moelink_dtype_size(ts[i].dt);
+    ts[i].host = gu_host(bytes);
+    gu_d2h(ts[i].host, ts[i].dev, bytes);
+    host_bytes += bytes;
+  }
+  const double t_copy = gu_now() - t0;
+
+  gu_dev_layer D;
+  memset(&D, 0, sizeof D);
+  moelink_moe_weights_t hw = MOELINK_MOE_WEIGHTS_INIT;
+  hw.dtype = dt;
+  void *dx = NULL;
+  for (int i = 0; i < nt; ++i) {
+    switch (ts[i].id) {
+    case REF_T_ROUTER: D.router = ts[i].dev; hw.router = ts[i].host; break;
+    case REF_T_GATE_UP: D.gate_up = ts[i].dev; hw.gate_up = ts[i].host; break;
+    case REF_T_DOWN: D.down = ts[i].dev; hw.down = ts[i].host; break;
+    case REF_T_SH_GATE_UP: D.sh_gate_up = ts[i].dev; hw.shared_gate_up = ts[i].host; break;
+    case REF_T_SH_DOWN: D.sh_down = ts[i].dev; hw.shared_down = ts[i].host; break;
+    case REF_T_SH_GATE: D.sh_gate = ts[i].dev; hw.shared_gate = ts[i].host; break;
+    case REF_T_BIAS: D.bias = ts[i].dev; hw.correction_bias = ts[i].host; break;
+    case REF_T_X: dx = ts[i].dev; break;
+    }
+  }
+  gu_dev_layer_bind(&D, dt);
+
+  /* The sampled tokens of all batch sizes (x rows depend on the token only). */
+  int U[4 * NTS], nu = 0;
+  for (int i = 0; i < NTS; ++i) {
+    int s[4];
+    const int n = sample_tokens(g_Ts[i], s);
+    for (int j = 0; j < n; ++j) {
+      int dup = 0;
+      for (int q = 0; q < nu; ++q) dup |= U[q] == s[j];
+      if (!dup) U[nu++] = s[j];
+    }
+  }
+  char *hxs = gu_host((size_t)nu * H * es);
+  for (int u = 0; u < nu; ++u)
+    gu_d2h(hxs + (size_t)u * H * es, (const char *)dx + (size_t)U[u] * H * es, H * es);
+
+  /* CPU reference on the samples. */
+  t0 = gu_now();
+  moelink_moe_config_t ccfg = cfg;
+  ccfg.max_tokens = nu;
+  moelink_moe_t cmoe = NULL;
+  GU_MUST(moelink_moe_create(g_cpu, &ccfg, &cmoe), "CPU layer");
+  GU_MUST(moelink_moe_set_weights(cmoe, &hw), "CPU weights");
+  char *co = gu_host((size_t)nu * H * es);
+  int32_t *ci = gu_host((size_t)nu * k * 4);
+  float *cw = gu_host((size_t)nu * k * 4);
+  GU_MUST(moelink_moe_forward(cmoe, hxs, nu, co, NULL), "CPU forward of the samples");
+  GU_MUST(moelink_moe_route(cmoe, hxs, nu, ci, cw, NULL), "CPU route of the samples");
+  const double t_cpu = gu_now() - t0;
+
+  /* The double reference on the first and the last token of the largest
+   * batch (U[0] = 0; the last token of 4097 is in U too). */
+  t0 = gu_now();
+  int ref_u[2] = {-1, -1};
+  for (int u = 0; u < nu; ++u) {
+    if (U[u] == 0) ref_u[0] = u;
+    if (U[u] == Tmax - 1) ref_u[1] = u;
+  }
+  double *ref = gu_host(2 * H * sizeof(double));
+  int ref_rc[2] = {-1, -1};
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(2)
+#endif
+  for (int i = 0; i < 2; ++i)
+    if (ref_u[i] >= 0)
+      ref_rc[i] = ref_forward_token(&cfg, &hw, hxs + (size_t)ref_u[i] * H * es, ref + i * H);
+  const double t_ref = gu_now() - t0;
+  for (int i = 0; i < 2; ++i) {
+    if (ref_u[i] < 0) continue;
+    CHECK(ref_rc[i] == 0, "%s: reference forward of token %d", name, U[ref_u[i]]);
+    const double ec = ref_rel_l2(dt, co + (size_t)ref_u[i] * H * es, ref + i * H, H);
+    ml_t_diag("%s: CPU vs double reference, token %d: %.3g", name, U[ref_u[i]], ec);
+  }
+
+  /* The GPU layer, each batch size. */
+  moelink_moe_t gmoe = NULL;
+  GU_MUST(moelink_moe_create(g_gpu, &cfg, &gmoe), "GPU layer");
+  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
+  void *dout = gu_dev((size_t)Tmax * H * es);
+  int32_t *dids = gu_dev((size_t)Tmax * k * 4);
+  float *dw = gu_dev((size_t)Tmax * k * 4);
+  char *go = gu_host((size_t)Tmax * H * es);
+  int32_t *gi = gu_host((size_t)Tmax * k * 4);
+  float *gw = gu_host((size_t)Tmax * k * 4);
+  for (int ti = 0; ti < NTS; ++ti) {
+    const int T = g_Ts[ti];
+    char what[360];
+    snprintf(what, sizeof what, "%s T %d", name, T);
+    gu_poison(dout, (size_t)T * H * es);
+    GU_CUDA(cudaDeviceSynchronize());
+    t0 = gu_now();
+    CHECK_OK(moelink_moe_forward(gmoe, dx, T, dout, NULL), what);
+    GU_CUDA(cudaDeviceSynchronize());
+    const double t_fwd = gu_now() - t0;
+    gu_d2h(go, dout, (size_t)T * H * es);
+    CHECK_OK(moelink_moe_route(gmoe, dx, T, dids, dw, NULL), "GPU route");
+    gu_d2h(gi, dids, (size_t)T * k * 4);
+    gu_d2h(gw, dw, (size_t)T * k * 4);
+
+    /* Every element of the batch was written. */
+    long nonfinite = 0, first_bad = -1;
+    for (size_t i = 0; i < (size_t)T * H; ++i)
+      if (!isfinite(ref_load(dt, go, i)) && nonfinite++ == 0) first_bad = (long)i;
+    CHECK(nonfinite == 0, "%s: all %zu outputs finite (%ld not, first at token %ld)", what,
+          (size_t)T * H, nonfinite, first_bad < 0 ? -1 : first_bad / (long)H);
+
+    /* Sampled tokens against the CPU. */
+    int s[4];
+    const int ns = sample_tokens(T, s);
+    char *gs = gu_host((size_t)ns * H * es), *cs = gu_host((size_t)ns * H * es);
+    char *xs = gu_host((size_t)ns * H * es);
+    int32_t *gsi = gu_host((size_t)ns * k * 4), *csi = gu_host((size_t)ns * k * 4);
+    float *gsw = gu_host((size_t)ns * k * 4), *csw = gu_host((size_t)ns * k * 4);
+    for (int j = 0; j < ns; ++j) {
+      int u = 0;
+      while (U[u] != s[j]) ++u;
+      memcpy(gs + (size_t)j * H * es, go + (size_t)s[j] * H * es, H * es);
+      memcpy(cs + (size_t)j * H * es, co + (size_t)u * H * es, H * es);
+      memcpy(xs + (size_t)j * H * es, hxs + (size_t)u * H * es, H * es);
+      memcpy(gsi + (size_t)j * k, gi + (size_t)s[j] * k, (size_t)k * 4);
+      memcpy(gsw + (size_t)j * k, gw + (size_t)s[j] * k, (size_t)k * 4);
+      memcpy(csi + (size_t)j * k, ci + (size_t)u * k, (size_t)k * 4);
+      memcpy(csw + (size_t)j * k, cw + (size_t)u * k, (size_t)k * 4);
+    }
+    unsigned char tie[4];
+    gu_route_stats rs = gu_compare_routes(what, &cfg, &hw, xs, ns, gsi, gsw, csi, csw, tie);
+    gu_check_routes(what, rs);
+    gu_err e = gu_compare(dt, gs, cs, (size_t)ns, H, tie);
+    gu_check_err(what, e, dt, gs, cs, H);
+    for (int j = 0; j < ns; ++j)
+      for (int i = 0; i < 2; ++i)
+        if (ref_u[i] >= 0 && s[j] == U[ref_u[i]] && !tie[j] && ref_rc[i] == 0) {
+          const double eg = ref_rel_l2(dt, gs + (size_t)j * H * es, ref + i * H, H);
+          CHECK(eg <= GU_TOL, "%s: token %d vs double reference %.3g <= %g", what, s[j], eg,
+                GU_TOL);
+        }
+    ml_t_diag("%s: forward %.2f ms, sampled tokens rel L2 %.2e (%d near ties)", what,
+              1e3 * t_fwd, e.rel, rs.near_ties);
+    free(gs);
+    free(cs);
+    free(xs);
+    free(gsi);
+    free(csi);
+    free(gsw);
+    free(csw);
+  }
+  ml_t_diag("%s: fill %.2f s, %.1f GiB to host %.1f s, CPU on %d tokens %.1f s, double ref %.1f s, "
+            "total %.1f s",
+            name, t_fill, (double)host_bytes / (1 << 30), t_copy, nu, t_cpu, t_ref,
+            gu_now() - t_start);
+
+  moelink_moe_destroy(gmoe);
+  moelink_moe_destroy(cmoe);
+  free(ref);
+  free(hxs);
+  free(co);
+  free(ci);
+  free(cw);
+  free(go);
+  free(gi);
+  free(gw);
+  gu_free(dout);
+  gu_free(dids);
+  gu_free(dw);
+  for (int i = 0; i < nt; ++i) {
+    gu_free(ts[i].dev);
+    free(ts[i].host);
+  }
+}
+
+int main(void) {
+  gu_contexts(&g_gpu, &g_cpu);
+  test_reduced();
+  const int np = moelink_preset_count();
+  for (int i = 0; i < np; ++i) full_preset(moelink_preset_name(i), 700 + (uint64_t)i);
+  moelink_context_destroy(g_gpu);
+  moelink_context_destroy(g_cpu);
+  return ml_test_done();
+}

@@ -1,0 +1,502 @@
+/* The CUDA grouped GEMMs (ml_cuda_gemm_swiglu, ml_cuda_gemm_scaled) against a
+ * double-precision host computation, on tile lists shaped like a MoE plan:
+ * tiles of 1, 7, 13, 64 rows, an expert with no tile, rows between experts
+ * that no tile covers, entries past *num_tiles that would overwrite those
+ * rows if they ran, n and k that are not multiples of the CTA tile, row
+ * strides wider than k (the padding holds NaN, so reading it shows), and the
+ * dense form. Outputs are filled with 0xFF bytes (NaN in every output dtype)
+ * before each run: every row that must be written is checked element by
+ * element, every other byte must still be 0xFF. Each run is done twice and
+ * must be bitwise equal; one is replayed from a captured CUDA graph.
+ *
+ * Inputs are multiples of 2^-8 (times a power of two) with at most 8
+ * significant bits, exact in bf16 and f16, so the host computation uses the
+ * very values the GPU sees without any conversion code in common. */
+#include "cuda/cuda.h"
+#include "harness.h"
+
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOL 1e-2
+#define GUARD_ROWS 3 /* poisoned rows after the last problem row */
+
+/* ---- host helpers ---------------------------------------------------------- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rng_next(void) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return (uint32_t)(rng_state >> 16);
+}
+/* m / 256 * scale with |m| <= 255: at most 8 significant bits. */
+static double rng_value(double scale) {
+  int m = (int)(rng_next() % 511) - 255;
+  return m / 256.0 * scale;
+}
+
+/* Exact encoders (the values are representable by construction). */
+static uint16_t enc_bf16(double v) {
+  float f = (float)v;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+static uint16_t enc_f16(double v) {
+  uint16_t sign = v < 0 ? 0x8000 : 0;
+  double a = fabs(v);
+  if (a == 0) return sign;
+  int e;
+  frexp(a, &e); /* a = m * 2^e, m in [0.5, 1) */
+  int E = e - 1 + 15;
+  if (E >= 1) return (uint16_t)(sign | (E << 10) | (uint16_t)((ldexp(a, -(e - 1)) - 1.0) * 1024.0));
+  return (uint16_t)(sign | (uint16_t)ldexp(a, 24)); /* subnormal */
+}
+static uint16_t enc(moelink_dtype_t dt, double v) {
+  return dt == MOELINK_DTYPE_BF16 ? enc_bf16(v) : enc_f16(v);
+}
+static double dec(moelink_dtype_t dt, uint16_t h) {
+  if (dt == MOELINK_DTYPE_BF16) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+  }
+  int s = h >> 15, E = (h >> 10) & 31, m = h & 1023;
+  double v;
+  if (E == 31) v = m ? NAN : INFINITY;
+  else if (E == 0) v = ldexp(m, -24);
+  else v = ldexp(1024 + m, E - 25);
+  return s ? -v : v;
+}
+
+/* A power of two near 1 / sqrt(k), so dot products stay of order 1. */
+static double weight_scale(int k) {
+  return ldexp(1.0, -(int)floor(log2(sqrt((double)(k > 0 ? k : 1))) + 0.5));
+}
+
+#define CUDA_CHECK(call)                                                       \
+  do {                                                                         \
+    cudaError_t e_ = (call);                                                   \
+    if (e_ != cudaSuccess) {                                                   \
+      printf("# %s failed: %s (%s:%d)\n", #call, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      exit(2);                                                                 \
+    }                                                                          \
+  } while (0)
+
+static void *dev_copy(const void *host, size_t bytes) {
+  void *d = NULL;
+  CUDA_CHECK(cudaMalloc(&d, bytes ? bytes : 16));
+  if (bytes) CUDA_CHECK(cudaMemcpy(d, host, bytes, cudaMemcpyHostToDevice));
+  return d;
+}
+
+/* ---- problems ------------------------------------------------------------ */
+
+/* A tile list over R problem rows; row_expert[r] = -1 for rows no tile owns. */
+typedef struct problem {
+  int E, R;           /* experts, problem rows (gaps included) */
+  int num_tiles, max_tiles;
+  int32_t *tiles;     /* 3 * max_tiles; NULL: dense over R rows */
+  int *row_expert;    /* [R] */
+  int real_rows;
+} problem;
+
+/* Builds a tile list from per-expert tile sizes: sizes[e] is a 0-terminated
+ * list of tile row counts for expert e, gap[e] rows follow the expert. The
+ * entries past num_tiles (extra of them) point at gap rows, so running them
+ * would be caught. */
+static void problem_make(problem *p, int E, const int sizes[][4], const int *gap, int extra) {
+  memset(p, 0, sizeof *p);
+  p->E = E;
+  int nt = 0, R = 0;
+  for (int e = 0; e < E; ++e) {
+    for (int i = 0; i < 4 && sizes[e][i]; ++i) ++nt, R += sizes[e][i];
+    R += gap[e];
+  }
+  p->R = R;
+  p->num_tiles = nt;
+  p->max_tiles = nt + extra;
+  p->tiles = calloc((size_t)3 * (p->max_tiles ? p->max_tiles : 1), sizeof(int32_t));
+  p->row_expert = malloc((size_t)R * sizeof(int));
+  int t = 0, row = 0, first_gap = -1;
+  for (int e = 0; e < E; ++e) {
+    for (int i = 0; i < 4 && sizes[e][i]; ++i) {
+      p->tiles[3 * t] = e;
+      p->tiles[3 * t + 1] = row;
+      p->tiles[3 * t + 2] = sizes[e][i];
+      for (int r = 0; r < sizes[e][i]; ++r) p->row_expert[row + r] = e;
+      row += sizes[e][i];
+      p->real_rows += sizes[e][i];
+      ++t;
+    }
+    for (int r = 0; r < gap[e]; ++r) {
+      if (first_gap < 0) first_gap = row;
+      p->row_expert[row++] = -1;
+    }
+  }
+  for (; t < p->max_tiles; ++t) {
+    p->tiles[3 * t] = E - 1;
+    p->tiles[3 * t + 1] = first_gap >= 0 ? first_gap : 0;
+    p->tiles[3 * t + 2] = 1;
+  }
+}
+
+static void problem_dense(problem *p, int rows) {
+  memset(p, 0, sizeof *p);
+  p->E = 1;
+  p->R = rows;
+  p->real_rows = rows;
+  p->row_expert = malloc((size_t)(rows ? rows : 1) * sizeof(int));
+  for (int r = 0; r < rows; ++r) p->row_expert[r] = 0;
+}
+
+static void problem_free(problem *p) {
+  free(p->tiles);
+  free(p->row_expert);
+}
+
+/* ---- output checks --------------------------------------------------------- */
+
+/* Compares a device output [R + GUARD_ROWS, n] (elements of esize bytes)
+ * with ref [R, n]: rows owned by a tile against ref, every other byte 0xFF. */
+static void check_output(const char *what, const problem *p, int n, const void *host_out,
+                         moelink_dtype_t dt, int out_f32, const double *ref) {
+  size_t esize = out_f32 ? 4 : 2;
+  double err2 = 0, ref2 = 0, maxabs = 0;
+  long bad_poison = 0, nonfinite = 0;
+  const unsigned char *bytes = host_out;
+  for (int r = 0; r < p->R + GUARD_ROWS; ++r) {
+    int owned = r < p->R && p->row_expert[r] >= 0;
+    for (int j = 0; j < n; ++j) {
+      size_t i = (size_t)r * n + j;
+      if (!owned) {
+        for (size_t b = 0; b < esize; ++b) bad_poison += bytes[i * esize + b] != 0xFF;
+        continue;
+      }
+      double got;
+      if (out_f32) {
+        float f;
+        memcpy(&f, bytes + i * 4, 4);
+        got = f;
+      } else {
+        uint16_t h;
+        memcpy(&h, bytes + i * 2, 2);
+        got = dec(dt, h);
+      }
+      if (!isfinite(got)) {
+        ++nonfinite;
+        continue;
+      }
+      double d = got - ref[i];
+      err2 += d * d;
+      ref2 += ref[i] * ref[i];
+      if (fabs(d) > maxabs) maxabs = fabs(d);
+    }
+  }
+  double rel = ref2 > 0 ? sqrt(err2 / ref2) : sqrt(err2);
+  ml_t_diag("%s: rel L2 %.3e, max |err| %.3e, %ld non-finite, %ld poison bytes changed", what,
+            rel, maxabs, nonfinite, bad_poison);
+  CHECK(nonfinite == 0 && rel <= TOL, "%s: every owned element finite, rel L2 %.2e <= %.0e",
+        what, rel, TOL);
+  CHECK(bad_poison == 0, "%s: rows no tile owns stay poisoned (%ld bytes changed)", what,
+        bad_poison);
+}
+
+/* ---- one case: both GEMMs on one problem ------------------------------------ */
+
+typedef struct gemm_case {
+  const char *name;
+  moelink_dtype_t dt;
+  int n, k;        /* swiglu: out [R, n], B [E, 2n, k]; scaled: out [R, k], B [E, k, n] */
+  int lda_pad;     /* extra elements per row of both A operands */
+  int top_k;       /* a_div; 0: no gather */
+  int scale_mode;  /* 0: no row_scale, 1: row_scale[r], 2: row_scale[scale_index[r]] */
+  int graph;       /* replay the swiglu GEMM from a captured graph too */
+} gemm_case;
+
+static void run_case(const gemm_case *c, const problem *p) {
+  moelink_dtype_t dt = c->dt;
+  int n = c->n, k = c->k, R = p->R, E = p->E;
+  int lda1 = k + c->lda_pad, lda2 = n + c->lda_pad;
+  int tokens = c->top_k ? (p->real_rows + c->top_k - 1) / c->top_k : R;
+  int xrows = c->top_k ? tokens : R;
+  char label[160];
+
+  /* x [xrows, lda1]; padding NaN (0xFFFF) */
+  double *x = malloc((size_t)xrows * k * sizeof(double) + 8);
+  uint16_t *xh = malloc((size_t)xrows * lda1 * 2 + 16);
+  for (int r = 0; r < xrows; ++r)
+    for (int i = 0; i < lda1; ++i) {
+      if (i < k) {
+        double v = rng_value(1.0);
+        x[(size_t)r * k + i] = v;
+        xh[(size_t)r * lda1 + i] = enc(dt, v);
+      } else {
+        xh[(size_t)r * lda1 + i] = 0xFFFF;
+      }
+    }
+  /* a_index: a permutation of the real rows' (token, slot) pairs */
+  int32_t *a_index = malloc((size_t)(R ? R : 1) * sizeof(int32_t));
+  int32_t *perm = malloc((size_t)(p->real_rows ? p->real_rows : 1) * sizeof(int32_t));
+  for (int i = 0; i < p->real_rows; ++i) perm[i] = i;
+  for (int i = p->real_rows - 1; i > 0; --i) {
+    int j = (int)(rng_next() % (uint32_t)(i + 1));
+    int32_t t = perm[i];
+    perm[i] = perm[j];
+    perm[j] = t;
+  }
+  for (int r = 0, q = 0; r < R; ++r)
+    a_index[r] = p->row_expert[r] >= 0 ? perm[q++] : 0;
+  /* w1 [E, 2n, k], w2 [E, k, n] */
+  double s1 = weight_scale(k), s2 = weight_scale(n);
+  size_t w1n = (size_t)E * 2 * n * k, w2n = (size_t)E * k * n;
+  double *w1 = malloc(w1n * sizeof(double) + 8), *w2 = malloc(w2n * sizeof(double) + 8);
+  uint16_t *w1h = malloc(w1n * 2 + 16), *w2h = malloc(w2n * 2 + 16);
+  for (size_t i = 0; i < w1n; ++i) w1h[i] = enc(dt, w1[i] = rng_value(s1));
+  for (size_t i = 0; i < w2n; ++i) w2h[i] = enc(dt, w2[i] = rng_value(s2));
+  /* h [R, lda2]: the scaled GEMM's own input (independent of swiglu's output) */
+  double *h = malloc((size_t)R * n * sizeof(double) + 8);
+  uint16_t *hh = malloc((size_t)R * lda2 * 2 + 16);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < lda2; ++i) {
+      int real = p->row_expert[r] >= 0 && i < n;
+      double v = real ? rng_value(1.0) : 0;
+      if (i < n) h[(size_t)r * n + i] = v;
+      hh[(size_t)r * lda2 + i] = real ? enc(dt, v) : 0xFFFF;
+    }
+  int nscale = c->scale_mode == 2 ? p->real_rows : R;
+  float *row_scale = malloc((size_t)(nscale ? nscale : 1) * sizeof(float));
+  for (int i = 0; i < nscale; ++i) row_scale[i] = (float)((rng_next() % 1000 + 1) / 1000.0);
+
+  /* references */
+  double *ref1 = calloc((size_t)R * n + 1, sizeof(double));
+  double *ref2 = calloc((size_t)R * k + 1, sizeof(double));
+  for (int r = 0; r < R; ++r) {
+    int e = p->row_expert[r];
+    if (e < 0) continue;
+    const double *xr = x + (size_t)(c->top_k ? a_index[r] / c->top_k : r) * k;
+    for (int j = 0; j < n; ++j) {
+      const double *g = w1 + ((size_t)e * 2 * n + j) * k, *u = g + (size_t)n * k;
+      double sg = 0, su = 0;
+      for (int i = 0; i < k; ++i) {
+        sg += xr[i] * g[i];
+        su += xr[i] * u[i];
+      }
+      ref1[(size_t)r * n + j] = sg / (1.0 + exp(-sg)) * su;
+    }
+    double sc = c->scale_mode == 0   ? 1.0
+                : c->scale_mode == 1 ? row_scale[r]
+                                     : row_scale[a_index[r]];
+    const double *hr = h + (size_t)r * n;
+    for (int j = 0; j < k; ++j) {
+      const double *w = w2 + ((size_t)e * k + j) * n;
+      double s = 0;
+      for (int i = 0; i < n; ++i) s += hr[i] * w[i];
+      ref2[(size_t)r * k + j] = sc * s;
+    }
+  }
+
+  /* device buffers */
+  void *d_x = dev_copy(xh, (size_t)xrows * lda1 * 2);
+  void *d_w1 = dev_copy(w1h, w1n * 2), *d_w2 = dev_copy(w2h, w2n * 2);
+  void *d_h = dev_copy(hh, (size_t)R * lda2 * 2);
+  int32_t *d_index = dev_copy(a_index, (size_t)R * sizeof(int32_t));
+  float *d_scale = dev_copy(row_scale, (size_t)nscale * sizeof(float));
+  int32_t *d_tiles = NULL, *d_num = NULL;
+  if (p->tiles) {
+    d_tiles = dev_copy(p->tiles, (size_t)3 * p->max_tiles * sizeof(int32_t));
+    d_num = dev_copy(&p->num_tiles, sizeof(int32_t));
+  }
+  size_t out1_bytes = (size_t)(R + GUARD_ROWS) * n * 2;
+  size_t out2_bytes = (size_t)(R + GUARD_ROWS) * k * 4;
+  void *d_out1 = NULL, *d_out2 = NULL;
+  CUDA_CHECK(cudaMalloc(&d_out1, out1_bytes));
+  CUDA_CHECK(cudaMalloc(&d_out2, out2_bytes));
+  unsigned char *got = malloc(out2_bytes > out1_bytes ? out2_bytes : out1_bytes);
+  unsigned char *first = malloc(out2_bytes > out1_bytes ? out2_bytes : out1_bytes);
+  cudaStream_t stream;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int32_t *ai = c->top_k ? d_index : NULL;
+  const float *rs = c->scale_mode ? d_scale : NULL;
+  const int32_t *si = c->scale_mode == 2 ? d_index : NULL;
+
+  /* Graph capture first, in global mode, so that the launcher's first call
+   * in this process (when it sets the kernel's shared-memory limit) is the
+   * one being captured. */
+  unsigned char *graph_out = NULL;
+  if (c->graph) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    graph_out = malloc(out1_bytes);
+    CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    moelink_status_t st = ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles,
+                                              d_num, p->max_tiles, R, d_out1, stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(st == MOELINK_SUCCESS, "%s swiglu captured in a CUDA graph%s%s", c->name,
+          st ? ": " : "", st ? moelink_last_error() : "");
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaMemcpy(graph_out, d_out1, out1_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+  }
+
+  /* swiglu: two runs, bitwise equal */
+  for (int rep = 0; rep < 2; ++rep) {
+    CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
+    snprintf(label, sizeof label, "%s swiglu run %d", c->name, rep);
+    CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
+                                 p->max_tiles, R, d_out1, stream),
+             label);
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out1, out1_bytes, cudaMemcpyDeviceToHost));
+  }
+  snprintf(label, sizeof label, "%s swiglu (%s, n %d, k %d, lda %d)", c->name,
+           moelink_dtype_name(dt), n, k, lda1);
+  check_output(label, p, n, first, dt, 0, ref1);
+  CHECK(memcmp(first, got, out1_bytes) == 0, "%s swiglu: two runs bitwise equal", c->name);
+  if (graph_out) {
+    CHECK(memcmp(first, graph_out, out1_bytes) == 0,
+          "%s swiglu: graph replay bitwise equal to a direct run", c->name);
+    free(graph_out);
+  }
+
+  /* scaled, dtype out and fp32 out */
+  for (int f32 = 0; f32 < 2; ++f32) {
+    size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
+    for (int rep = 0; rep < 2; ++rep) {
+      CUDA_CHECK(cudaMemsetAsync(d_out2, 0xFF, bytes, stream));
+      snprintf(label, sizeof label, "%s scaled%s run %d", c->name, f32 ? " f32" : "", rep);
+      CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R,
+                                   rs, si, d_out2, f32, stream),
+               label);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out2, bytes, cudaMemcpyDeviceToHost));
+    }
+    snprintf(label, sizeof label, "%s scaled (%s%s, n %d, k %d, lda %d, scale %d)", c->name,
+             moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2, c->scale_mode);
+    check_output(label, p, k, first, dt, f32, ref2);
+    CHECK(memcmp(first, got, bytes) == 0, "%s scaled%s: two runs bitwise equal", c->name,
+          f32 ? " f32" : "");
+  }
+
+  CUDA_CHECK(cudaStreamDestroy(stream));
+  cudaFree(d_x);
+  cudaFree(d_w1);
+  cudaFree(d_w2);
+  cudaFree(d_h);
+  cudaFree(d_index);
+  cudaFree(d_scale);
+  cudaFree(d_tiles);
+  cudaFree(d_num);
+  cudaFree(d_out1);
+  cudaFree(d_out2);
+  free(x), free(xh), free(a_index), free(perm), free(w1), free(w2), free(w1h), free(w2h);
+  free(h), free(hh), free(row_scale), free(ref1), free(ref2), free(got), free(first);
+}
+
+/* ---- argument checks (no launch) ------------------------------------------ */
+
+static void check_rejections(void) {
+  void *d = NULL;
+  CUDA_CHECK(cudaMalloc(&d, 1 << 16));
+  char *b = d;
+  int32_t *num = (int32_t *)(b + 60000);
+  moelink_dtype_t bf = MOELINK_DTYPE_BF16;
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 12, 16, NULL, NULL, 0, 4, b, 0),
+               MOELINK_ERR_UNSUPPORTED, "swiglu n 12");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 24, NULL, 1, b, 16, 20, NULL, NULL, 0, 4, b, 0),
+               MOELINK_ERR_UNSUPPORTED, "swiglu k 20");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 20, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+               MOELINK_ERR_UNSUPPORTED, "swiglu lda 20");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b + 8, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+               MOELINK_ERR_UNSUPPORTED, "swiglu a 8 bytes off 16-byte alignment");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(MOELINK_DTYPE_F32, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0,
+                                   4, b, 0),
+               MOELINK_ERR_UNSUPPORTED, "swiglu f32");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 8, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "swiglu lda < k");
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, (const int32_t *)b, 0, b, 16, 16, NULL, NULL, 0,
+                                   4, b, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "swiglu a_div 0");
+  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 36, 16, NULL, NULL, 0, 4, NULL, NULL, b, 0, 0),
+               MOELINK_ERR_UNSUPPORTED, "scaled n 36");
+  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b + 4, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1,
+                                   0),
+               MOELINK_ERR_UNSUPPORTED, "scaled b misaligned");
+  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b + 2, 0,
+                                   0),
+               MOELINK_ERR_UNSUPPORTED, "scaled out misaligned");
+  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, (const int32_t *)b, NULL, 4, 4, NULL,
+                                   NULL, b, 0, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
+  /* nothing to do: succeeds without touching out */
+  CUDA_CHECK(cudaMemset(b, 0xFF, 4096));
+  CUDA_CHECK(cudaMemset(num, 0, sizeof(int32_t)));
+  CHECK_OK(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, (const int32_t *)(b + 50000), num,
+                               0, 0, b, 0),
+           "swiglu with max_tiles 0");
+  CHECK_OK(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 0, NULL, NULL, b, 0, 0),
+           "scaled with dense_rows 0");
+  CUDA_CHECK(cudaDeviceSynchronize());
+  unsigned char host[4096];
+  CUDA_CHECK(cudaMemcpy(host, b, sizeof host, cudaMemcpyDeviceToHost));
+  int untouched = 1;
+  for (size_t i = 0; i < sizeof host; ++i) untouched &= host[i] == 0xFF;
+  CHECK(untouched, "empty problems write nothing");
+  cudaFree(d);
+}
+
+int main(void) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    printf("# no CUDA device\n");
+    CHECK(0, "a CUDA device is present");
+    return ml_test_done();
+  }
+  check_rejections();
+
+  /* A plan-like tile list: experts of 1, 7, 0, 64, 13 + 64, 64 + 64 + 2 rows;
+   * gaps of 3 and 5 rows; 3 dead entries past num_tiles. */
+  static const int sizes_a[6][4] = {{1}, {7}, {0}, {64}, {13, 64}, {64, 64, 2}};
+  static const int gaps_a[6] = {0, 3, 0, 0, 5, 0};
+  problem pa;
+  problem_make(&pa, 6, sizes_a, gaps_a, 3);
+  /* Qwen3-30B-A3B-sized layer (H 2048, I 768), fewer experts. */
+  static const int sizes_b[5][4] = {{64, 64, 37}, {0}, {5}, {64, 1}, {64, 64, 64, 64}};
+  static const int gaps_b[5] = {3, 0, 0, 8, 0};
+  problem pb;
+  problem_make(&pb, 5, sizes_b, gaps_b, 2);
+  problem pd;
+  problem_dense(&pd, 77);
+
+  static const gemm_case cases[] = {
+      {"tiles bf16", MOELINK_DTYPE_BF16, 200, 136, 8, 2, 2, 1},
+      {"tiles f16", MOELINK_DTYPE_F16, 200, 136, 8, 2, 2, 1},
+      {"tiles bf16 n 8 k 8", MOELINK_DTYPE_BF16, 8, 8, 0, 1, 1, 0},
+      {"qwen3 bf16", MOELINK_DTYPE_BF16, 768, 2048, 0, 8, 2, 0},
+      {"qwen3 f16", MOELINK_DTYPE_F16, 768, 2048, 16, 8, 2, 0},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i)
+    run_case(&cases[i], i < 3 ? &pa : &pb);
+
+  static const gemm_case dense[] = {
+      {"dense bf16", MOELINK_DTYPE_BF16, 328, 264, 0, 0, 1, 0},
+      {"dense f16", MOELINK_DTYPE_F16, 64, 64, 8, 0, 0, 0},
+  };
+  for (size_t i = 0; i < sizeof dense / sizeof dense[0]; ++i) run_case(&dense[i], &pd);
+
+  problem_free(&pa);
+  problem_free(&pb);
+  problem_free(&pd);
+  return ml_test_done();
+}
