@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# On a GPU machine (through the device tool): configure with CUDA, build, run the gpu tests,
+# then the benchmarks. Logs and JSON go to $OUT (or ./out). At most 8 files come back from the
+# device tool, so everything is gathered into a few.
+#   scripts/gpu-check.sh [all|test|bench]   (default all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT/json"
+what=${1:-all}
+export NCCL_NVLS_ENABLE=0
+BUILD=${BUILD:-build-gpu}
+JOBS=$(nproc)
+log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+log "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -4 | tr '\n' ';')"
+log "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The CPU backend (the GPU tests' reference) needs OpenBLAS. The GPU image has no package
+# registry: unpack the Debian packages carried in .debs/ (see docs/PERF.md, "how to run").
+if ! pkg-config --exists openblas 2>/dev/null && [ -d .debs ]; then
+  DEPS=/tmp/mldeps
+  for f in .debs/*.deb; do dpkg -x "$f" "$DEPS"; done
+  ML_CMAKE_FLAGS="${ML_CMAKE_FLAGS:-} -DML_CBLAS_INCLUDE=$DEPS/usr/include/x86_64-linux-gnu/openblas-openmp -DML_OPENBLAS_LIB=$DEPS/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so"
+  export LD_LIBRARY_PATH=$DEPS/usr/lib/x86_64-linux-gnu/openblas-openmp:$DEPS/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  log "OpenBLAS from .debs unpacked into $DEPS"
+fi
+log "configure + build ($BUILD, -j$JOBS)"
+if ! { cmake -S . -B "$BUILD" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${ML_CMAKE_FLAGS:-} &&
+       cmake --build "$BUILD" -j "$JOBS"; } >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  log "BUILD FAILED"
+  exit 1
+fi
+log "build ok"
+
+rc=0
+if [ "$what" = all ] || [ "$what" = test ]; then
+  log "ctest -L gpu"
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 900) >"$OUT/test.log" 2>&1 || rc=1
+  grep -E '^(ok|not ok|[0-9]+ passed)|tests passed|Failed|Passed|\*\*\*' "$OUT/test.log" | grep -vE '^ok ' | tail -60
+  log "gpu tests: $(grep -E 'tests passed' "$OUT/test.log" | tail -1)"
+  log "TAP: $(grep -c '^ok ' "$OUT/test.log") ok, $(grep -c '^not ok ' "$OUT/test.log") not ok"
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  TOKENS=${TOKENS:-1,16,128,512,2048,8192}
+  for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+    log "bench $p"
+    ./"$BUILD"/moelink bench --backend cuda --preset "$p" --tokens "$TOKENS" \
+      --json "$OUT/json/bench_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  done
+  if python3 -c 'import torch' 2>/dev/null; then
+    for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+      log "compare_torch $p"
+      MOELINK_LIBRARY=$PWD/$BUILD/libmoelink.so PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 \
+        python3 bench/compare_torch.py --preset "$p" --tokens "$TOKENS" \
+        --json "$OUT/json/torch_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+    done
+  fi
+fi
+# The device tool brings back at most 8 files: pack the JSON into one.
+(cd "$OUT" && tar czf json.tgz json && rm -rf json)
+log "done rc=$rc"
+exit $rc
