@@ -36,7 +36,7 @@ log "build ok"
 rc=0
 if [ "$what" = all ] || [ "$what" = test ]; then
   log "ctest -L gpu"
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout 900) >"$OUT/test.log" 2>&1 || rc=1
+  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
   grep -E '^(ok|not ok|[0-9]+ passed)|tests passed|Failed|Passed|\*\*\*' "$OUT/test.log" | grep -vE '^ok ' | tail -60
   log "gpu tests: $(grep -E 'tests passed' "$OUT/test.log" | tail -1)"
   log "TAP: $(grep -c '^ok ' "$OUT/test.log") ok, $(grep -c '^not ok ' "$OUT/test.log") not ok"
