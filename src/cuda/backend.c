@@ -12,6 +12,7 @@
  * sized for max_tokens. Every entry makes the context's device current and
  * puts back the caller's device on the way out. */
 #include "cuda/cuda.h"
+#include "cuda/gemm/decode.h"
 #include "cuda/pipeline.h"
 
 #include <stdint.h>
@@ -29,7 +30,8 @@ typedef struct ml_cu_ctx {
 typedef struct ml_cu_layout {
   size_t ids, wts, plan, keys_in, keys_out, vals_in, vals_out, sort_tmp, h, y, sh_h, sh_out,
       partials, tickets;
-  size_t sort_tmp_bytes, tickets_bytes, total;
+  size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
+  size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, total;
 } ml_cu_layout;
 
 typedef struct ml_cu_moe {
@@ -43,6 +45,8 @@ typedef struct ml_cu_moe {
   float *sh_out;
   float *partials;
   int32_t *tickets;
+  float *dec_part;       /* decode GEMMs' split-K partials */
+  uint32_t *dec_tickets; /* and their tickets (zero between launches) */
 } ml_cu_moe;
 
 static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx->impl; }
@@ -197,6 +201,11 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
                                      sizeof(float));
   L->tickets_bytes = (size_t)(c->sm_count > 0 ? c->sm_count : 1) * sizeof(int32_t);
   L->tickets = ml_cu_take(&cur, L->tickets_bytes);
+  ml_cuda_decode_scratch(cfg->max_tokens, cfg->top_k, cfg->num_experts, cfg->hidden, cfg->inter,
+                         cfg->shared_inter, c->sm_count, &L->dec_part_floats,
+                         &L->dec_ticket_count);
+  L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
+  L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
   L->total = (cur + 255) & ~(size_t)255;
   return MOELINK_SUCCESS;
 }
@@ -260,10 +269,14 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->sh_out = (float *)(m->base + L->sh_out);
   m->partials = (float *)(m->base + L->partials);
   m->tickets = (int32_t *)(m->base + L->tickets);
+  m->dec_part = (float *)(m->base + L->dec_part);
+  m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   /* The router's tickets must start at zero; every launch leaves them so. The
    * wait is at create, never on the hot path, and makes the zeros visible to
    * streams that do not synchronize with the legacy default stream. */
   e = cudaMemset(m->tickets, 0, L->tickets_bytes);
+  if (e == cudaSuccess && L->dec_ticket_count > 0) /* the decode GEMMs' tickets, likewise */
+    e = cudaMemset(m->dec_tickets, 0, L->dec_ticket_count * sizeof(uint32_t));
   if (e == cudaSuccess) e = cudaStreamSynchronize(0);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -347,11 +360,44 @@ static moelink_status_t ml_cu_plan_impl(moelink_moe_t moe, const int32_t *ids, i
   return ml_cu_step(st, "plan");
 }
 
+/* Options of a decode GEMM launch on this layer's scratch. */
+static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
+  const ml_cu_moe *m = (const ml_cu_moe *)moe->impl;
+  ml_decode_opts o;
+  memset(&o, 0, sizeof o);
+  o.sm_count = ml_cu_ctx_of(moe->ctx)->sm_count;
+  o.flags = flags;
+  o.partials = m->dec_part;
+  o.partial_floats = m->lay.dec_part_floats;
+  o.tickets = m->dec_tickets;
+  o.ticket_count = m->lay.dec_ticket_count;
+  return o;
+}
+
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h Wd^T. */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  const int pairs = plan->num_tokens * plan->top_k;
+  if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
+    /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
+     * threshold is measured there). The down GEMM may read the tiles before
+     * its dependency wait: the gate/up GEMM lets it start only after the plan
+     * is complete. */
+    ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+    int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
+    if (passes > plan->max_tiles) passes = plan->max_tiles;
+    ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
+                                 moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles,
+                                 plan->num_tiles, passes, pairs, m->h, &o, st));
+    ML_TRY(ml_cu_step(st, "routed gate/up GEMM (decode)"));
+    o.flags |= ML_DECODE_PLAN_EARLY;
+    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden,
+                                 cfg->inter, plan->tiles, plan->num_tiles, passes, pairs, weights,
+                                 weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
+    return ml_cu_step(st, "routed down GEMM (decode)");
+  }
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles,
                              plan->num_tiles, plan->max_tiles, 0, m->h, st));
@@ -401,7 +447,18 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   ML_TRY(ml_cu_step(st, "plan"));
   ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
   const float *sh = NULL;
-  if (cfg->shared_inter > 0) {
+  if (cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1)) {
+    /* the shared expert of a small batch: decode GEMMs, dense rows */
+    ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+    ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
+                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &o,
+                                 st));
+    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
+                                 cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
+                                 m->sh_out, 1, &o, st));
+    ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
+    sh = m->sh_out;
+  } else if (cfg->shared_inter > 0) {
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
                                cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, st));
     ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,

@@ -1,0 +1,322 @@
+/* Host side of the decode expert GEMMs (decode.h; kernels in gemm/decode.cuh):
+ * the path policy (which GEMM path, how many K splits), the scratch a layer
+ * reserves for them, argument checks and launches. */
+#include "cuda/gemm/decode.cuh"
+#include "cuda/gemm/decode.h"
+
+#include <limits.h>
+#include <stdint.h>
+
+/* Routed GEMMs: the decode path runs up to this many (token, slot) rows per
+ * call (0: never). Measured on an H200 (bf16 layer, moelink bench): at 2..256
+ * rows it is as fast or faster than the tile engine (mixtral-8x7b T = 1:
+ * 248 us against 386; deepseek-v3 T = 16: 1297 against 1329; mixtral T = 128,
+ * 256 rows: 777 against 774), at 1024 rows slower (qwen3-30b-a3b T = 128: 386
+ * against 364; deepseek-v3: 1937 against 1869). */
+MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
+/* Programmatic dependent launch of the decode GEMMs (0: plain launches). */
+MOELINK_PARAM(DECODE_PDL, 1)
+/* CTAs per SM the split policy aims for: two resident a SM, two waves. */
+MOELINK_PARAM(DECODE_CTAS_PER_SM, 4)
+
+/* A split streams at least this many 64-wide k tiles (128 weight rows x 256
+ * columns = 64 KiB), and there are at most this many splits. */
+#define MLD_MIN_SPLIT_KTILES 4
+#define MLD_MAX_SPLITS 16
+
+static int mld_ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+extern "C" int ml_cuda_decode_passes(int rows, int experts) {
+  if (rows <= 0 || experts <= 0) return 0;
+  const int busy = rows < experts ? rows : experts;
+  /* sum over busy experts of ceil(n_e / R) <= busy + (rows - busy) / R */
+  return busy + (rows - busy) / ML_CUDA_TILE_ROWS;
+}
+
+extern "C" int ml_cuda_decode_wanted(int rows, int experts) {
+  if (rows <= 0 || experts <= 0) return 0;
+  int64_t limit = ml_param_DECODE_MAX_PAIRS();
+  /* A dense problem (the shared expert) past one pass would stream its
+   * weights once per pass: the tile engine takes it from there. */
+  if (experts == 1 && limit > ML_CUDA_TILE_ROWS) limit = ML_CUDA_TILE_ROWS;
+  return (int64_t)rows <= limit;
+}
+
+/* Splits of k for a launch of max_passes passes x mblocks column blocks:
+ * enough CTAs for every SM to stream weights (DECODE_CTAS_PER_SM per SM)
+ * while each split keeps a useful length. Returns the count with no empty
+ * split; *kt_per gets the k tiles of each. */
+static int mld_splits(int mblocks, int ktiles, int max_passes, int sm_count, int forced,
+                      int *kt_per) {
+  int s = 1;
+  if (forced > 0) {
+    s = forced;
+  } else if (ktiles > 1 && mblocks > 0 && max_passes > 0) {
+    const int64_t base = (int64_t)max_passes * mblocks;
+    int64_t per_sm = ml_param_DECODE_CTAS_PER_SM();
+    if (per_sm < 1) per_sm = 1;
+    const int64_t target = per_sm * (sm_count > 0 ? sm_count : 1);
+    if (base < target) {
+      int64_t want = (target + base - 1) / base;
+      const int most = ktiles / MLD_MIN_SPLIT_KTILES;
+      if (want > MLD_MAX_SPLITS) want = MLD_MAX_SPLITS;
+      if (want > most) want = most;
+      s = want > 1 ? (int)want : 1;
+    }
+  }
+  if (ktiles <= 0) {
+    *kt_per = 0;
+    return 1;
+  }
+  if (s > ktiles) s = ktiles;
+  *kt_per = mld_ceil_div(ktiles, s);
+  return mld_ceil_div(ktiles, *kt_per);
+}
+
+static int mld_mblocks(int swiglu, int n) {
+  return mld_ceil_div(n, swiglu ? mld_cols<MLD_SWIGLU>::N : mld_cols<MLD_SCALED>::N);
+}
+
+extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes,
+                                            int sm_count) {
+  int kt_per = 0;
+  return mld_splits(mld_mblocks(swiglu, n), mld_ceil_div(k, MLD_BK), max_passes, sm_count, 0,
+                    &kt_per);
+}
+
+/* Scratch of one launch shape under the policy. */
+static void mld_need(int swiglu, int n, int k, int rows, int passes, int sm_count,
+                     size_t *floats, size_t *tickets) {
+  const int mb = mld_mblocks(swiglu, n);
+  int kt_per = 0;
+  const int s = mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count, 0, &kt_per);
+  if (s <= 1) return;
+  const size_t f = (size_t)s * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
+  const size_t t = (size_t)passes * (size_t)mb;
+  if (f > *floats) *floats = f;
+  if (t > *tickets) *tickets = t;
+}
+
+extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_experts, int hidden,
+                                       int inter, int shared_inter, int sm_count,
+                                       size_t *partial_floats, size_t *ticket_count) {
+  *partial_floats = 0;
+  *ticket_count = 0;
+  for (int T = 1; T <= max_tokens; ++T) {
+    const int64_t P64 = (int64_t)T * top_k;
+    if (P64 > INT_MAX) break;
+    const int P = (int)P64;
+    const int routed = ml_cuda_decode_wanted(P, num_experts);
+    const int shared = shared_inter > 0 && ml_cuda_decode_wanted(T, 1);
+    /* both are monotone in T: once neither runs, no larger T does */
+    if (!routed && !shared) break;
+    if (routed) {
+      const int passes = ml_cuda_decode_passes(P, num_experts);
+      mld_need(1, inter, hidden, P, passes, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, inter, P, passes, sm_count, partial_floats, ticket_count);
+    }
+    if (shared) {
+      const int passes = ml_cuda_decode_passes(T, 1);
+      mld_need(1, shared_inter, hidden, T, passes, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, shared_inter, T, passes, sm_count, partial_floats, ticket_count);
+    }
+  }
+}
+
+/* ---- launches ------------------------------------------------------------------ */
+
+enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16_F32,
+       MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32, MLD_K_COUNT };
+#define MLD_MAX_DEVICES 64
+static unsigned char mld_smem_ready[MLD_MAX_DEVICES][MLD_K_COUNT];
+
+/* The ring is past the 48 KiB default: raise the kernel's limit once per
+ * device (a function attribute lives in the device's context; a race sets it
+ * twice, which is harmless). */
+static moelink_status_t mld_allow_smem(const void *kernel, int which) {
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  const int cached = dev >= 0 && dev < MLD_MAX_DEVICES;
+  if (cached && __atomic_load_n(&mld_smem_ready[dev][which], __ATOMIC_ACQUIRE))
+    return MOELINK_SUCCESS;
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   MLD_SMEM_BYTES));
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared));
+  if (cached) __atomic_store_n(&mld_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
+  return MOELINK_SUCCESS;
+}
+
+template <int DT, int MODE, int OUT_F32>
+static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, int pdl,
+                                   const char *name, cudaStream_t stream) {
+  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32>;
+  ML_TRY(mld_allow_smem((const void *)kernel, which));
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.blockDim = dim3(MLD_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = MLD_SMEM_BYTES;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, *p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs%s) failed: %s", name, grid,
+                   pdl ? ", programmatic dependent launch" : "", cudaGetErrorString(e));
+  }
+  ML_CUDA_LAUNCHED(name);
+  return MOELINK_SUCCESS;
+}
+
+static int mld_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
+
+/* Checks and fills everything but the mode-specific fields; *grid 0 means
+ * there is nothing to do. */
+static moelink_status_t mld_prepare(const char *what, int swiglu, moelink_dtype_t dt,
+                                    const void *a, int lda, const void *b, int n, int k,
+                                    const int32_t *tiles, const int32_t *num_tiles,
+                                    int max_passes, int rows, void *out, const ml_decode_opts *o,
+                                    mld_args *p, unsigned *grid) {
+  *grid = 0;
+  if (o == NULL) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: options are NULL", what);
+  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
+                   moelink_dtype_name(dt));
+  if (n < 0 || k < 0 || lda < k || rows < 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: n %d, k %d, lda %d, rows %d (need n, k, rows >= 0, lda >= k)", what, n, k,
+                   lda, rows);
+  if (n % 8 || k % 8 || lda % 8)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: n %d, k %d, lda %d must be multiples of 8 (16-byte rows)", what, n, k,
+                   lda);
+  int passes;
+  if (tiles != NULL) {
+    if (num_tiles == NULL)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: tiles given without num_tiles", what);
+    if (max_passes < 0)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: max_passes %d < 0", what, max_passes);
+    passes = max_passes;
+  } else {
+    passes = ml_cuda_decode_passes(rows, 1);
+  }
+  const int mb = mld_mblocks(swiglu, n);
+  const int ktiles = mld_ceil_div(k, MLD_BK);
+  int kt_per = 0;
+  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, o->splits, &kt_per);
+  if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
+  const int64_t ctas = (int64_t)passes * mb * splits;
+  if (ctas > INT_MAX)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: %d passes x %d column blocks x %d splits is "
+                   "too many CTAs", what, passes, mb, splits);
+  if (a == NULL || b == NULL || out == NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL operand (a %p, b %p, out %p)", what,
+                   a, b, out);
+  if (mld_misaligned(a) || mld_misaligned(b) || mld_misaligned(out))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: operands must be 16-byte aligned (a %p, b %p, out %p)", what, a, b, out);
+  if (splits > 1) {
+    const size_t need_f = (size_t)splits * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
+    const size_t need_t = (size_t)passes * (size_t)mb;
+    if (o->partials == NULL || o->partial_floats < need_f || o->tickets == NULL ||
+        o->ticket_count < need_t)
+      return ml_fail(MOELINK_ERR_INTERNAL,
+                     "%s: split-K scratch too small (%d splits need %zu partial floats and %zu "
+                     "tickets, have %zu and %zu)", what, splits, need_f, need_t,
+                     o->partials ? o->partial_floats : (size_t)0,
+                     o->tickets ? o->ticket_count : (size_t)0);
+    if (mld_misaligned(o->partials))
+      return ml_fail(MOELINK_ERR_INTERNAL, "%s: partials %p not 16-byte aligned", what,
+                     (void *)o->partials);
+  }
+  p->a = (const char *)a;
+  p->a_index = NULL;
+  p->b = (const char *)b;
+  p->out = out;
+  p->tiles = tiles;
+  p->num_tiles = tiles != NULL ? num_tiles : NULL;
+  p->row_scale = NULL;
+  p->scale_index = NULL;
+  p->partials = o->partials;
+  p->tickets = o->tickets;
+  p->lda = lda;
+  p->a_div = 1;
+  p->n = n;
+  p->k = k;
+  p->rows = rows;
+  p->passes = passes;
+  p->mblocks = mb;
+  p->splits = splits;
+  p->kt_per = kt_per;
+  /* A dense problem names its expert without the plan; a tiled one only
+   * when the caller says the plan is complete. */
+  p->early = tiles == NULL || (o->flags & ML_DECODE_PLAN_EARLY) != 0;
+  p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
+  *grid = (unsigned)ctas;
+  return MOELINK_SUCCESS;
+}
+
+/* Not on the legacy default stream, which also orders itself against every
+ * blocking stream: there launches keep their plain semantics. */
+static int mld_pdl(const ml_decode_opts *o, cudaStream_t stream) {
+  return (o->flags & ML_DECODE_PDL) != 0 && ml_param_DECODE_PDL() != 0 && stream != NULL &&
+         stream != cudaStreamLegacy;
+}
+
+extern "C" moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void *a, int lda,
+                                                  const int32_t *a_index, int a_div,
+                                                  const void *b, int n, int k,
+                                                  const int32_t *tiles, const int32_t *num_tiles,
+                                                  int max_passes, int rows, void *out,
+                                                  const ml_decode_opts *o, cudaStream_t stream) {
+  const char *what = "ml_cuda_decode_swiglu";
+  mld_args p;
+  unsigned grid = 0;
+  ML_TRY(mld_prepare(what, 1, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
+                     &p, &grid));
+  if (a_index != NULL && a_div < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  if (grid == 0) return MOELINK_SUCCESS;
+  p.a_index = a_index;
+  p.a_div = a_index != NULL ? a_div : 1;
+  const int pdl = mld_pdl(o, stream);
+  if (dt == MOELINK_DTYPE_BF16)
+    return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 0>(&p, grid, MLD_K_SWIGLU_BF16, pdl,
+                                                         "mld_kernel<bf16, swiglu>", stream);
+  return mld_launch<MOELINK_DTYPE_F16, MLD_SWIGLU, 0>(&p, grid, MLD_K_SWIGLU_F16, pdl,
+                                                      "mld_kernel<f16, swiglu>", stream);
+}
+
+extern "C" moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void *a, int lda,
+                                                  const void *b, int n, int k,
+                                                  const int32_t *tiles,
+                                                  const int32_t *num_tiles, int max_passes,
+                                                  int rows, const float *row_scale,
+                                                  const int32_t *scale_index, void *out,
+                                                  int out_f32, const ml_decode_opts *o,
+                                                  cudaStream_t stream) {
+  const char *what = "ml_cuda_decode_scaled";
+  mld_args p;
+  unsigned grid = 0;
+  ML_TRY(mld_prepare(what, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
+                     &p, &grid));
+  if (grid == 0) return MOELINK_SUCCESS;
+  p.row_scale = row_scale;
+  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  const int pdl = mld_pdl(o, stream);
+  if (dt == MOELINK_DTYPE_BF16)
+    return out_f32 ? mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 1>(
+                         &p, grid, MLD_K_SCALED_BF16_F32, pdl, "mld_kernel<bf16, scaled, f32 out>",
+                         stream)
+                   : mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 0>(
+                         &p, grid, MLD_K_SCALED_BF16, pdl, "mld_kernel<bf16, scaled>", stream);
+  return out_f32 ? mld_launch<MOELINK_DTYPE_F16, MLD_SCALED, 1>(
+                       &p, grid, MLD_K_SCALED_F16_F32, pdl, "mld_kernel<f16, scaled, f32 out>",
+                       stream)
+                 : mld_launch<MOELINK_DTYPE_F16, MLD_SCALED, 0>(
+                       &p, grid, MLD_K_SCALED_F16, pdl, "mld_kernel<f16, scaled>", stream);
+}

@@ -1,0 +1,465 @@
+/* Device side of the decode expert GEMMs (declared in decode.h, launched by
+ * src/cuda/experts_decode.cu).
+ *
+ * With few rows per expert an expert GEMM is a stream over its weights: every
+ * weight byte is used by only a handful of rows. So the weights take the MMA's
+ * M side (m16 fragments of weight rows) and the rows of one plan tile its N
+ * side (n8 fragments of tokens), which wastes nothing when a tile has 1..8
+ * rows, and the grid is cut so that every SM streams weights:
+ *
+ *   CTA = (pass, column block, K split), pass fastest in blockIdx.x
+ *     pass          one tile of the plan (<= 64 rows of one expert), or 64
+ *                   rows of a dense problem
+ *     column block  128 weight rows: 128 output columns of the plain GEMM, or
+ *                   64 gate rows + the 64 up rows of the same columns
+ *     K split       a range of 64-wide k tiles
+ *
+ * Passes of one expert are adjacent tiles, so the CTAs that read the same
+ * weight block run side by side and the second read is served by L2.
+ *
+ * Each CTA runs a cp.async ring of MLD_STAGES stages of [128 weight rows x 64]
+ * + [64 tokens x 64] bf16/f16, 128-byte rows with the chunk swizzle of the
+ * tile engine (chunk c of row r at slot c ^ (r & 7): ldmatrix phases and the
+ * copies of one row are both conflict free). Four warps each own 32 weight
+ * rows (two m16 fragments) against all the tokens of the pass; only the n8
+ * fragments that hold rows of the pass are loaded and multiplied.
+ *
+ * Epilogue: accumulators go through shared memory (transposed to [token]
+ * [weight row]) so that global stores are 16-byte and row-contiguous. With
+ * one K split the CTA applies SwiGLU or the row scale and stores the output.
+ * With several, each CTA stores its fp32 partial block, takes a ticket, and
+ * the last CTA of the output block sums the partials in split order (so the
+ * sum does not depend on which CTA came last) and stores the output.
+ *
+ * Programmatic dependent launch: a kernel reads nothing a previous kernel of
+ * the stream may still be writing before griddepcontrol.wait, and writes
+ * nothing before it either. Weights may be streamed before the wait when the
+ * expert is known without reading the plan (dense problems) or the plan is
+ * known complete (ML_DECODE_PLAN_EARLY). */
+#ifndef MOELINK_CUDA_GEMM_DECODE_CUH
+#define MOELINK_CUDA_GEMM_DECODE_CUH
+
+#include "cuda/cuda.h"
+#include "cuda/gemm/ptx.cuh"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define MLD_THREADS 128
+#define MLD_BM 128 /* weight rows a CTA */
+#define MLD_BN 64  /* token rows a pass */
+#define MLD_BK 64  /* k elements a stage: 128-byte rows */
+#define MLD_STAGES 4
+#define MLD_ROW_BYTES (MLD_BK * 2)
+#define MLD_W_BYTES (MLD_BM * MLD_ROW_BYTES)
+#define MLD_X_BYTES (MLD_BN * MLD_ROW_BYTES)
+#define MLD_STAGE_BYTES (MLD_W_BYTES + MLD_X_BYTES)
+#define MLD_SMEM_BYTES (MLD_STAGES * MLD_STAGE_BYTES)
+#define MLD_W_LOADS (MLD_BM / 16) /* weight rows one thread copies a stage */
+#define MLD_X_LOADS (MLD_BN / 16)
+/* fp32 epilogue tile [MLD_BN][MLD_CS_LD]: a row stride of 132 words puts the
+ * 8 weight rows x 4 token pairs of one accumulator store in 32 banks */
+#define MLD_CS_LD (MLD_BM + 4)
+
+enum { MLD_SWIGLU = 0, MLD_SCALED = 1 };
+
+static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass");
+static_assert(MLD_BN * MLD_CS_LD * 4 <= MLD_SMEM_BYTES, "epilogue tile overlays the ring");
+static_assert(MLD_THREADS == 128 && MLD_BM == 128, "warp layout: 4 warps x 32 weight rows");
+
+/* Output columns a CTA covers. */
+template <int MODE> struct mld_cols {
+  static constexpr int N = MODE == MLD_SWIGLU ? MLD_BM / 2 : MLD_BM;
+};
+
+typedef struct mld_args {
+  const char *a;             /* activations, lda elements a row */
+  const int32_t *a_index;    /* gather index or NULL */
+  const char *b;             /* weights [E][rows_of_b][k] */
+  void *out;                 /* [rows][n] */
+  const int32_t *tiles;      /* plan tiles or NULL (dense) */
+  const int32_t *num_tiles;
+  const float *row_scale;    /* MLD_SCALED only; NULL: 1 */
+  const int32_t *scale_index;
+  float *partials;           /* [splits][rows][ncols] fp32 (splits > 1) */
+  uint32_t *tickets;         /* [passes][mblocks] (splits > 1) */
+  int lda, a_div, n, k, rows;
+  int passes, mblocks, splits, kt_per;
+  int early;                 /* tile list and weights readable before the wait */
+  int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
+} mld_args;
+
+/* ---- small device helpers -------------------------------------------------- */
+
+/* Grid dependency control (sm_90); both are no-ops in a kernel launched
+ * without programmatic stream serialization. */
+static __device__ __forceinline__ void mld_grid_wait(void) {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+static __device__ __forceinline__ void mld_grid_launch_dependents(void) {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ float mld_swiglu(float g, float u) {
+  /* __expf overflows to inf for very negative g: g / inf = -0, the limit */
+  return g / (1.0f + __expf(-g)) * u;
+}
+
+/* Tile row of the first row of m16 fragment mi of warp w. SwiGLU: gate rows
+ * are tile rows 0..63 and the up rows of the same columns 64..127, so
+ * fragment 0 (gate) and fragment 1 (up) of a warp hold the two factors of
+ * the same 16 output columns in the same accumulator slots. */
+template <int MODE> static __device__ __forceinline__ int mld_frag_row(int warp, int mi) {
+  return MODE == MLD_SWIGLU ? mi * 64 + warp * 16 : warp * 32 + mi * 16;
+}
+
+/* Output column and row of the expert's weight matrix that tile row tr of
+ * column block col0 stands for; false past n. */
+template <int MODE>
+static __device__ __forceinline__ bool mld_weight_row(int tr, int col0, int n, int *col,
+                                                      int *wrow) {
+  if (MODE == MLD_SWIGLU) {
+    *col = col0 + (tr & 63);
+    *wrow = tr < 64 ? *col : n + *col;
+  } else {
+    *col = col0 + tr;
+    *wrow = *col;
+  }
+  return *col < n;
+}
+
+/* 16-byte copies of one stage's weight rows (k tile kt). dst is this
+ * thread's swizzled slot in row r0 of the stage; its rows are r0 + 16i,
+ * which share (row & 7) and so the swizzle. Chunks past k zero-fill. */
+static __device__ __forceinline__ void mld_load_w(uint32_t dst, const char *const *wp,
+                                                  uint32_t valid, int kcol, int k) {
+  const int in_k = kcol < k;
+  const size_t off = in_k ? (size_t)kcol * 2 : 0;
+#pragma unroll
+  for (int i = 0; i < MLD_W_LOADS; ++i)
+    ml_cp_async16(dst + (uint32_t)(i * 16 * MLD_ROW_BYTES), wp[i] + off,
+                  in_k && ((valid >> i) & 1) ? 16 : 0);
+}
+
+/* Token rows: rows the pass does not have are zero-filled up to a multiple
+ * of 16 (one ldmatrix.x4 group) and not touched past it. */
+static __device__ __forceinline__ void mld_load_x(uint32_t dst, const char *const *xp,
+                                                  uint32_t valid, uint32_t issue, int kcol,
+                                                  int k) {
+  const int in_k = kcol < k;
+  const size_t off = in_k ? (size_t)kcol * 2 : 0;
+#pragma unroll
+  for (int i = 0; i < MLD_X_LOADS; ++i)
+    if ((issue >> i) & 1)
+      ml_cp_async16(dst + (uint32_t)(i * 16 * MLD_ROW_BYTES), xp[i] + off,
+                    in_k && ((valid >> i) & 1) ? 16 : 0);
+}
+
+/* One stage: four k16 steps; per step two ldmatrix.x4 of weights, one per
+ * 16 tokens in use, and 2 x (n8 fragments in use) MMAs. nv and np are the
+ * n8 fragments and 16-token groups in use (uniform over the CTA). */
+template <int MODE, int DT>
+static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*acc)[8][4],
+                                                         int nv, int np) {
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  const uint32_t a0 =
+      slot + (uint32_t)(mld_frag_row<MODE>(warp, 0) + (lane & 15)) * MLD_ROW_BYTES;
+  const uint32_t a1 =
+      slot + (uint32_t)(mld_frag_row<MODE>(warp, 1) + (lane & 15)) * MLD_ROW_BYTES;
+  const uint32_t xr =
+      slot + MLD_W_BYTES + (uint32_t)((lane & 7) + ((lane >> 4) << 3)) * MLD_ROW_BYTES;
+  const int a_x = (lane >> 4) ^ (lane & 7);
+  const int b_x = ((lane >> 3) & 1) ^ (lane & 7);
+#pragma unroll
+  for (int kk = 0; kk < MLD_BK / 16; ++kk) {
+    uint32_t af[2][4], bf[8][2];
+    const uint32_t a_col = (uint32_t)(((2 * kk) ^ a_x) << 4);
+    const uint32_t b_col = (uint32_t)(((2 * kk) ^ b_x) << 4);
+    ml_ldmatrix_x4(a0 + a_col, af[0]);
+    ml_ldmatrix_x4(a1 + a_col, af[1]);
+#pragma unroll
+    for (int q = 0; q < MLD_BN / 16; ++q) {
+      if (q < np) {
+        uint32_t t[4];
+        ml_ldmatrix_x4(xr + (uint32_t)(q * 16 * MLD_ROW_BYTES) + b_col, t);
+        bf[2 * q][0] = t[0];
+        bf[2 * q][1] = t[1];
+        bf[2 * q + 1][0] = t[2];
+        bf[2 * q + 1][1] = t[3];
+      } else {
+        bf[2 * q][0] = bf[2 * q][1] = bf[2 * q + 1][0] = bf[2 * q + 1][1] = 0u;
+      }
+    }
+#pragma unroll
+    for (int ni = 0; ni < MLD_BN / 8; ++ni)
+      if (ni < nv) {
+        ml_mma_16816<DT>(acc[0][ni], af[0], bf[ni]);
+        ml_mma_16816<DT>(acc[1][ni], af[1], bf[ni]);
+      }
+  }
+}
+
+/* Eight fp32 values rounded to DT, stored as one 16-byte write. */
+template <int DT>
+static __device__ __forceinline__ void mld_store8(void *dst, const float *v) {
+  uint4 w;
+  w.x = ml_pack2<DT>(v[0], v[1]);
+  w.y = ml_pack2<DT>(v[2], v[3]);
+  w.z = ml_pack2<DT>(v[4], v[5]);
+  w.w = ml_pack2<DT>(v[6], v[7]);
+  *(uint4 *)dst = w;
+}
+
+/* out[row, col .. col+7] from eight fp32 results (dtype or fp32). */
+template <int DT, int OUT_F32>
+static __device__ __forceinline__ void mld_store_out(void *out, int n, int row, int col,
+                                                     const float *v) {
+  if (OUT_F32) {
+    float4 *d = (float4 *)((char *)out + ((size_t)row * (size_t)n + (size_t)col) * 4);
+    d[0] = make_float4(v[0], v[1], v[2], v[3]);
+    d[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    mld_store8<DT>((char *)out + ((size_t)row * (size_t)n + (size_t)col) * 2, v);
+  }
+}
+
+static __device__ __forceinline__ float mld_row_scale(const mld_args &p, int row) {
+  if (p.row_scale == NULL) return 1.0f;
+  return __ldcg(p.row_scale + (p.scale_index != NULL ? __ldcg(p.scale_index + row) : row));
+}
+
+static __device__ __forceinline__ void mld_add8(float *acc, const float *src) {
+  const float4 lo = __ldcg((const float4 *)src), hi = __ldcg((const float4 *)src + 1);
+  acc[0] += lo.x;
+  acc[1] += lo.y;
+  acc[2] += lo.z;
+  acc[3] += lo.w;
+  acc[4] += hi.x;
+  acc[5] += hi.y;
+  acc[6] += hi.z;
+  acc[7] += hi.w;
+}
+
+/* ---- the kernel ---------------------------------------------------------------- */
+
+template <int DT, int MODE, int OUT_F32>
+static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
+  extern __shared__ __align__(128) char mld_smem[];
+  __shared__ int s_last;
+  constexpr int COLS = mld_cols<MODE>::N;
+  const int tid = (int)threadIdx.x;
+  int item = (int)blockIdx.x;
+  const int pass = item % p.passes;
+  item /= p.passes;
+  const int split = item % p.splits;
+  const int mb = item / p.splits;
+
+  if (!p.early) mld_grid_wait();
+  int expert = 0, row0, rows;
+  if (p.tiles != NULL) {
+    if (pass >= __ldcg(p.num_tiles)) {
+      if (p.early) mld_grid_wait();
+      return;
+    }
+    expert = __ldcg(p.tiles + 3 * pass);
+    row0 = __ldcg(p.tiles + 3 * pass + 1);
+    rows = __ldcg(p.tiles + 3 * pass + 2);
+  } else {
+    row0 = pass * MLD_BN;
+    rows = p.rows - row0;
+  }
+  /* a tile never holds more than one pass of rows, nor rows past the
+   * problem's (the partials are laid out by p.rows) */
+  rows = rows < MLD_BN ? rows : MLD_BN;
+  if (row0 < 0 || row0 >= p.rows || rows <= 0) {
+    if (p.early) mld_grid_wait();
+    return;
+  }
+  rows = rows < p.rows - row0 ? rows : p.rows - row0;
+
+  const int col0 = mb * COLS;
+  const int ktiles = (p.k + MLD_BK - 1) / MLD_BK;
+  const int kt0 = split * p.kt_per;
+  int nkt = ktiles - kt0 < p.kt_per ? ktiles - kt0 : p.kt_per;
+  nkt = nkt > 0 ? nkt : 0;
+
+  /* this thread's copy slots: chunk c of rows r0 + 16i */
+  const int c = tid & 7, r0 = tid >> 3;
+  const uint32_t swz = (uint32_t)(r0 * MLD_ROW_BYTES + ((c ^ (r0 & 7)) << 4));
+  const uint32_t base = ml_smem_u32(mld_smem);
+
+  const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
+  const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * 2;
+  const char *wp[MLD_W_LOADS];
+  uint32_t wvalid = 0;
+#pragma unroll
+  for (int i = 0; i < MLD_W_LOADS; ++i) {
+    int col, wrow;
+    const bool ok = mld_weight_row<MODE>(r0 + 16 * i, col0, p.n, &col, &wrow);
+    wp[i] = ok ? wbase + (size_t)wrow * (size_t)p.k * 2 : wbase;
+    wvalid |= (uint32_t)ok << i;
+  }
+
+  /* The weights of the first stages go out as soon as the expert is known,
+   * ahead of the gather index round trip (and, when early, of the wait). */
+#pragma unroll
+  for (int s = 0; s < MLD_STAGES - 1; ++s)
+    if (s < nkt)
+      mld_load_w(base + (uint32_t)(s * MLD_STAGE_BYTES) + swz, wp, wvalid,
+                 (kt0 + s) * MLD_BK + c * 8, p.k);
+  if (p.early) mld_grid_wait();
+  /* Everything this grid waits for is complete: dependents may take the SMs
+   * that free up (they stream their own weights until their own wait). */
+  mld_grid_launch_dependents();
+
+  const char *xp[MLD_X_LOADS];
+  uint32_t xvalid = 0, xissue = 0;
+  const int rows16 = (rows + 15) & ~15;
+#pragma unroll
+  for (int i = 0; i < MLD_X_LOADS; ++i) {
+    const int t = r0 + 16 * i;
+    const int ok = t < rows;
+    int g = 0;
+    if (ok) g = p.a_index != NULL ? __ldcg(p.a_index + row0 + t) / p.a_div : row0 + t;
+    xp[i] = p.a + (size_t)g * (size_t)p.lda * 2;
+    xvalid |= (uint32_t)ok << i;
+    xissue |= (uint32_t)(t < rows16) << i;
+  }
+
+  /* Prologue: stages 0..STAGES-2 in flight, one commit group each; the
+   * weights issued above all sit in group 0, older than any stage's tokens,
+   * so "group kt complete" still means stage kt has landed. */
+#pragma unroll
+  for (int s = 0; s < MLD_STAGES - 1; ++s) {
+    if (s < nkt)
+      mld_load_x(base + (uint32_t)(s * MLD_STAGE_BYTES) + MLD_W_BYTES + swz, xp, xvalid, xissue,
+                 (kt0 + s) * MLD_BK + c * 8, p.k);
+    ml_cp_async_commit();
+  }
+
+  float acc[2][8][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
+  const int nv = (rows + 7) >> 3, np = (rows + 15) >> 4;
+
+  int rd = 0, wr = MLD_STAGES - 1;
+  for (int kt = 0; kt < nkt; ++kt) {
+    ml_cp_async_wait<MLD_STAGES - 2>();
+    /* stage kt landed for every thread, and every warp is done with the
+     * slot refilled below (it held stage kt - 1) */
+    __syncthreads();
+    const int next = kt + MLD_STAGES - 1;
+    if (next < nkt) {
+      const uint32_t slot = base + (uint32_t)(wr * MLD_STAGE_BYTES);
+      const int kcol = (kt0 + next) * MLD_BK + c * 8;
+      mld_load_w(slot + swz, wp, wvalid, kcol, p.k);
+      mld_load_x(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
+    }
+    ml_cp_async_commit();
+    if (!p.no_mma)
+      mld_compute_stage<MODE, DT>(base + (uint32_t)(rd * MLD_STAGE_BYTES), acc, nv, np);
+    rd = rd + 1 == MLD_STAGES ? 0 : rd + 1;
+    wr = wr + 1 == MLD_STAGES ? 0 : wr + 1;
+  }
+  ml_cp_async_wait<0>();
+  __syncthreads();
+
+  /* ---- accumulators -> shared [token][tile row] ---- */
+  float *cs = (float *)mld_smem;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int fr = lane >> 2, ft = (lane & 3) * 2;
+  const bool fused = MODE == MLD_SWIGLU && p.splits == 1;
+#pragma unroll
+  for (int ni = 0; ni < 8; ++ni) {
+    if (ni >= nv) continue;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = ni * 8 + ft + e;
+        if (fused) {
+          cs[tok * MLD_CS_LD + warp * 16 + fr + 8 * h] =
+              mld_swiglu(acc[0][ni][2 * h + e], acc[1][ni][2 * h + e]);
+        } else {
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi)
+            cs[tok * MLD_CS_LD + mld_frag_row<MODE>(warp, mi) + fr + 8 * h] =
+                acc[mi][ni][2 * h + e];
+        }
+      }
+  }
+  __syncthreads();
+
+  /* ---- one split: the output ---- */
+  constexpr int OCH = COLS / 8; /* 8-column chunks of a row */
+  if (p.splits == 1) {
+    for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
+      const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
+      if (col >= p.n) continue;
+      const float4 *src = (const float4 *)(cs + tok * MLD_CS_LD + 8 * q);
+      const float4 lo = src[0], hi = src[1];
+      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      if (MODE == MLD_SCALED) {
+        const float s = mld_row_scale(p, row0 + tok);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] *= s;
+      }
+      mld_store_out<DT, OUT_F32>(p.out, p.n, row0 + tok, col, v);
+    }
+    return;
+  }
+
+  /* ---- several splits: partial block, ticket, fixed-order sum ---- */
+  const size_t ncols = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
+  constexpr int PCH = MLD_BM / 4; /* float4 chunks of a tile row */
+  for (int i = tid; i < rows * PCH; i += MLD_THREADS) {
+    const int tok = i / PCH, q = i % PCH;
+    int col, wrow;
+    if (!mld_weight_row<MODE>(4 * q, col0, p.n, &col, &wrow)) continue;
+    const float4 v = *(const float4 *)(cs + tok * MLD_CS_LD + 4 * q);
+    __stcg((float4 *)(p.partials + ((size_t)split * (size_t)p.rows + (size_t)(row0 + tok)) * ncols +
+                      (size_t)wrow),
+           v);
+  }
+  /* make this CTA's partials visible device-wide before its ticket */
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t *ticket = p.tickets + (size_t)pass * (size_t)p.mblocks + (size_t)mb;
+    const uint32_t before = atomicAdd(ticket, 1u);
+    s_last = before == (uint32_t)(p.splits - 1);
+    /* all splits have arrived: leave the ticket zero for the next launch */
+    if (s_last) *ticket = 0u;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const size_t split_stride = (size_t)p.rows * ncols;
+  for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
+    const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
+    if (col >= p.n) continue;
+    const float *src = p.partials + (size_t)(row0 + tok) * ncols + (size_t)col;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (MODE == MLD_SWIGLU) {
+      float u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < p.splits; ++s) {
+        mld_add8(v, src + (size_t)s * split_stride);
+        mld_add8(u, src + (size_t)s * split_stride + (size_t)p.n);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = mld_swiglu(v[j], u[j]);
+    } else {
+      for (int s = 0; s < p.splits; ++s) mld_add8(v, src + (size_t)s * split_stride);
+      const float sc = mld_row_scale(p, row0 + tok);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] *= sc;
+    }
+    mld_store_out<DT, OUT_F32>(p.out, p.n, row0 + tok, col, v);
+  }
+}
+
+#endif

@@ -1,0 +1,100 @@
+/* The decode (weight-streaming) expert GEMMs: the same math and output
+ * layout as ml_cuda_gemm_swiglu / ml_cuda_gemm_scaled (cuda.h), for the case
+ * where each expert has few rows. The weights are the MMA's M side (128
+ * weight rows a CTA), the rows of one plan tile are its N side (up to 64 a
+ * pass), and K is split across CTAs when rows x column blocks alone would
+ * leave SMs idle. Split partials go to an fp32 workspace and are summed in
+ * split order by the last CTA of each output block to finish (an integer
+ * ticket decides who is last), so results are bitwise reproducible.
+ *
+ * Grids are sized from host-known values (rows, experts, shapes); the real
+ * tile count stays on the device. Host code: C11. */
+#ifndef MOELINK_CUDA_GEMM_DECODE_H
+#define MOELINK_CUDA_GEMM_DECODE_H
+
+#include "cuda/cuda.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Launch flags. */
+enum {
+  /* Launch with programmatic stream serialization: the kernel may start
+   * while the previous kernel of the stream drains. Before its grid
+   * dependency wait it only reads weights (and, with ML_DECODE_PLAN_EARLY,
+   * the tile list); every other read and every write comes after. */
+  ML_DECODE_PDL = 1,
+  /* The tile list was complete before the previous kernel of the stream
+   * started its own dependent launch (true right after a decode launch on
+   * the same plan, which waits before it lets dependents in): tile entries
+   * and the weights they name may be read before the dependency wait. */
+  ML_DECODE_PLAN_EARLY = 2,
+  /* Benchmarks only: skip the MMAs (the output is wrong), so that the time of
+   * the weight stream alone can be told from the compute. */
+  ML_DECODE_PROBE_NO_MMA = 4
+};
+
+/* Scratch and policy of a launch. */
+typedef struct ml_decode_opts {
+  int sm_count;          /* SMs of the device: the split policy aims at them */
+  int flags;             /* ML_DECODE_* */
+  int splits;            /* 0: the policy; >= 1: this many K splits (capped by K) */
+  float *partials;       /* split-K partials; may be NULL when no split is used */
+  size_t partial_floats; /* capacity of partials */
+  uint32_t *tickets;     /* zero-initialized; every launch leaves them zero */
+  size_t ticket_count;   /* capacity of tickets */
+} ml_decode_opts;
+
+/* Upper bound on the tiles of a plan of `rows` valid rows over `experts`
+ * experts with ML_CUDA_TILE_ROWS rows a tile: each non-empty expert has one
+ * partial tile at most. For a dense problem (no tile list) pass experts = 1. */
+int ml_cuda_decode_passes(int rows, int experts);
+
+/* Whether the decode GEMMs should run for `rows` rows over `experts`
+ * experts (the routed GEMMs: T*k and E; the shared expert: T and 1): up to
+ * MOELINK_DECODE_MAX_PAIRS rows (default 256, measured; 0 = never), and for
+ * a dense problem (experts == 1) one pass of ML_CUDA_TILE_ROWS at most.
+ * Monotone in rows. */
+int ml_cuda_decode_wanted(int rows, int experts);
+
+/* Scratch a layer needs so that every decode launch it makes for up to
+ * max_tokens tokens fits: fp32 partials and tickets (counts, not bytes).
+ * shared_inter 0: no shared expert. */
+void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_experts, int hidden, int inter,
+                            int shared_inter, int sm_count, size_t *partial_floats,
+                            size_t *ticket_count);
+
+/* h = swiglu(A Wg^T, A Wu^T). A row r of the problem reads row
+ * a_index[r] / a_div of a (a_index NULL: row r). b = [E, 2n, k] (gate rows
+ * first). Tile list as in cuda.h with at most max_passes real tiles
+ * (ml_cuda_decode_passes), or tiles == NULL: rows [0, rows) of expert 0.
+ * rows is the problem's row count either way (the partials are laid out by
+ * it). out [rows, n], dtype dt. */
+moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void *a, int lda,
+                                       const int32_t *a_index, int a_div, const void *b, int n,
+                                       int k, const int32_t *tiles, const int32_t *num_tiles,
+                                       int max_passes, int rows, void *out,
+                                       const ml_decode_opts *o, cudaStream_t stream);
+
+/* out[r, j] = s(r) * sum_k a[r, k] * B[e][j][k], as ml_cuda_gemm_scaled:
+ * s(r) = row_scale[scale_index[r]] (scale_index NULL: row_scale[r]; row_scale
+ * NULL: 1). out [rows, n], dtype dt or fp32 (out_f32). */
+moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b,
+                                       int n, int k, const int32_t *tiles,
+                                       const int32_t *num_tiles, int max_passes, int rows,
+                                       const float *row_scale, const int32_t *scale_index,
+                                       void *out, int out_f32, const ml_decode_opts *o,
+                                       cudaStream_t stream);
+
+/* The split count the policy picks for a launch (tests and benchmarks). */
+int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes, int sm_count);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
