@@ -1,19 +1,27 @@
-/* The two grouped GEMMs of a MoE layer's experts, on the tile engine of
- * src/cuda/gemm/ (mma.sync tensor cores, cp.async pipeline):
+/* The two grouped GEMMs of a MoE layer's experts:
  *
  *   ml_cuda_gemm_swiglu  h = silu(x_perm Wg^T) * (x_perm Wu^T), x_perm rows
  *                        gathered from x through the plan's index
  *   ml_cuda_gemm_scaled  y = diag(s) h Wd^T, s the routing weight of each row
  *
- * One CTA = one plan tile (<= 64 rows of one expert) x one block of output
- * columns; its index in the tile list is blockIdx.x, so the grid is sized
- * from max_tiles on the host and the count of real tiles is read on the
+ * Two engines. On a compute capability 9.0 device, shapes with k >= 64 and
+ * at least one full column block go to the sm_90a kernel of
+ * src/cuda/gemm/sm90.cuh (wgmma, TMA for the weights, persistent CTAs over
+ * the tile list, a 128 x 256 tile per work item). Everything else runs on
+ * the portable tile engine of src/cuda/gemm/tile.cuh (mma.sync, cp.async):
+ *
+ * One tile-engine CTA = one plan tile (<= 64 rows of one expert) x one block
+ * of output columns; its index in the tile list is blockIdx.x, so the grid is
+ * sized from max_tiles on the host and the count of real tiles is read on the
  * device (no host round trip, graph capturable). blockIdx.x varies fastest,
  * so CTAs resident together share a column block of the weights. */
 #include "cuda/cuda.h"
 #include "cuda/gemm/epilogue.cuh"
+#include "cuda/gemm/sm90.cuh"
+#include "cuda/gemm/sm90_engine.cuh"
 #include "cuda/gemm/tile.cuh"
 
+#include <cudaTypedefs.h>
 #include <stdint.h>
 
 /* 64 x 128 x 64 tiles, 4 warps of 32 x 64, 3 stages: 72 KiB of shared memory,
@@ -89,7 +97,9 @@ static __global__ void __launch_bounds__(ml_xs::THREADS)
  * Setting it twice is harmless, so a race between threads costs one extra
  * call and nothing else. */
 enum { ML_K_SWIGLU_BF16, ML_K_SWIGLU_F16, ML_K_SCALED_BF16, ML_K_SCALED_BF16_F32,
-       ML_K_SCALED_F16, ML_K_SCALED_F16_F32, ML_K_COUNT };
+       ML_K_SCALED_F16, ML_K_SCALED_F16_F32,
+       ML_K_SM90, /* 6 sm_90a kernels from here: see ml_sm90_which */
+       ML_K_COUNT = ML_K_SM90 + 6 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
 
@@ -99,7 +109,8 @@ static moelink_status_t ml_gemm_allow_smem(const void *kernel, int which, int by
   int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
   if (cached && __atomic_load_n(&ml_gemm_smem_ready[dev][which], __ATOMIC_ACQUIRE)) return MOELINK_SUCCESS;
   ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  /* a hint: three 72 KiB CTAs per SM need the largest shared-memory carveout */
+  /* a hint: three 72 KiB tile-engine CTAs, or one 193 KiB sm_90a CTA, per
+   * SM need the largest shared-memory carveout */
   ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared));
   if (cached) __atomic_store_n(&ml_gemm_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
@@ -149,6 +160,144 @@ static moelink_status_t ml_gemm_check(const char *what, moelink_dtype_t dt, cons
   return MOELINK_SUCCESS;
 }
 
+/* ---- the sm_90a engine ------------------------------------------------------ */
+
+MOELINK_PARAM(GEMM_SM90, 1)
+
+static int ml_engine_choice = ML_GEMM_ENGINE_AUTO;
+static __thread int ml_engine_last = ML_GEMM_ENGINE_AUTO;
+
+extern "C" void ml_cuda_gemm_set_engine(int engine) {
+  __atomic_store_n(&ml_engine_choice, engine, __ATOMIC_RELAXED);
+}
+
+extern "C" int ml_cuda_gemm_last_engine(void) { return ml_engine_last; }
+
+/* Per device: 0 not yet asked, else 1 + (SM count << 1 | compute capability is 9.0). */
+static int ml_sm90_device_info[ML_GEMM_MAX_DEVICES];
+
+static moelink_status_t ml_sm90_device(int *is_sm90, int *sms) {
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
+  int v = cached ? __atomic_load_n(&ml_sm90_device_info[dev], __ATOMIC_ACQUIRE) : 0;
+  if (v == 0) {
+    int major = 0, minor = 0, count = 0;
+    ML_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    ML_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    ML_CUDA_TRY(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev));
+    /* sm_90a machine code runs on 9.0 only; later GPUs take the tile engine's PTX */
+    v = 1 + ((count << 1) | (major == 9 && minor == 0));
+    if (cached) __atomic_store_n(&ml_sm90_device_info[dev], v, __ATOMIC_RELEASE);
+  }
+  *is_sm90 = (v - 1) & 1;
+  *sms = (v - 1) >> 1;
+  return MOELINK_SUCCESS;
+}
+
+/* Whether the sm_90a kernel takes this problem: k and the B rows of one TMA
+ * box (j_rows >= box_rows) must exist, so that no box is larger than its
+ * tensor; the rest of the shape (odd n, k, row counts) the kernel handles. */
+static moelink_status_t ml_sm90_pick(int k, int j_rows, int box_rows, int *use, int *sms) {
+  *use = 0;
+  int choice = __atomic_load_n(&ml_engine_choice, __ATOMIC_RELAXED);
+  if (choice == ML_GEMM_ENGINE_TILE) return MOELINK_SUCCESS;
+  if (choice == ML_GEMM_ENGINE_AUTO && ml_param_GEMM_SM90() == 0) return MOELINK_SUCCESS;
+  if (k < ML_SM90_BK || j_rows < box_rows) return MOELINK_SUCCESS;
+  int is_sm90 = 0;
+  ML_TRY(ml_sm90_device(&is_sm90, sms));
+  *use = is_sm90 && *sms > 0;
+  return MOELINK_SUCCESS;
+}
+
+/* cuTensorMapEncodeTiled from the driver the runtime already loaded, so the
+ * library needs no link against libcuda. */
+static void *ml_encode_tiled;
+
+static moelink_status_t ml_sm90_encoder(PFN_cuTensorMapEncodeTiled_v12000 *fn) {
+  void *f = __atomic_load_n(&ml_encode_tiled, __ATOMIC_ACQUIRE);
+  if (f == NULL) {
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    ML_CUDA_TRY(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000,
+                                                 cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || f == NULL)
+      return ml_fail(MOELINK_ERR_CUDA,
+                     "cuTensorMapEncodeTiled not found in the CUDA driver (query result %d)",
+                     (int)q);
+    __atomic_store_n(&ml_encode_tiled, f, __ATOMIC_RELEASE);
+  }
+  *fn = (PFN_cuTensorMapEncodeTiled_v12000)f;
+  return MOELINK_SUCCESS;
+}
+
+/* Experts a tile list may name: the map's outermost extent. Only coordinates
+ * the kernel asks for are ever read, so a generous bound costs nothing. */
+#define ML_SM90_MAX_EXPERTS 65536
+
+/* The 4D map {k, j_rows, halves, experts} of B = [E][halves * j_rows][k]
+ * with boxes {64, box_rows, halves, 1} in the 128-byte swizzle. */
+static moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+                                      int j_rows, int halves, int experts, int box_rows,
+                                      const char *what) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+  ML_TRY(ml_sm90_encoder(&encode));
+  const cuuint64_t row = (cuuint64_t)k * 2;
+  cuuint64_t dims[4] = {(cuuint64_t)k, (cuuint64_t)j_rows, (cuuint64_t)halves,
+                        (cuuint64_t)experts};
+  cuuint64_t strides[3] = {row, row * (cuuint64_t)j_rows,
+                           row * (cuuint64_t)j_rows * (cuuint64_t)halves};
+  cuuint32_t box[4] = {ML_SM90_BK, (cuuint32_t)box_rows, (cuuint32_t)halves, 1};
+  cuuint32_t unit[4] = {1, 1, 1, 1};
+  CUresult r = encode(map,
+                      dt == MOELINK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      4, (void *)b, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return ml_fail(MOELINK_ERR_CUDA,
+                   "%s: cuTensorMapEncodeTiled failed (CUresult %d) for B %p [%d x %d x %d x %d]",
+                   what, (int)r, b, experts, halves, j_rows, k);
+  return MOELINK_SUCCESS;
+}
+
+/* Persistent grid: one CTA per SM, fewer when there are fewer work items
+ * than SMs. A unit holds at least one tile, so there are at most max_tiles
+ * units (dense: the row blocks). */
+static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows, int nblocks,
+                             int sms) {
+  long long units = tiles != NULL ? (long long)max_tiles : ((long long)dense_rows + 63) / 64;
+  long long items = units * (long long)nblocks;
+  return (unsigned)(items < sms ? items : sms);
+}
+
+/* Slot of an sm_90a kernel in ml_gemm_smem_ready. */
+template <int DT, int MODE, int OUT_F32> static int ml_sm90_which(void) {
+  return ML_K_SM90 + (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 4 : 2) + (DT == MOELINK_DTYPE_F16);
+}
+
+template <int DT, int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p,
+                                       unsigned grid, cudaStream_t stream) {
+  ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32>,
+                            ml_sm90_which<DT, MODE, OUT_F32>(), ML_SM90_SMEM_BYTES));
+  ml_sm90_kernel<DT, MODE, OUT_F32><<<grid, ML_SM90_THREADS, ML_SM90_SMEM_BYTES, stream>>>(*map,
+                                                                                          *p);
+  ML_CUDA_LAUNCHED(MODE == ML_SM90_SWIGLU ? "ml_sm90_kernel (swiglu)" : "ml_sm90_kernel (scaled)");
+  ml_engine_last = ML_GEMM_ENGINE_SM90;
+  return MOELINK_SUCCESS;
+}
+
+/* The bf16 or f16 instantiation of an epilogue. */
+template <int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *map,
+                                         const ml_sm90_args *p, unsigned grid,
+                                         cudaStream_t stream) {
+  if (dt == MOELINK_DTYPE_BF16)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32>(map, p, grid, stream);
+  return ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32>(map, p, grid, stream);
+}
+
 extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
                                                 const int32_t *a_index, int a_div, const void *b,
                                                 int n, int k, const int32_t *tiles,
@@ -161,6 +310,32 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *
   if (a_index != NULL && a_div < 1)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
   if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
+
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ML_SM90_SWIGLU_COLS, &sm90, &sms));
+  if (sm90) {
+    const int cols = ML_SM90_SWIGLU_COLS; /* output columns (gate/up pairs) of a work item */
+    CUtensorMap map;
+    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
+                         what));
+    ml_sm90_args q;
+    q.a = (const char *)a;
+    q.a_index = a_index;
+    q.out = out;
+    q.tiles = tiles;
+    q.num_tiles = num_tiles;
+    q.row_scale = NULL;
+    q.scale_index = NULL;
+    q.a_div = a_index != NULL ? a_div : 1;
+    q.lda = lda;
+    q.k = k;
+    q.n_out = n;
+    q.nblocks = (n + cols - 1) / cols;
+    q.max_tiles = max_tiles;
+    q.dense_rows = dense_rows;
+    return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
+        dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), stream);
+  }
 
   ml_swiglu_args p;
   p.a = a;
@@ -186,6 +361,7 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *
     ml_swiglu_kernel<MOELINK_DTYPE_F16><<<grid, ml_xs::THREADS, ml_xs::SMEM_BYTES, stream>>>(p);
     ML_CUDA_LAUNCHED("ml_swiglu_kernel<f16>");
   }
+  ml_engine_last = ML_GEMM_ENGINE_TILE;
   return MOELINK_SUCCESS;
 }
 
@@ -197,6 +373,7 @@ static moelink_status_t ml_scaled_launch(const ml_scaled_args *p, dim3 grid, int
                             ml_xs::SMEM_BYTES));
   ml_scaled_kernel<DT, OUT_F32><<<grid, ml_xs::THREADS, ml_xs::SMEM_BYTES, stream>>>(*p);
   ML_CUDA_LAUNCHED(name);
+  ml_engine_last = ML_GEMM_ENGINE_TILE;
   return MOELINK_SUCCESS;
 }
 
@@ -212,6 +389,33 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
                        ML_SCALED_COLS, &gx, &gy));
   if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
+
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms));
+  if (sm90) {
+    const int cols = ML_SM90_SCALED_COLS; /* output columns of a work item */
+    CUtensorMap map;
+    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
+                         what));
+    ml_sm90_args q;
+    q.a = (const char *)a;
+    q.a_index = NULL;
+    q.out = out;
+    q.tiles = tiles;
+    q.num_tiles = num_tiles;
+    q.row_scale = row_scale;
+    q.scale_index = row_scale != NULL ? scale_index : NULL;
+    q.a_div = 1;
+    q.lda = lda;
+    q.k = k;
+    q.n_out = n;
+    q.nblocks = (n + cols - 1) / cols;
+    q.max_tiles = max_tiles;
+    q.dense_rows = dense_rows;
+    unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
+    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, stream)
+                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, stream);
+  }
 
   ml_scaled_args p;
   p.a = a;

@@ -11,8 +11,19 @@
  *
  * Inputs are multiples of 2^-8 (times a power of two) with at most 8
  * significant bits, exact in bf16 and f16, so the host computation uses the
- * very values the GPU sees without any conversion code in common. */
+ * very values the GPU sees without any conversion code in common.
+ *
+ * Both engines behind the launchers run every case: the mma.sync tile
+ * engine and, on a compute capability 9.0 device, the sm_90a wgmma kernel,
+ * pinned in turn through ml_cuda_gemm_set_engine. After each launch the test
+ * checks which engine ran, so a shape meant for the sm_90a kernel that
+ * silently fell back would fail. Cases for the sm_90a kernel: odd n and k
+ * (partial column blocks and k steps, TMA zero fill), the two tiles of a
+ * unit whose rows do not follow each other, an expert's odd last tile alone
+ * in its unit, and a many-expert list where every CTA walks past several
+ * experts and takes several work items. */
 #include "cuda/cuda.h"
+#include "cuda/gemm/sm90_engine.cuh"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -147,6 +158,46 @@ static void problem_make(problem *p, int E, const int sizes[][4], const int *gap
   }
 }
 
+/* A plan-like tile list from per-expert row counts: tiles of 64 rows and
+ * the remainder last, gap[e] unowned rows after expert e, extra dead
+ * entries past num_tiles (pointing at a gap row when there is one). */
+static void problem_counts(problem *p, int E, const int *count, const int *gap, int extra) {
+  memset(p, 0, sizeof *p);
+  p->E = E;
+  int nt = 0, R = 0;
+  for (int e = 0; e < E; ++e) {
+    nt += (count[e] + 63) / 64;
+    R += count[e] + gap[e];
+  }
+  p->R = R;
+  p->num_tiles = nt;
+  p->max_tiles = nt + extra;
+  p->tiles = calloc((size_t)3 * (p->max_tiles ? p->max_tiles : 1), sizeof(int32_t));
+  p->row_expert = malloc((size_t)(R ? R : 1) * sizeof(int));
+  int t = 0, row = 0, first_gap = -1;
+  for (int e = 0; e < E; ++e) {
+    for (int done = 0; done < count[e]; done += 64) {
+      int rows = count[e] - done < 64 ? count[e] - done : 64;
+      p->tiles[3 * t] = e;
+      p->tiles[3 * t + 1] = row;
+      p->tiles[3 * t + 2] = rows;
+      for (int r = 0; r < rows; ++r) p->row_expert[row + r] = e;
+      row += rows;
+      p->real_rows += rows;
+      ++t;
+    }
+    for (int r = 0; r < gap[e]; ++r) {
+      if (first_gap < 0) first_gap = row;
+      p->row_expert[row++] = -1;
+    }
+  }
+  for (; t < p->max_tiles; ++t) {
+    p->tiles[3 * t] = E - 1;
+    p->tiles[3 * t + 1] = first_gap >= 0 ? first_gap : 0;
+    p->tiles[3 * t + 2] = 1;
+  }
+}
+
 static void problem_dense(problem *p, int rows) {
   memset(p, 0, sizeof *p);
   p->E = 1;
@@ -220,13 +271,34 @@ typedef struct gemm_case {
   int graph;       /* replay the swiglu GEMM from a captured graph too */
 } gemm_case;
 
+/* Set when the device runs the sm_90a kernel (compute capability 9.0). */
+static int have_sm90;
+
+/* The engine a launch must have used when `engine` was pinned: the sm_90a
+ * kernel takes k >= 64 with at least one full column block of B rows (128
+ * gate/up pairs for SwiGLU, 256 columns for the scaled GEMM). */
+static int expected_engine(int engine, int swiglu, int n_out, int k) {
+  if (engine != ML_GEMM_ENGINE_SM90 || !have_sm90) return ML_GEMM_ENGINE_TILE;
+  int ok = k >= 64 && n_out >= (swiglu ? 128 : 256);
+  return ok ? ML_GEMM_ENGINE_SM90 : ML_GEMM_ENGINE_TILE;
+}
+
+static const char *engine_name(int e) {
+  return e == ML_GEMM_ENGINE_SM90 ? "sm90" : e == ML_GEMM_ENGINE_TILE ? "tile" : "none";
+}
+
+static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
+                            const void *d_w1, const void *d_w2, const void *d_h,
+                            const int32_t *d_index, const float *d_scale,
+                            const int32_t *d_tiles, const int32_t *d_num, const double *ref1,
+                            const double *ref2);
+
 static void run_case(const gemm_case *c, const problem *p) {
   moelink_dtype_t dt = c->dt;
   int n = c->n, k = c->k, R = p->R, E = p->E;
   int lda1 = k + c->lda_pad, lda2 = n + c->lda_pad;
   int tokens = c->top_k ? (p->real_rows + c->top_k - 1) / c->top_k : R;
   int xrows = c->top_k ? tokens : R;
-  char label[160];
 
   /* x [xrows, lda1]; padding NaN (0xFFFF) */
   double *x = malloc((size_t)xrows * k * sizeof(double) + 8);
@@ -313,6 +385,38 @@ static void run_case(const gemm_case *c, const problem *p) {
     d_tiles = dev_copy(p->tiles, (size_t)3 * p->max_tiles * sizeof(int32_t));
     d_num = dev_copy(&p->num_tiles, sizeof(int32_t));
   }
+  run_case_engine(c, p, ML_GEMM_ENGINE_TILE, d_x, d_w1, d_w2, d_h, d_index, d_scale, d_tiles,
+                  d_num, ref1, ref2);
+  if (have_sm90)
+    run_case_engine(c, p, ML_GEMM_ENGINE_SM90, d_x, d_w1, d_w2, d_h, d_index, d_scale, d_tiles,
+                    d_num, ref1, ref2);
+  ml_cuda_gemm_set_engine(ML_GEMM_ENGINE_AUTO);
+
+  cudaFree(d_x);
+  cudaFree(d_w1);
+  cudaFree(d_w2);
+  cudaFree(d_h);
+  cudaFree(d_index);
+  cudaFree(d_scale);
+  cudaFree(d_tiles);
+  cudaFree(d_num);
+  free(x), free(xh), free(a_index), free(perm), free(w1), free(w2), free(w1h), free(w2h);
+  free(h), free(hh), free(row_scale), free(ref1), free(ref2);
+}
+
+/* Both GEMMs of one case on one engine, checked against the references. */
+static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
+                            const void *d_w1, const void *d_w2, const void *d_h,
+                            const int32_t *d_index, const float *d_scale,
+                            const int32_t *d_tiles, const int32_t *d_num, const double *ref1,
+                            const double *ref2) {
+  moelink_dtype_t dt = c->dt;
+  int n = c->n, k = c->k, R = p->R;
+  int lda1 = k + c->lda_pad, lda2 = n + c->lda_pad;
+  char label[200];
+  const char *en = engine_name(engine);
+  const int want1 = expected_engine(engine, 1, n, k), want2 = expected_engine(engine, 0, k, n);
+  ml_cuda_gemm_set_engine(engine);
   size_t out1_bytes = (size_t)(R + GUARD_ROWS) * n * 2;
   size_t out2_bytes = (size_t)(R + GUARD_ROWS) * k * 4;
   void *d_out1 = NULL, *d_out2 = NULL;
@@ -340,7 +444,7 @@ static void run_case(const gemm_case *c, const problem *p) {
     moelink_status_t st = ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles,
                                               d_num, p->max_tiles, R, d_out1, stream);
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(st == MOELINK_SUCCESS, "%s swiglu captured in a CUDA graph%s%s", c->name,
+    CHECK(st == MOELINK_SUCCESS, "%s [%s] swiglu captured in a CUDA graph%s%s", c->name, en,
           st ? ": " : "", st ? moelink_last_error() : "");
     CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -353,20 +457,24 @@ static void run_case(const gemm_case *c, const problem *p) {
   /* swiglu: two runs, bitwise equal */
   for (int rep = 0; rep < 2; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
-    snprintf(label, sizeof label, "%s swiglu run %d", c->name, rep);
+    snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
     CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
                                  p->max_tiles, R, d_out1, stream),
              label);
+    if (rep == 0)
+      CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu ran on the %s engine (%s)",
+            c->name, en, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out1, out1_bytes, cudaMemcpyDeviceToHost));
   }
-  snprintf(label, sizeof label, "%s swiglu (%s, n %d, k %d, lda %d)", c->name,
+  snprintf(label, sizeof label, "%s [%s] swiglu (%s, n %d, k %d, lda %d)", c->name, en,
            moelink_dtype_name(dt), n, k, lda1);
   check_output(label, p, n, first, dt, 0, ref1);
-  CHECK(memcmp(first, got, out1_bytes) == 0, "%s swiglu: two runs bitwise equal", c->name);
+  CHECK(memcmp(first, got, out1_bytes) == 0, "%s [%s] swiglu: two runs bitwise equal", c->name,
+        en);
   if (graph_out) {
     CHECK(memcmp(first, graph_out, out1_bytes) == 0,
-          "%s swiglu: graph replay bitwise equal to a direct run", c->name);
+          "%s [%s] swiglu: graph replay bitwise equal to a direct run", c->name, en);
     free(graph_out);
   }
 
@@ -375,33 +483,31 @@ static void run_case(const gemm_case *c, const problem *p) {
     size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
     for (int rep = 0; rep < 2; ++rep) {
       CUDA_CHECK(cudaMemsetAsync(d_out2, 0xFF, bytes, stream));
-      snprintf(label, sizeof label, "%s scaled%s run %d", c->name, f32 ? " f32" : "", rep);
+      snprintf(label, sizeof label, "%s [%s] scaled%s run %d", c->name, en, f32 ? " f32" : "",
+               rep);
       CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R,
                                    rs, si, d_out2, f32, stream),
                label);
+      if (rep == 0)
+        CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s ran on the %s engine (%s)",
+              c->name, en, f32 ? " f32" : "", engine_name(want2),
+              engine_name(ml_cuda_gemm_last_engine()));
       CUDA_CHECK(cudaStreamSynchronize(stream));
       CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out2, bytes, cudaMemcpyDeviceToHost));
     }
-    snprintf(label, sizeof label, "%s scaled (%s%s, n %d, k %d, lda %d, scale %d)", c->name,
-             moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2, c->scale_mode);
+    snprintf(label, sizeof label, "%s [%s] scaled (%s%s, n %d, k %d, lda %d, scale %d)",
+             c->name, en, moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2,
+             c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
-    CHECK(memcmp(first, got, bytes) == 0, "%s scaled%s: two runs bitwise equal", c->name,
-          f32 ? " f32" : "");
+    CHECK(memcmp(first, got, bytes) == 0, "%s [%s] scaled%s: two runs bitwise equal", c->name,
+          en, f32 ? " f32" : "");
   }
 
   CUDA_CHECK(cudaStreamDestroy(stream));
-  cudaFree(d_x);
-  cudaFree(d_w1);
-  cudaFree(d_w2);
-  cudaFree(d_h);
-  cudaFree(d_index);
-  cudaFree(d_scale);
-  cudaFree(d_tiles);
-  cudaFree(d_num);
   cudaFree(d_out1);
   cudaFree(d_out2);
-  free(x), free(xh), free(a_index), free(perm), free(w1), free(w2), free(w1h), free(w2h);
-  free(h), free(hh), free(row_scale), free(ref1), free(ref2), free(got), free(first);
+  free(got);
+  free(first);
 }
 
 /* ---- argument checks (no launch) ------------------------------------------ */
@@ -463,6 +569,12 @@ int main(void) {
     CHECK(0, "a CUDA device is present");
     return ml_test_done();
   }
+  int major = 0, minor = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0));
+  have_sm90 = major == 9 && minor == 0;
+  printf("# compute capability %d.%d: %s\n", major, minor,
+         have_sm90 ? "tile engine and sm_90a kernel" : "tile engine only");
   check_rejections();
 
   /* A plan-like tile list: experts of 1, 7, 0, 64, 13 + 64, 64 + 64 + 2 rows;
@@ -488,6 +600,37 @@ int main(void) {
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i)
     run_case(&cases[i], i < 3 ? &pa : &pb);
+
+  /* Odd shapes for the sm_90a kernel on the plan-like list: swiglu n 200
+   * (a full and a partial column block), k 328 (five k steps and a partial
+   * one); scaled n 328, k 200. Expert 4's tiles (13 + 64 rows) share a
+   * unit although the second does not start 64 rows after the first;
+   * expert 5's third tile (2 rows) is alone in its unit. */
+  static const gemm_case odd[] = {
+      {"odd bf16", MOELINK_DTYPE_BF16, 200, 328, 8, 2, 2, 1},
+      {"odd f16", MOELINK_DTYPE_F16, 200, 328, 0, 4, 1, 0},
+  };
+  for (size_t i = 0; i < sizeof odd / sizeof odd[0]; ++i) run_case(&odd[i], &pa);
+
+  /* Many experts (64, 0 to 160 rows each, a few gaps): a few hundred work
+   * items, so every persistent CTA takes several and walks past many
+   * experts between two of them. */
+  {
+    enum { ME = 64 };
+    int count[ME], gap[ME];
+    for (int e = 0; e < ME; ++e) {
+      count[e] = (int)(rng_next() % 161u);
+      gap[e] = e % 16 == 5 ? 3 : 0;
+    }
+    count[7] = 0;
+    count[8] = 64;
+    count[9] = 128;
+    problem pm;
+    problem_counts(&pm, ME, count, gap, 4);
+    static const gemm_case many = {"many experts bf16", MOELINK_DTYPE_BF16, 384, 640, 0, 8, 2, 0};
+    run_case(&many, &pm);
+    problem_free(&pm);
+  }
 
   static const gemm_case dense[] = {
       {"dense bf16", MOELINK_DTYPE_BF16, 328, 264, 0, 0, 1, 0},

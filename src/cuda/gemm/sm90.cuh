@@ -1,0 +1,620 @@
+/* The Hopper (sm_90a) grouped GEMM behind ml_cuda_gemm_swiglu and
+ * ml_cuda_gemm_scaled for prefill-sized problems: wgmma from shared memory,
+ * a warp-specialized producer/consumer pipeline on mbarriers, persistent
+ * CTAs walking the plan's tile list.
+ *
+ * CTA tile 128 x 256 x 64, four 48 KiB stages (192 KiB of shared memory,
+ * one CTA per SM), three warpgroups of 128 threads:
+ *   warpgroup 0   producer (setmaxnreg down to 88): each k step it waits
+ *                 for a free stage, thread 0 starts one TMA box for the B
+ *                 tile (256 weight rows x 64 k) and all 128 threads gather
+ *                 the A tile (128 rows x 64 k) with cp.async, whose
+ *                 completion arrives on the stage's "full" mbarrier (.noinc).
+ *   warpgroups 1, 2  consumers (setmaxnreg up to 208): consumer c owns A
+ *                 rows 64c .. 64c + 63 and all 256 B rows: four wgmma
+ *                 m64n256k16 per k step (128 fp32 accumulators a thread),
+ *                 then the stage goes back on its "empty" mbarrier once the
+ *                 wgmma reading it have completed.
+ * Not done, being slower on H200 for every layer shape measured: a
+ * 256 x 128 tile (two m64n128 blocks per consumer), and an L2 prefetch of
+ * the B box four steps ahead (cp.async.bulk.prefetch.tensor).
+ *
+ * Rows. The plan cuts each expert's rows into tiles of 64 (the last one
+ * shorter), listed expert by expert. A work unit is two consecutive tiles of
+ * one expert (or the expert's last, odd one): consumer c computes the unit's
+ * tile c, whose rows need not follow the other tile's (only the tile list
+ * says where rows are). A consumer whose tile is missing skips its wgmma but
+ * still takes part in every barrier, so the pipeline's phases stay in step.
+ *
+ * Work items are (unit, column block) pairs numbered expert by expert. In an
+ * expert, units go in groups of ML_SM90_GROUP, column blocks outer and the
+ * group's units inner: the CTAs running at the same time share a slab of the
+ * expert's weights and a bounded set of activation rows, which both stay in
+ * L2. CTA b takes items b, b + grid, b + 2 grid, ... The producer finds them
+ * by walking the tile list (a warp-wide ballot finds where an expert's tiles
+ * end), an item ahead, so that the walk and the next item's index loads
+ * overlap the current item's k loop, and hands each item to the consumers
+ * in a header beside its first stage (column block, the unit's tile rows),
+ * published by the same full barrier; a header with column block -1 tells
+ * them the work is done.
+ *
+ * Shared memory tiles are 128-byte rows (64 16-bit elements) in the 128-byte
+ * swizzle: 16-byte chunk c of row r sits at chunk c ^ (r & 7) of the row,
+ * inside 1024-byte-aligned groups of eight rows. TMA writes B that way
+ * (CU_TENSOR_MAP_SWIZZLE_128B), the producer's cp.async writes A that way,
+ * and the wgmma descriptors read both that way.
+ *
+ * B goes through a 4D tensor map {k, J, H, experts} (innermost first): for
+ * SwiGLU J = n and H = 2 (gate half, up half), box {64, 128, 2, 1}, so one
+ * TMA lands 128 gate rows and then the 128 up rows of the same columns, and
+ * accumulator column c < 128 (gate) pairs with column c + 128 (up) in the
+ * same thread. For the scaled GEMM J = n, H = 1, box {64, 256, 1, 1}.
+ * Columns past J and k past the end read as zeros, per expert.
+ *
+ * Determinism: each output element is computed by one consumer, summing k
+ * in a fixed order; no atomics. */
+#ifndef MOELINK_CUDA_GEMM_SM90_CUH
+#define MOELINK_CUDA_GEMM_SM90_CUH
+
+#include "cuda/gemm/ptx.cuh"
+
+#include <cuda.h>
+#include <stdint.h>
+
+enum {
+  ML_SM90_BK = 64,
+  ML_SM90_STAGES = 4,
+  ML_SM90_THREADS = 384,
+  ML_SM90_STAGE_BYTES = 48 * 1024, /* A + B */
+  /* per stage: the item header (see ml_sm90_producer), 8 ints */
+  ML_SM90_HEADER_INTS = 8,
+  /* stages, 2 x STAGES mbarriers, STAGES headers; 1 KiB of slack to align
+   * the base */
+  ML_SM90_SMEM_BYTES = ML_SM90_STAGES * ML_SM90_STAGE_BYTES + 2 * ML_SM90_STAGES * 8 +
+                       ML_SM90_STAGES * ML_SM90_HEADER_INTS * 4 + 1024,
+  /* full barrier: 128 producer threads' cp.async arrivals + thread 0's
+   * expect_tx arrival; empty barrier: one arrival per consumer warp */
+  ML_SM90_FULL_COUNT = 129,
+  ML_SM90_EMPTY_COUNT = 8,
+  /* units per raster group (see above) */
+  ML_SM90_GROUP = 8,
+  ML_SM90_PRODUCER_REGS = 88,
+  ML_SM90_CONSUMER_REGS = 208,
+};
+
+/* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
+ * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
+static_assert(ML_SM90_PRODUCER_REGS * 128 + 2 * ML_SM90_CONSUMER_REGS * 128 <= 168 * 384,
+              "warpgroup register budgets exceed the register file");
+
+enum {
+  ML_SM90_BM = 128,
+  ML_SM90_BN = 256, /* B rows per tile: 128 gate/up column pairs, or 256 columns */
+  ML_SM90_A_BYTES = ML_SM90_BM * 128,
+  ML_SM90_B_BYTES = ML_SM90_BN * 128,
+  ML_SM90_ROWS = ML_SM90_BM / 16, /* A rows each producer thread copies */
+  ML_SM90_SWIGLU_COLS = ML_SM90_BN / 2,
+  ML_SM90_SCALED_COLS = ML_SM90_BN,
+};
+static_assert(ML_SM90_A_BYTES + ML_SM90_B_BYTES == ML_SM90_STAGE_BYTES, "stage size");
+
+/* Epilogues. */
+enum { ML_SM90_SWIGLU = 0, ML_SM90_SCALED = 1 };
+
+typedef struct ml_sm90_args {
+  const char *a;            /* A, rows lda elements apart */
+  const int32_t *a_index;   /* problem row r reads A row a_index[r] / a_div; NULL: r */
+  void *out;                /* [rows, n_out], ld n_out */
+  const int32_t *tiles;     /* plan tile list; NULL: dense over dense_rows */
+  const int32_t *num_tiles;
+  const float *row_scale;   /* scaled epilogue only; NULL: 1 */
+  const int32_t *scale_index;
+  int a_div, lda, k, n_out, nblocks, max_tiles, dense_rows;
+} ml_sm90_args;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+/* ---- PTX: mbarriers, TMA, wgmma ---------------------------------------------- */
+
+static __device__ __forceinline__ void ml_mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ void ml_mbar_arrive(uint32_t bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+
+/* Arrives and adds bytes to the transaction count the phase waits for. */
+static __device__ __forceinline__ void ml_mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+
+/* Returns once the phase of parity `parity` has completed. A fresh barrier is
+ * in phase 0, so waiting for parity 1 returns at once: that is how a
+ * producer starts with every stage free. */
+static __device__ __forceinline__ void ml_mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+
+/* One arrival on bar once every cp.async this thread issued so far has
+ * landed; .noinc: the arrival is one of the count the barrier was made with. */
+static __device__ __forceinline__ void ml_cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+static __device__ __forceinline__ void ml_tma_load_4d(uint32_t dst, const CUtensorMap *map,
+                                                      uint32_t bar, int c0, int c1, int c2,
+                                                      int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+
+/* Shared-memory matrix descriptor: K-major rows of 128 bytes in the 128-byte
+ * swizzle, eight-row groups 1024 bytes apart (stride byte offset); the
+ * leading byte offset is unused by this layout and set to 1 as customary. */
+static __device__ __forceinline__ uint64_t ml_wgmma_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+
+static __device__ __forceinline__ void ml_wgmma_fence(void) {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+static __device__ __forceinline__ void ml_wgmma_commit(void) {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> static __device__ __forceinline__ void ml_wgmma_wait(void) {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across the
+ * point where it stands (wgmma writes them behind the compiler's back until
+ * a wait_group says it is done). */
+template <int N> static __device__ __forceinline__ void ml_acc_fence(float *d) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define ML_D8(b)                                                                     \
+  "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]),        \
+      "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+#define ML_D64                                                                       \
+  ML_D8(0), ML_D8(8), ML_D8(16), ML_D8(24), ML_D8(32), ML_D8(40), ML_D8(48), ML_D8(56)
+#define ML_D128                                                                      \
+  ML_D64, ML_D8(64), ML_D8(72), ML_D8(80), ML_D8(88), ML_D8(96), ML_D8(104), ML_D8(112), \
+      ML_D8(120)
+#define ML_R64                                                                                  \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "            \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "            \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define ML_R128                                                                                 \
+  ML_R64 ", "                                                                                   \
+  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "            \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "            \
+  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+/* d[64 x 256] += A[64 x 16] B[256 x 16]^T, both K-major in shared memory;
+ * DT is the operand format. scale-d is a predicate set to 1: the caller
+ * zeroes d before an item. Thread t of the warpgroup holds d[i] at row
+ * 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) +
+ * 2 (t % 4) + i % 2. */
+template <int DT>
+static __device__ __forceinline__ void ml_wgmma_256(float *d, uint64_t da, uint64_t db) {
+  if constexpr (DT == MOELINK_DTYPE_BF16)
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" ML_R128
+                 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : ML_D128
+                 : "l"(da), "l"(db), "r"(1));
+  else
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %130, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {" ML_R128
+                 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+                 : ML_D128
+                 : "l"(da), "l"(db), "r"(1));
+}
+
+#undef ML_D8
+#undef ML_D64
+#undef ML_D128
+#undef ML_R64
+#undef ML_R128
+
+/* ---- the schedule ---------------------------------------------------------- */
+
+/* The walker's position: the current segment (one expert's run of tiles). */
+typedef struct ml_sm90_walk {
+  int t0, nt;   /* first tile, tiles */
+  int w0, work; /* first work item, work items */
+  int num_tiles;
+} ml_sm90_walk;
+
+typedef struct ml_sm90_item {
+  int expert, nb;       /* expert, column block */
+  int row0[2], rows[2]; /* the unit's tiles (rows 0: absent) */
+} ml_sm90_item;
+
+static __device__ __forceinline__ void ml_sm90_tile(const ml_sm90_args *p, int t, int *expert,
+                                                    int *row0, int *rows) {
+  int r;
+  if (p->tiles != NULL) {
+    *expert = __ldg(p->tiles + 3 * t);
+    *row0 = __ldg(p->tiles + 3 * t + 1);
+    r = __ldg(p->tiles + 3 * t + 2);
+  } else {
+    *expert = 0;
+    *row0 = t * 64;
+    r = p->dense_rows - t * 64;
+  }
+  /* a bad plan must not make a consumer write rows it did not compute */
+  *rows = r < 0 ? 0 : (r > 64 ? 64 : r);
+}
+
+/* Tiles from t0 on that belong to t0's expert (warp-wide; all lanes get it). */
+static __device__ __forceinline__ int ml_sm90_seg_len(const ml_sm90_args *p, int t0,
+                                                      int num_tiles) {
+  if (p->tiles == NULL) return num_tiles - t0;
+  int lane = (int)threadIdx.x & 31;
+  int e0 = __ldg(p->tiles + 3 * t0);
+  for (int len = 0;; len += 32) {
+    int t = t0 + len + lane;
+    int other = t >= num_tiles || __ldg(p->tiles + 3 * t) != e0;
+    unsigned m = __ballot_sync(0xffffffffu, other);
+    if (m) return len + __ffs((int)m) - 1;
+  }
+}
+
+static __device__ __forceinline__ void ml_sm90_walk_init(const ml_sm90_args *p,
+                                                         ml_sm90_walk *s) {
+  int n;
+  if (p->tiles != NULL) {
+    n = __ldg(p->num_tiles);
+    n = n < p->max_tiles ? n : p->max_tiles;
+  } else {
+    n = (p->dense_rows + 63) / 64;
+  }
+  s->num_tiles = n < 0 ? 0 : n;
+  s->t0 = 0;
+  s->nt = 0;
+  s->w0 = 0;
+  s->work = 0;
+}
+
+/* Work item w (w only grows from call to call). Returns 0 past the last. */
+static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm90_walk *s,
+                                                   int w, ml_sm90_item *it) {
+  while (w >= s->w0 + s->work) {
+    s->w0 += s->work;
+    s->t0 += s->nt;
+    if (s->t0 >= s->num_tiles) {
+      s->nt = 0;
+      s->work = 0;
+      return 0;
+    }
+    s->nt = ml_sm90_seg_len(p, s->t0, s->num_tiles);
+    s->work = ((s->nt + 1) >> 1) * p->nblocks;
+  }
+  const int units = (s->nt + 1) >> 1;
+  const int local = w - s->w0;
+  const int full = units / ML_SM90_GROUP, per_group = ML_SM90_GROUP * p->nblocks;
+  int u;
+  if (local < full * per_group) {
+    const int g = local / per_group, rem = local - g * per_group;
+    it->nb = rem / ML_SM90_GROUP;
+    u = g * ML_SM90_GROUP + rem % ML_SM90_GROUP;
+  } else {
+    const int gs = units - full * ML_SM90_GROUP, rem = local - full * per_group;
+    it->nb = rem / gs;
+    u = full * ML_SM90_GROUP + rem % gs;
+  }
+  const int ta = s->t0 + 2 * u;
+  ml_sm90_tile(p, ta, &it->expert, &it->row0[0], &it->rows[0]);
+  it->row0[1] = 0;
+  it->rows[1] = 0;
+  if (2 * u + 1 < s->nt) {
+    int e;
+    ml_sm90_tile(p, ta + 1, &e, &it->row0[1], &it->rows[1]);
+  }
+  return 1;
+}
+
+/* ---- roles ----------------------------------------------------------------- */
+
+static __device__ __forceinline__ uint32_t ml_sm90_full(uint32_t bars, int s) {
+  return bars + (uint32_t)(8 * s);
+}
+static __device__ __forceinline__ uint32_t ml_sm90_empty(uint32_t bars, int s) {
+  return bars + (uint32_t)(8 * (ML_SM90_STAGES + s));
+}
+
+/* A rows of an item this producer thread copies: rows r0 + 16 i, i < 8, row
+ * r of the CTA in tile r / 64. src = A row index, valid bit i = the row
+ * exists. */
+static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
+                                                        const ml_sm90_item *it, int r0,
+                                                        int32_t *src) {
+  uint32_t valid = 0;
+#pragma unroll
+  for (int i = 0; i < ML_SM90_ROWS; ++i) {
+    const int h = i >> 2, rr = r0 + 16 * (i & 3);
+    const int ok = rr < it->rows[h];
+    int g = 0;
+    if (ok) {
+      g = it->row0[h] + rr;
+      if (p->a_index != NULL) g = __ldg(p->a_index + g) / p->a_div;
+    }
+    src[i] = g;
+    valid |= (uint32_t)ok << i;
+  }
+  return valid;
+}
+
+/* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
+ * row and [3 + i] rows of the unit's tile i. Written by producer thread 0
+ * before its arrival on the stage's full barrier (a release), read by the
+ * consumers after their wait on it (an acquire). */
+template <int MODE>
+static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
+                                                        const CUtensorMap *map, uint32_t base,
+                                                        uint32_t bars, int *headers) {
+  const int tid = (int)threadIdx.x; /* 0..127 */
+  const int c = tid & 7, r0 = tid >> 3;
+  const int ktiles = (p->k + ML_SM90_BK - 1) / ML_SM90_BK;
+  const int cols = MODE == ML_SM90_SWIGLU ? ML_SM90_SWIGLU_COLS : ML_SM90_SCALED_COLS;
+  const size_t lda_bytes = (size_t)p->lda * 2;
+  /* every row this thread copies has (row & 7) == (r0 & 7): one swizzled
+   * column for all of them */
+  const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
+  int stage = 0;
+  uint32_t phase = 0;
+  ml_sm90_walk walk;
+  ml_sm90_walk_init(p, &walk);
+  int w = (int)blockIdx.x;
+  ml_sm90_item it;
+  int have = ml_sm90_next(p, &walk, w, &it);
+  int32_t src[ML_SM90_ROWS];
+  uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
+  while (have) {
+    ml_sm90_item nx;
+    int32_t src_n[ML_SM90_ROWS];
+    uint32_t valid_n = 0;
+    int have_n = 0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      const uint32_t full = ml_sm90_full(bars, stage);
+      const uint32_t a_s = base + (uint32_t)(stage * ML_SM90_STAGE_BYTES);
+      ml_mbar_wait(ml_sm90_empty(bars, stage), phase ^ 1u);
+      if (tid == 0) {
+        if (kt == 0) {
+          int *h = headers + stage * ML_SM90_HEADER_INTS;
+          h[0] = it.nb;
+          h[1] = it.row0[0];
+          h[2] = it.row0[1];
+          h[3] = it.rows[0];
+          h[4] = it.rows[1];
+        }
+        ml_mbar_arrive_tx(full, ML_SM90_B_BYTES);
+        ml_tma_load_4d(a_s + ML_SM90_A_BYTES, map, full, kt * ML_SM90_BK, it.nb * cols, 0,
+                       it.expert);
+      }
+      /* k is a multiple of 8: a 16-byte chunk is all inside k or all past */
+      const int kcol = kt * ML_SM90_BK + c * 8;
+      const uint32_t ok_k = kcol < p->k ? valid : 0u;
+      const size_t koff = (size_t)kcol * 2;
+#pragma unroll
+      for (int i = 0; i < ML_SM90_ROWS; ++i) {
+        const int ok = (ok_k >> i) & 1;
+        const char *src_p = ok ? p->a + (size_t)src[i] * lda_bytes + koff : p->a;
+        ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), src_p, ok ? 16 : 0);
+      }
+      ml_cp_async_arrive(full);
+      if (++stage == ML_SM90_STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      /* the next item's walk and index loads, behind this item's first step */
+      if (kt == 0) {
+        have_n = ml_sm90_next(p, &walk, w + (int)gridDim.x, &nx);
+        if (have_n) valid_n = ml_sm90_rows(p, &nx, r0, src_n);
+      }
+    }
+    w += (int)gridDim.x;
+    have = have_n;
+    it = nx;
+    valid = valid_n;
+#pragma unroll
+    for (int i = 0; i < ML_SM90_ROWS; ++i) src[i] = src_n[i];
+  }
+  /* The end: a stage whose header says so. Its full barrier completes on
+   * plain arrivals (128 + thread 0's second one, as for a real stage). */
+  ml_mbar_wait(ml_sm90_empty(bars, stage), phase ^ 1u);
+  if (tid == 0) headers[stage * ML_SM90_HEADER_INTS] = -1;
+  ml_mbar_arrive(ml_sm90_full(bars, stage));
+  if (tid == 0) ml_mbar_arrive(ml_sm90_full(bars, stage));
+  /* the copies still in flight arrive on their own; wait for them anyway so
+   * no thread leaves with shared-memory writes pending */
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+static __device__ __forceinline__ void ml_sm90_release(uint32_t bars, int s) {
+  if ((threadIdx.x & 31) == 0) ml_mbar_arrive(ml_sm90_empty(bars, s));
+}
+
+/* Row scales of the thread's rows rl and rl + 8 (scaled epilogue): index
+ * loads first, the scales themselves a step later, so neither waits on the
+ * other. */
+static __device__ __forceinline__ void ml_sm90_scale_index(const ml_sm90_args *p, int row0,
+                                                           int rows, int rl, int32_t sx[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rl + 8 * h;
+    int x = -1;
+    if (p->row_scale != NULL && r < rows) {
+      x = row0 + r;
+      if (p->scale_index != NULL) x = __ldg(p->scale_index + x);
+    }
+    sx[h] = x;
+  }
+}
+
+/* Stores the consumer's accumulators: rows rl and rl + 8 of its tile. */
+template <int DT, int MODE, int OUT_F32>
+static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, const float *d,
+                                                     int nb, int row0, int rows, int rl, int cq,
+                                                     const float sc[2]) {
+  if (MODE == ML_SM90_SWIGLU) {
+    constexpr int HALF = ML_SM90_BN / 16; /* n8 blocks of gate columns */
+    const int cb = nb * ML_SM90_SWIGLU_COLS + cq;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = rl + 8 * h;
+      if (r >= rows) continue;
+      uint32_t *orow = (uint32_t *)((char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * 2);
+#pragma unroll
+      for (int j = 0; j < HALF; ++j) {
+        const int col = cb + 8 * j;
+        if (col >= p->n_out) continue;
+        const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
+        const float u0 = d[4 * (j + HALF) + 2 * h], u1 = d[4 * (j + HALF) + 2 * h + 1];
+        /* silu(g) u; for very negative g the denominator overflows to inf
+         * and the fast division gives -0, the right limit */
+        orow[col >> 1] = ml_pack2<DT>(__fdividef(g0, 1.0f + __expf(-g0)) * u0,
+                                      __fdividef(g1, 1.0f + __expf(-g1)) * u1);
+      }
+    }
+  } else {
+    const int cb = nb * ML_SM90_SCALED_COLS + cq;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = rl + 8 * h;
+      if (r >= rows) continue;
+      const float s = sc[h];
+      char *orow = (char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * (OUT_F32 ? 4 : 2);
+#pragma unroll
+      for (int j = 0; j < ML_SM90_BN / 8; ++j) {
+        const int col = cb + 8 * j;
+        if (col >= p->n_out) continue;
+        const float v0 = d[4 * j + 2 * h] * s, v1 = d[4 * j + 2 * h + 1] * s;
+        if (OUT_F32)
+          ((float2 *)orow)[col >> 1] = make_float2(v0, v1);
+        else
+          ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
+      }
+    }
+  }
+}
+
+template <int DT, int MODE, int OUT_F32>
+static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, uint32_t base,
+                                                        uint32_t bars, const int *headers,
+                                                        int cw) {
+  const int t = (int)threadIdx.x & 127;
+  const int warp = t >> 5, lane = t & 31;
+  const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
+  const int ktiles = (p->k + ML_SM90_BK - 1) / ML_SM90_BK;
+  int stage = 0;
+  uint32_t phase = 0;
+  float d[128];
+  for (;;) {
+    ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+    const int *hd = headers + stage * ML_SM90_HEADER_INTS;
+    const int nb = hd[0];
+    if (nb < 0) break;
+    const int row0 = hd[1 + cw], rows = hd[3 + cw];
+    const int active = rows > 0; /* uniform over the warpgroup */
+    int32_t sx[2];
+    float sc[2] = {1.0f, 1.0f};
+    if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.0f;
+    int prev = 0;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      if (kt > 0) ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+      if (active) {
+        const uint32_t a_s = base + (uint32_t)(stage * ML_SM90_STAGE_BYTES);
+        const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
+        const uint64_t db = ml_wgmma_desc(a_s + ML_SM90_A_BYTES);
+        /* A came through cp.async (generic proxy); wgmma reads through the
+         * async proxy */
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ml_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < ML_SM90_BK / 16; ++kk)
+          /* 16 k = 32 bytes further along the rows: +2 in the address field */
+          ml_wgmma_256<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+        ml_wgmma_commit();
+        /* the previous step's wgmma are done: its stage can be refilled */
+        ml_wgmma_wait<1>();
+        ml_acc_fence<128>(d);
+        if (kt > 0) ml_sm90_release(bars, prev);
+      } else {
+        ml_sm90_release(bars, stage);
+      }
+      prev = stage;
+      if (++stage == ML_SM90_STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      /* the scales, once their indices have had a step to arrive */
+      if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
+      }
+    }
+    ml_wgmma_wait<0>();
+    ml_acc_fence<128>(d);
+    if (!active) continue;
+    ml_sm90_release(bars, prev);
+    ml_sm90_store<DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+  }
+}
+
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+/* The kernel. Built for sm_90a only: in any other device pass (the compute_90
+ * PTX fallback) its body is empty and the host never launches it there. */
+template <int DT, int MODE, int OUT_F32>
+static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
+    ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
+                   const __grid_constant__ ml_sm90_args p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) char ml_sm90_smem[];
+  const uint32_t raw = ml_smem_u32(ml_sm90_smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t bars = base + (uint32_t)(ML_SM90_STAGES * ML_SM90_STAGE_BYTES);
+  int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * ML_SM90_STAGES * 8);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < ML_SM90_STAGES; ++s) {
+      ml_mbar_init(ml_sm90_full(bars, s), ML_SM90_FULL_COUNT);
+      ml_mbar_init(ml_sm90_empty(bars, s), ML_SM90_EMPTY_COUNT);
+    }
+    /* barrier initialization visible to the async proxy (TMA completes on it) */
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_b) : "memory");
+  }
+  __syncthreads();
+  const int wg = (int)threadIdx.x >> 7;
+  if (wg == 0) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_PRODUCER_REGS) : "memory");
+    ml_sm90_producer<MODE>(&p, &map_b, base, bars, headers);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_CONSUMER_REGS) : "memory");
+    ml_sm90_consumer<DT, MODE, OUT_F32>(&p, base, bars, headers, wg - 1);
+  }
+#endif
+}
+
+#endif

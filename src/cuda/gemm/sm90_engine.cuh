@@ -1,0 +1,31 @@
+/* Which engine runs the grouped GEMMs of cuda.h (ml_cuda_gemm_swiglu,
+ * ml_cuda_gemm_scaled): the sm_90a wgmma kernel (sm90.cuh) or the portable
+ * mma.sync tile engine (tile.cuh). Plain C declarations, so that C tests can
+ * pin one engine and check which one ran.
+ *
+ * Left alone, the launchers take the sm_90a kernel on a compute capability
+ * 9.0 device when the shape suits it (see experts.cu) and
+ * MOELINK_GEMM_SM90 is not 0; the tile engine otherwise. */
+#ifndef MOELINK_CUDA_GEMM_SM90_ENGINE_CUH
+#define MOELINK_CUDA_GEMM_SM90_ENGINE_CUH
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { ML_GEMM_ENGINE_AUTO = -1, ML_GEMM_ENGINE_TILE = 0, ML_GEMM_ENGINE_SM90 = 1 };
+
+/* Process-wide choice for the launches that follow: AUTO (the default:
+ * MOELINK_GEMM_SM90 decides), TILE (always the tile engine) or SM90 (the
+ * sm_90a kernel whenever the device and shape allow it). */
+void ml_cuda_gemm_set_engine(int engine);
+
+/* Engine of the calling thread's last launch that did work (TILE or SM90),
+ * or AUTO if it has launched none. */
+int ml_cuda_gemm_last_engine(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
