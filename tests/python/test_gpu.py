@@ -249,10 +249,19 @@ def check_forward(ctx, cfg, dtype, T, seed, max_tokens=512):
 @test
 def test_forward():
     with moelink.Context(BACKEND) as ctx:
-        for dtype in ("bf16", "f16", "f32"):
+        # The CUDA backend runs bf16 and f16 only; f32 must be refused with a reason.
+        dtypes = ("bf16", "f16", "f32") if BACKEND == "cpu" else ("bf16", "f16")
+        for dtype in dtypes:
             for i, cfg in enumerate(CASES):
                 for T in (1, 7, 129):
                     check_forward(ctx, cfg, dtype, T, seed=1000 * i + T)
+        if BACKEND == "cuda":
+            try:
+                layer(ctx, CASES[0], "f32", 16)
+            except moelink.MoelinkError as e:
+                assert e.status_name == "MOELINK_ERR_UNSUPPORTED" and "f32" in e.message, str(e)
+            else:
+                raise AssertionError("f32 layer on CUDA was accepted")
 
 
 @test

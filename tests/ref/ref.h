@@ -60,7 +60,7 @@ double ref_route_margin(const moelink_moe_config_t *cfg, const moelink_moe_weigh
  * moelink_fill_random (so a device copy made with the same seeds matches):
  * gate_up scale 2/sqrt(H), down 2/sqrt(I), shared likewise (Is), shared gate
  * 1/sqrt(H), router 3/sqrt(H) (logits of standard deviation 1), correction
- * bias in [-0.5, 0.5) (negative values included), x scale 1.
+ * bias in [-0.05, 0.05) (negative values included), x scale 1.
  * zipf_alpha > 0 skews routing: expert e gets log((e+1)^-alpha) added to
  * its logit through hidden feature 0 (x[.,0] = 1 in ref_fill_x when skewed). */
 typedef struct ref_layer {
