@@ -14,7 +14,9 @@ JOBS=$(nproc)
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
 
 log "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -4 | tr '\n' ';')"
-log "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The device copy of the tree has no .git: the caller passes MOELINK_COMMIT.
+export MOELINK_COMMIT=${MOELINK_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+log "commit: $MOELINK_COMMIT"
 # The CPU backend (the GPU tests' reference) needs OpenBLAS. The GPU image has no package
 # registry: unpack the Debian packages carried in .debs/ (see docs/PERF.md, "how to run").
 if ! pkg-config --exists openblas 2>/dev/null && [ -d .debs ]; then
@@ -36,10 +38,11 @@ log "build ok"
 rc=0
 if [ "$what" = all ] || [ "$what" = test ]; then
   log "ctest -L gpu"
-  (cd "$BUILD" && ctest -L gpu --output-on-failure --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
-  grep -E '^(ok|not ok|[0-9]+ passed)|tests passed|Failed|Passed|\*\*\*' "$OUT/test.log" | grep -vE '^ok ' | tail -60
+  (cd "$BUILD" && ctest -L gpu -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
+  # ctest -V prefixes each test's lines with "N: "; show failures and per-test counts.
+  grep -E ': not ok |: [0-9]+ passed, [0-9]+ failed|: FAIL|Test +#|tests passed' "$OUT/test.log" | tail -60
   log "gpu tests: $(grep -E 'tests passed' "$OUT/test.log" | tail -1)"
-  log "TAP: $(grep -c '^ok ' "$OUT/test.log") ok, $(grep -c '^not ok ' "$OUT/test.log") not ok"
+  log "TAP checks: $(grep -cE '^[0-9]+: ok ' "$OUT/test.log") ok, $(grep -cE '^[0-9]+: not ok ' "$OUT/test.log") not ok"
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
