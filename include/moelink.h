@@ -325,6 +325,78 @@ MOELINK_API moelink_status_t moelink_moe_combine(moelink_moe_t moe, const void *
                                                  void *stream);
 
 /* ------------------------------------------------------------------------ */
+/* Communicators, symmetric memory and collectives                          */
+/* ------------------------------------------------------------------------ */
+
+/* A group of ranks, one process each (one GPU each on CUDA; on CPU, processes
+ * of one machine sharing POSIX shared memory). No call here ever waits
+ * forever: device-side waits give up after MOELINK_COMM_TIMEOUT_MS and are
+ * reported by moelink_comm_check as MOELINK_ERR_TIMEOUT. */
+typedef struct moelink_comm *moelink_comm_t;
+
+/* Opaque bootstrap token made by rank 0 and handed to every rank. */
+#define MOELINK_UNIQUE_ID_BYTES 128
+typedef struct moelink_unique_id {
+  unsigned char bytes[MOELINK_UNIQUE_ID_BYTES];
+} moelink_unique_id_t;
+
+/* Makes a unique id for a new communicator on ctx's backend (rank 0 calls it
+ * and passes the id to the others by any means). */
+MOELINK_API moelink_status_t moelink_get_unique_id(moelink_context_t ctx, moelink_unique_id_t *id);
+
+/* Id <-> printable text (2*MOELINK_UNIQUE_ID_BYTES hex digits + NUL), as
+ * `moelink launch` passes it in MOELINK_UNIQUE_ID. */
+MOELINK_API moelink_status_t moelink_unique_id_to_hex(const moelink_unique_id_t *id, char *hex,
+                                                      size_t hex_size);
+MOELINK_API moelink_status_t moelink_unique_id_from_hex(const char *hex, moelink_unique_id_t *id);
+
+/* Joins a communicator of nranks ranks as `rank` (collective: every rank must
+ * call it with the same id). Errors: INVALID_ARGUMENT, TIMEOUT (peers never
+ * came), NCCL, CUDA, OUT_OF_MEMORY. */
+MOELINK_API moelink_status_t moelink_comm_init(moelink_context_t ctx, int rank, int nranks,
+                                               const moelink_unique_id_t *id, moelink_comm_t *out);
+
+/* moelink_comm_init with rank, size and id from the environment that
+ * `moelink launch` sets: MOELINK_RANK, MOELINK_WORLD_SIZE, MOELINK_UNIQUE_ID. */
+MOELINK_API moelink_status_t moelink_comm_init_from_env(moelink_context_t ctx, moelink_comm_t *out);
+
+/* Wraps an existing ncclComm_t (passed as void *) of a CUDA context; the
+ * caller keeps ownership of it. UNSUPPORTED on the CPU backend. */
+MOELINK_API moelink_status_t moelink_comm_init_from_nccl(moelink_context_t ctx, void *nccl_comm,
+                                                         moelink_comm_t *out);
+
+/* Leaves and frees a communicator (collective). NULL: no-op. */
+MOELINK_API moelink_status_t moelink_comm_destroy(moelink_comm_t comm);
+
+MOELINK_API int moelink_comm_rank(moelink_comm_t comm);
+MOELINK_API int moelink_comm_size(moelink_comm_t comm);
+
+/* Waits for the communicator's queued work on `stream` (synchronizes the
+ * host) and reports a device-side wait that timed out as MOELINK_ERR_TIMEOUT,
+ * naming the rank, the primitive and the value awaited. */
+MOELINK_API moelink_status_t moelink_comm_check(moelink_comm_t comm, void *stream);
+
+/* Symmetric memory: every rank allocates the same size, in the same order
+ * (collective); each rank's buffer is addressable by its peers (device
+ * primitives, moelink_device.cuh). */
+MOELINK_API moelink_status_t moelink_symm_alloc(moelink_comm_t comm, size_t bytes, void **ptr);
+MOELINK_API moelink_status_t moelink_symm_free(moelink_comm_t comm, void *ptr);
+
+/* Collectives (sum), stream-ordered, graph-capturable on CUDA; f32, bf16,
+ * f16 with fp32 accumulation. Buffers are ordinary memory of the backend;
+ * counts are elements. in-place (send == recv) is allowed for all-reduce.
+ *   allreduce:      recv[i] = sum over ranks of send[i], i < count
+ *   allgather:      recv[r*count + i] = send_of_rank_r[i]
+ *   reduce_scatter: recv[i] = sum over ranks of send[rank*count + i]        */
+MOELINK_API moelink_status_t moelink_allreduce(moelink_comm_t comm, const void *send, void *recv,
+                                               size_t count, moelink_dtype_t dtype, void *stream);
+MOELINK_API moelink_status_t moelink_allgather(moelink_comm_t comm, const void *send, void *recv,
+                                               size_t count, moelink_dtype_t dtype, void *stream);
+MOELINK_API moelink_status_t moelink_reduce_scatter(moelink_comm_t comm, const void *send,
+                                                    void *recv, size_t count,
+                                                    moelink_dtype_t dtype, void *stream);
+
+/* ------------------------------------------------------------------------ */
 /* Utilities                                                                */
 /* ------------------------------------------------------------------------ */
 
