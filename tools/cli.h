@@ -110,7 +110,9 @@ double cli_tolerance(moelink_dtype_t dt);
 /* ---- commands ----------------------------------------------------------- */
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);
+int cli_cmd_launch(int argc, char **argv);
 void cli_help_run(void);
 void cli_help_bench(void);
+void cli_help_launch(void);
 
 #endif

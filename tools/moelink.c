@@ -11,6 +11,7 @@ static const char cli_usage_text[] =
     "  run       run one MoE layer on generated weights, time it, optionally verify it\n"
     "  bench     median times over token counts beside this machine's floors\n"
     "  presets   list the built-in model presets\n"
+    "  launch    start N ranks of a command on this machine (one per GPU)\n"
     "\n"
     "  moelink --version     library and header versions\n"
     "  moelink --help, -h    this text; moelink <command> --help for one command\n";
@@ -48,6 +49,8 @@ static void cli_help(void) {
   fputs(cli_shape_text, stdout);
   printf("\nmoelink presets\n  a table of the presets: shapes, router, groups, scaling, shared "
          "expert,\n  and the parameter count of the routed experts\n");
+  printf("\n");
+  cli_help_launch();
   printf("\nexit codes: 0 ok, 1 failure (library error, failed verification), 2 bad arguments\n");
 }
 
@@ -140,6 +143,8 @@ int main(int argc, char **argv) {
       cli_help_run();
     else if (argc > 2 && strcmp(argv[2], "bench") == 0)
       cli_help_bench();
+    else if (argc > 2 && strcmp(argv[2], "launch") == 0)
+      cli_help_launch();
     else
       cli_help();
     return 0;
@@ -148,6 +153,8 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "presets") == 0) return cli_presets(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cli_cmd_run(argc - 2, argv + 2);
   if (strcmp(cmd, "bench") == 0) return cli_cmd_bench(argc - 2, argv + 2);
-  cli_usage_error("unknown command '%s' (commands: run, bench, presets; see moelink --help)",
+  if (strcmp(cmd, "launch") == 0) return cli_cmd_launch(argc - 2, argv + 2);
+  cli_usage_error("unknown command '%s' (commands: run, bench, presets, launch; see moelink "
+                  "--help)",
                   cmd);
 }

@@ -1,0 +1,721 @@
+/* The CUDA communicator (host side): NCCL bootstrap, symmetric buffers as
+ * NCCL windows, the device communicator, failure reports, and the dispatch
+ * of collectives to the kernels of collectives.cu.
+ *
+ * Every entry makes the context's device current and puts the caller's
+ * back. Collectives never synchronize; init, symmetric allocation, check and
+ * destroy do (they are not on the hot path). */
+#include "comm/cuda/comm_cuda.h"
+
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* MOELINK_COMM_TIMEOUT_MS, read once per process by the front end. */
+int64_t ml_comm_timeout_ms(void);
+
+/* CTAs one collective may use, and the all-reduce size where two-shot takes
+ * over. Every rank must see the same values (they shape the kernels' rounds). */
+MOELINK_PARAM(COMM_MAX_CTAS, ML_CCU_DEFAULT_CTAS)
+MOELINK_PARAM(COMM_ONESHOT_MAX_BYTES, (int64_t)ML_CCU_ONESHOT_MAX_DEFAULT)
+
+_Static_assert(sizeof(ncclUniqueId) == MOELINK_UNIQUE_ID_BYTES, "unique id sizes differ");
+
+/* moelink_get_unique_id on CUDA is NCCL's id with this tag in its last bytes
+ * (which NCCL leaves zero), so that init can tell it from an id made on the
+ * CPU backend (what `moelink launch` hands out), which it resolves through a
+ * CPU rendezvous instead. */
+#define ML_CCU_TAG "moelink:nccl-id"
+#define ML_CCU_TAG_BYTES 16
+#define ML_CCU_TAG_AT (MOELINK_UNIQUE_ID_BYTES - ML_CCU_TAG_BYTES)
+
+typedef struct ml_ccu_symm {
+  struct ml_ccu_symm *next;
+  char *ptr;
+  size_t bytes;
+  ncclWindow_t win;
+  char *base[ML_CCU_MAX_RANKS]; /* base[rank] == ptr */
+} ml_ccu_symm;
+
+typedef struct ml_ccu_comm {
+  ncclComm_t nccl;
+  int owned;         /* we made nccl (else the caller owns it) */
+  void *devcomm;     /* ncclDevComm (devcomm.cu) */
+  int lsa_rank, lsa_size;
+  int lsa_ok;        /* every rank shares this rank's NVLink domain: kernels run */
+  cudaStream_t setup;
+  uint64_t *scratch; /* ML_CCU_MAX_RANKS words, for window addresses */
+  uint64_t *epoch;   /* ML_CCU_MAX_CTAS words */
+  ml_ccu_symm internal;
+  ml_ccu_symm *user; /* moelink_symm_alloc buffers */
+  ml_ccu_coll coll;
+  int broken;
+  char broken_msg[400];
+} ml_ccu_comm;
+
+static const ml_comm_ops ml_ccu_ops;
+
+static ml_ccu_comm *ml_ccu(moelink_comm_t comm) { return (ml_ccu_comm *)comm->impl; }
+
+/* ---- errors, device guard, NCCL environment -------------------------------- */
+
+static moelink_status_t ml_ccu_nccl_fail(ncclComm_t comm, ncclResult_t r, const char *what) {
+  const char *detail = comm ? ncclGetLastError(comm) : ncclGetLastError(NULL);
+  return ml_fail(MOELINK_ERR_NCCL, "%s failed: %s%s%s", what, ncclGetErrorString(r),
+                 detail && *detail ? ": " : "", detail && *detail ? detail : "");
+}
+
+static moelink_status_t ml_ccu_cuda_fail(cudaError_t e, const char *what) {
+  return ml_fail(e == cudaErrorMemoryAllocation ? MOELINK_ERR_OUT_OF_MEMORY : MOELINK_ERR_CUDA,
+                 "%s failed: %s", what, cudaGetErrorString(e));
+}
+
+static moelink_status_t ml_ccu_enter(moelink_context_t ctx, int *prev) {
+  /* An error left behind by an earlier call of anyone on this thread must not
+   * be reported as ours. */
+  (void)cudaGetLastError();
+  cudaError_t e = cudaGetDevice(prev);
+  if (e == cudaSuccess && *prev != ctx->device) e = cudaSetDevice(ctx->device);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "selecting cuda device %d: %s", ctx->device,
+                   cudaGetErrorString(e));
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_leave(moelink_context_t ctx, int prev, moelink_status_t s) {
+  if (prev != ctx->device) {
+    cudaError_t e = cudaSetDevice(prev);
+    if (e != cudaSuccess && s == MOELINK_SUCCESS)
+      return ml_fail(MOELINK_ERR_CUDA, "cudaSetDevice(%d) to restore the caller's device: %s",
+                     prev, cudaGetErrorString(e));
+  }
+  return s;
+}
+
+static void ml_ccu_version_text(int code, char *buf, size_t size) {
+  if (code >= 10000)
+    snprintf(buf, size, "%d.%d.%d", code / 10000, code / 100 % 100, code % 100);
+  else
+    snprintf(buf, size, "%d.%d.%d", code / 1000, code / 100 % 10, code % 100);
+}
+
+/* The NCCL headers this file was compiled with and the libnccl loaded at run
+ * time must be the same release: the device API's structs are shared
+ * between them. */
+static moelink_status_t ml_ccu_check_version(void) {
+  int v = 0;
+  ncclResult_t r = ncclGetVersion(&v);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(NULL, r, "ncclGetVersion");
+  if (v == NCCL_VERSION_CODE) return MOELINK_SUCCESS;
+  char built[32], running[32];
+  ml_ccu_version_text(NCCL_VERSION_CODE, built, sizeof built);
+  ml_ccu_version_text(v, running, sizeof running);
+  Dl_info info;
+  const char *where = "an unknown file";
+  if (dladdr((void *)ncclGetVersion, &info) && info.dli_fname) where = info.dli_fname;
+  return ml_fail(MOELINK_ERR_NCCL,
+                 "built against NCCL %s, running %s (loaded from %s): run with the libnccl "
+                 "moelink was built against, or rebuild with -DNCCL_ROOT set to this one",
+                 built, running, where);
+}
+
+/* NVLink multicast is never used: keep NCCL from setting it up. */
+static void ml_ccu_nccl_env(void) { setenv("NCCL_NVLS_ENABLE", "0", 1); }
+
+/* ---- symmetric buffers ------------------------------------------------------ */
+
+/* Collective: every rank allocates the same size in the same order. The
+ * buffer is zeroed before the registration, whose barrier guarantees no peer
+ * writes into it before that. */
+static moelink_status_t ml_ccu_symm_make(moelink_comm_t comm, ml_ccu_comm *c, size_t bytes,
+                                         ml_ccu_symm *m) {
+  memset(m, 0, sizeof *m);
+  void *p = NULL;
+  ncclResult_t r = ncclMemAlloc(&p, bytes);
+  if (r != ncclSuccess || !p) {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && bytes > free_b)
+      return ml_fail(MOELINK_ERR_OUT_OF_MEMORY,
+                     "symmetric buffer of %zu bytes: only %zu bytes of device memory free", bytes,
+                     free_b);
+    return ml_ccu_nccl_fail(c->nccl, r, "ncclMemAlloc");
+  }
+  cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->setup);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+  if (e != cudaSuccess) {
+    (void)ncclMemFree(p);
+    return ml_ccu_cuda_fail(e, "zeroing a symmetric buffer");
+  }
+  ncclWindow_t win = NULL;
+  r = ncclCommWindowRegister(c->nccl, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC);
+  if (r != ncclSuccess) {
+    moelink_status_t s = ml_ccu_nccl_fail(c->nccl, r, "ncclCommWindowRegister");
+    (void)ncclMemFree(p);
+    return s;
+  }
+  if (!win) {
+    (void)ncclMemFree(p);
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "NCCL made no symmetric window for a buffer of %zu bytes: this communicator "
+                   "has no symmetric memory support (it needs CUDA VMM, NCCL_CUMEM_ENABLE not 0)",
+                   bytes);
+  }
+  m->ptr = (char *)p;
+  m->bytes = bytes;
+  m->win = win;
+  if (c->lsa_ok) {
+    uint64_t b[ML_CCU_MAX_RANKS];
+    moelink_status_t s = ml_ccu_window_bases(win, comm->nranks, c->scratch, b, c->setup);
+    if (s != MOELINK_SUCCESS) {
+      (void)ncclCommWindowDeregister(c->nccl, win);
+      (void)ncclMemFree(p);
+      memset(m, 0, sizeof *m);
+      return s;
+    }
+    for (int q = 0; q < comm->nranks; ++q) m->base[q] = (char *)(uintptr_t)b[q];
+    /* A GPU addresses its own copy only through the allocation's address
+     * (see moelink_device.cuh), never through NCCL's second mapping. */
+    m->base[comm->rank] = m->ptr;
+  }
+  return MOELINK_SUCCESS;
+}
+
+/* Deregisters and frees (this rank only: NCCL unmaps its own view of the
+ * peers' copies; theirs stay until they free). */
+static moelink_status_t ml_ccu_symm_release(ml_ccu_comm *c, ml_ccu_symm *m) {
+  if (!m->ptr) return MOELINK_SUCCESS;
+  moelink_status_t s = MOELINK_SUCCESS;
+  ncclResult_t r = ncclCommWindowDeregister(c->nccl, m->win);
+  if (r != ncclSuccess) s = ml_ccu_nccl_fail(c->nccl, r, "ncclCommWindowDeregister");
+  r = ncclMemFree(m->ptr);
+  if (r != ncclSuccess && s == MOELINK_SUCCESS) s = ml_ccu_nccl_fail(c->nccl, r, "ncclMemFree");
+  m->ptr = NULL;
+  m->win = NULL;
+  return s;
+}
+
+/* ---- failure reports -------------------------------------------------------- */
+
+static const char *ml_ccu_prim_name(unsigned prim, char *buf, size_t size) {
+  switch (prim) {
+  case MOELINK_PRIM_SIGNAL_WAIT: return "a signal (moelink_signal_wait)";
+  case MOELINK_PRIM_BARRIER: return "a barrier (moelink_barrier)";
+  case ML_CCU_PRIM_AR_ONESHOT: return "one-shot all-reduce data";
+  case ML_CCU_PRIM_AR_RS: return "two-shot all-reduce data (reduce-scatter round)";
+  case ML_CCU_PRIM_AR_AG: return "two-shot all-reduce data (all-gather round)";
+  case ML_CCU_PRIM_ALLGATHER: return "all-gather data";
+  case ML_CCU_PRIM_REDUCE_SCATTER: return "reduce-scatter data";
+  default: break;
+  }
+  if (prim >= MOELINK_PRIM_USER)
+    snprintf(buf, size, "user primitive %u (MOELINK_PRIM_USER + %u)", prim,
+             prim - MOELINK_PRIM_USER);
+  else
+    snprintf(buf, size, "primitive %u", prim);
+  return buf;
+}
+
+/* Reads this rank's control block (after the caller synchronized) and, when
+ * a wait gave up, marks the communicator broken with the reason. Returns 1
+ * when broken. */
+static int ml_ccu_read_failure(moelink_comm_t comm, ml_ccu_comm *c) {
+  if (c->broken) return 1;
+  if (!c->lsa_ok || !c->internal.ptr) return 0;
+  uint64_t w[3] = {0, 0, 0};
+  if (cudaMemcpy(w, c->internal.ptr + ML_CCU_CTL_OFFSET, sizeof w, cudaMemcpyDeviceToHost) !=
+      cudaSuccess)
+    return 0;
+  if (!(w[MOELINK_CTL_INFO] & MOELINK_CTL_INFO_VALID)) return 0;
+  const uint64_t info = w[MOELINK_CTL_INFO];
+  const int rank = (int)(info & 0xffff);
+  const int from = (int)((info >> 16) & 0xffff);
+  const unsigned prim = (unsigned)((info >> 32) & 0xffff);
+  const unsigned long long value = (unsigned long long)w[MOELINK_CTL_VALUE];
+  const int first = w[MOELINK_CTL_ABORT] ? (int)w[MOELINK_CTL_ABORT] - 1 : -1;
+  char pbuf[64], frombuf[32];
+  const char *what = ml_ccu_prim_name(prim, pbuf, sizeof pbuf);
+  if (from == 0xffff)
+    snprintf(frombuf, sizeof frombuf, "a peer");
+  else
+    snprintf(frombuf, sizeof frombuf, "rank %d", from);
+  if (info & MOELINK_CTL_INFO_ABORTED)
+    snprintf(c->broken_msg, sizeof c->broken_msg,
+             "rank %d: stopped waiting for %s (value %llu) from %s because rank %d gave up "
+             "first; the communicator is unusable: destroy it",
+             rank, what, value, frombuf, first);
+  else
+    snprintf(c->broken_msg, sizeof c->broken_msg,
+             "rank %d: waited %lld ms for %s (value %llu) from %s; the communicator is "
+             "unusable: destroy it",
+             rank, (long long)(c->coll.dc.timeout_ns / 1000000ull), what, value, frombuf);
+  (void)comm;
+  c->broken = 1;
+  return 1;
+}
+
+/* ---- setup and teardown ----------------------------------------------------- */
+
+static void ml_ccu_teardown(ml_ccu_comm *c) {
+  /* Kernels still queued may use the buffers; none waits forever. */
+  int failed = c->broken;
+  if (cudaDeviceSynchronize() != cudaSuccess) failed = 1;
+  (void)cudaGetLastError();
+  if (!failed && c->lsa_ok && c->internal.ptr) {
+    uint64_t info = 0;
+    if (cudaMemcpy(&info, c->internal.ptr + ML_CCU_CTL_OFFSET, sizeof info,
+                   cudaMemcpyDeviceToHost) != cudaSuccess ||
+        (info & MOELINK_CTL_INFO_VALID))
+      failed = 1;
+  }
+  if (c->nccl) {
+    ncclResult_t ae = ncclSuccess;
+    if (ncclCommGetAsyncError(c->nccl, &ae) != ncclSuccess ||
+        (ae != ncclSuccess && ae != ncclInProgress))
+      failed = 1;
+  }
+  while (c->user) {
+    ml_ccu_symm *m = c->user;
+    c->user = m->next;
+    (void)ml_ccu_symm_release(c, m);
+    free(m);
+  }
+  (void)ml_ccu_symm_release(c, &c->internal);
+  if (c->devcomm) ml_ccu_devcomm_destroy(c->nccl, c->devcomm);
+  c->devcomm = NULL;
+  if (c->epoch) (void)cudaFree(c->epoch);
+  if (c->scratch) (void)cudaFree(c->scratch);
+  if (c->setup) (void)cudaStreamDestroy(c->setup);
+  if (c->nccl && c->owned) {
+    /* A peer that gave up or died would never join a clean shutdown. */
+    if (failed)
+      (void)ncclCommAbort(c->nccl);
+    else
+      (void)ncclCommDestroy(c->nccl);
+  }
+  (void)cudaGetLastError();
+  free(c);
+}
+
+/* Everything after the NCCL communicator exists (collective). */
+static moelink_status_t ml_ccu_setup(moelink_comm_t comm, ml_ccu_comm *c) {
+  const int n = comm->nranks;
+  int64_t ctas = ml_param_COMM_MAX_CTAS();
+  if (ctas < 1) ctas = 1;
+  if (ctas > ML_CCU_MAX_CTAS) ctas = ML_CCU_MAX_CTAS;
+  int64_t oneshot = ml_param_COMM_ONESHOT_MAX_BYTES();
+  if (oneshot < 0) oneshot = 0;
+
+  cudaError_t e = cudaStreamCreateWithFlags(&c->setup, cudaStreamNonBlocking);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "cudaStreamCreateWithFlags");
+  e = cudaMalloc((void **)&c->scratch, sizeof(uint64_t) * ML_CCU_MAX_RANKS);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "cudaMalloc of the communicator scratch");
+  e = cudaMalloc((void **)&c->epoch, sizeof(uint64_t) * ML_CCU_MAX_CTAS);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "cudaMalloc of the epoch counters");
+  e = cudaMemsetAsync(c->epoch, 0, sizeof(uint64_t) * ML_CCU_MAX_CTAS, c->setup);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "zeroing the epoch counters");
+
+  ML_TRY(ml_ccu_devcomm_create(c->nccl, (int)ctas, &c->devcomm, &c->lsa_rank, &c->lsa_size));
+  /* LSA teams are consecutive world ranks, so a team of all ranks has
+   * LSA rank == world rank. */
+  c->lsa_ok = c->lsa_size == n && c->lsa_rank == comm->rank && n <= ML_CCU_MAX_RANKS;
+  if (!c->lsa_ok) return MOELINK_SUCCESS; /* collectives go through NCCL's own */
+
+  ML_TRY(ml_ccu_symm_make(comm, c, ml_ccu_internal_bytes(n, ML_CCU_MAX_CTAS), &c->internal));
+  ml_ccu_coll *k = &c->coll;
+  memset(k, 0, sizeof *k);
+  k->rank = comm->rank;
+  k->nranks = n;
+  k->alloc_ctas = ML_CCU_MAX_CTAS;
+  k->max_ctas = (int)ctas;
+  k->slot_bytes = ML_CCU_SLOT_BYTES;
+  k->oneshot_max = (size_t)oneshot;
+  k->epoch = c->epoch;
+  k->dc.rank = comm->rank;
+  k->dc.nranks = n;
+  k->dc.timeout_ns = (uint64_t)ml_comm_timeout_ms() * 1000000ull;
+  for (int q = 0; q < n; ++q) {
+    k->stage[q] = c->internal.base[q] + ML_CCU_STAGE_OFFSET;
+    k->sig[q] = (uint64_t *)(c->internal.base[q] + ML_CCU_SIG_OFFSET);
+    k->dc.ctl[q] = (uint64_t *)(c->internal.base[q] + ML_CCU_CTL_OFFSET);
+  }
+  return MOELINK_SUCCESS;
+}
+
+/* ---- bootstrap -------------------------------------------------------------- */
+
+static moelink_status_t ml_ccu_unique_id(moelink_context_t ctx, moelink_unique_id_t *id) {
+  (void)ctx;
+  ML_TRY(ml_ccu_check_version());
+  ml_ccu_nccl_env();
+  ncclUniqueId u;
+  ncclResult_t r = ncclGetUniqueId(&u);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(NULL, r, "ncclGetUniqueId");
+  memcpy(id->bytes, u.internal, MOELINK_UNIQUE_ID_BYTES);
+  for (int i = ML_CCU_TAG_AT; i < MOELINK_UNIQUE_ID_BYTES; ++i)
+    if (id->bytes[i] != 0)
+      return ml_fail(MOELINK_ERR_INTERNAL,
+                     "this NCCL fills all %d bytes of its unique id; moelink cannot tag it",
+                     MOELINK_UNIQUE_ID_BYTES);
+  memcpy(id->bytes + ML_CCU_TAG_AT, ML_CCU_TAG, ML_CCU_TAG_BYTES);
+  return MOELINK_SUCCESS;
+}
+
+/* An id from the CPU backend (ranks on one machine, as `moelink launch`
+ * starts them): meet on the CPU, where rank 0 hands out a fresh NCCL id. */
+static moelink_status_t ml_ccu_rendezvous(moelink_comm_t comm, const moelink_unique_id_t *id,
+                                          ncclUniqueId *out) {
+  const ml_comm_ops *cpu = ml_comm_cpu_ops();
+  if (!cpu)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "the unique id was not made by moelink_get_unique_id on a cuda context");
+  moelink_context_config_t cfg = MOELINK_CONTEXT_CONFIG_INIT;
+  cfg.num_threads = 1;
+  moelink_context_t cctx = NULL;
+  ML_TRY(moelink_context_create(&cfg, &cctx));
+  struct moelink_comm tmp;
+  memset(&tmp, 0, sizeof tmp);
+  tmp.ctx = cctx;
+  tmp.rank = comm->rank;
+  tmp.nranks = comm->nranks;
+  tmp.ops = cpu;
+  moelink_status_t s = cpu->init(&tmp, id);
+  unsigned char *all = NULL;
+  if (s == MOELINK_SUCCESS) {
+    unsigned char mine[MOELINK_UNIQUE_ID_BYTES];
+    memset(mine, 0, sizeof mine);
+    ncclResult_t r = ncclSuccess;
+    /* Rank 0 still joins the exchange when NCCL fails, so that the others
+     * learn it at once instead of waiting out their limit. */
+    if (comm->rank == 0) r = ncclGetUniqueId((ncclUniqueId *)mine);
+    all = (unsigned char *)calloc((size_t)comm->nranks, MOELINK_UNIQUE_ID_BYTES);
+    if (!all) {
+      s = ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "unique id exchange buffer");
+    } else {
+      s = cpu->allgather(&tmp, mine, all, MOELINK_UNIQUE_ID_BYTES / 4, MOELINK_DTYPE_F32, NULL);
+      if (s == MOELINK_SUCCESS && r != ncclSuccess) s = ml_ccu_nccl_fail(NULL, r, "ncclGetUniqueId");
+      if (s == MOELINK_SUCCESS) {
+        int zero = 1;
+        for (int i = 0; i < MOELINK_UNIQUE_ID_BYTES; ++i) zero &= all[i] == 0;
+        if (zero)
+          s = ml_fail(MOELINK_ERR_NCCL, "rank 0 could not make an NCCL unique id");
+        else
+          memcpy(out->internal, all, MOELINK_UNIQUE_ID_BYTES);
+      }
+    }
+    cpu->destroy(&tmp);
+  }
+  free(all);
+  /* Destroying the context clears the thread's message: keep ours. */
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", s == MOELINK_SUCCESS ? "" : moelink_last_error());
+  (void)moelink_context_destroy(cctx);
+  if (s != MOELINK_SUCCESS)
+    return ml_fail(s, "meeting the other ranks through the cpu backend's id: %s", msg);
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_init_inner(moelink_comm_t comm, const moelink_unique_id_t *id) {
+  ML_TRY(ml_ccu_check_version());
+  ml_ccu_nccl_env();
+  ncclUniqueId u;
+  if (memcmp(id->bytes + ML_CCU_TAG_AT, ML_CCU_TAG, ML_CCU_TAG_BYTES) == 0) {
+    memcpy(u.internal, id->bytes, ML_CCU_TAG_AT);
+    memset(u.internal + ML_CCU_TAG_AT, 0, ML_CCU_TAG_BYTES);
+  } else {
+    ML_TRY(ml_ccu_rendezvous(comm, id, &u));
+  }
+  ncclComm_t nc = NULL;
+  ncclResult_t r = ncclCommInitRank(&nc, comm->nranks, u, comm->rank);
+  if (r != ncclSuccess) {
+    char what[96];
+    snprintf(what, sizeof what, "ncclCommInitRank(rank %d of %d, device %d)", comm->rank,
+             comm->nranks, comm->ctx->device);
+    return ml_ccu_nccl_fail(NULL, r, what);
+  }
+  ml_ccu_comm *c = (ml_ccu_comm *)calloc(1, sizeof *c);
+  if (!c) {
+    (void)ncclCommAbort(nc);
+    return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "communicator state allocation failed");
+  }
+  c->nccl = nc;
+  c->owned = 1;
+  moelink_status_t s = ml_ccu_setup(comm, c);
+  if (s != MOELINK_SUCCESS) {
+    c->broken = 1; /* the peers may be stuck elsewhere: abort, do not wait */
+    ml_ccu_teardown(c);
+    return s;
+  }
+  comm->impl = c;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_init(moelink_comm_t comm, const moelink_unique_id_t *id) {
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  return ml_ccu_leave(comm->ctx, prev, ml_ccu_init_inner(comm, id));
+}
+
+static moelink_status_t ml_ccu_from_nccl_inner(moelink_comm_t comm, ncclComm_t nc) {
+  ML_TRY(ml_ccu_check_version());
+  ml_ccu_nccl_env();
+  int dev = -1, rank = -1, n = 0;
+  ncclResult_t r = ncclCommCuDevice(nc, &dev);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(nc, r, "ncclCommCuDevice");
+  if (dev != comm->ctx->device)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "comm_init_from_nccl: the NCCL communicator is on device %d, the context on "
+                   "device %d",
+                   dev, comm->ctx->device);
+  r = ncclCommUserRank(nc, &rank);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(nc, r, "ncclCommUserRank");
+  r = ncclCommCount(nc, &n);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(nc, r, "ncclCommCount");
+  comm->rank = rank;
+  comm->nranks = n;
+  ml_ccu_comm *c = (ml_ccu_comm *)calloc(1, sizeof *c);
+  if (!c) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "communicator state allocation failed");
+  c->nccl = nc;
+  c->owned = 0;
+  moelink_status_t s = ml_ccu_setup(comm, c);
+  if (s != MOELINK_SUCCESS) {
+    ml_ccu_teardown(c);
+    return s;
+  }
+  comm->impl = c;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_init_from_nccl(moelink_comm_t comm, void *nccl_comm) {
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  return ml_ccu_leave(comm->ctx, prev, ml_ccu_from_nccl_inner(comm, (ncclComm_t)nccl_comm));
+}
+
+static void ml_ccu_destroy(moelink_comm_t comm) {
+  ml_ccu_comm *c = ml_ccu(comm);
+  if (!c) return;
+  int prev = comm->ctx->device;
+  moelink_status_t s = ml_ccu_enter(comm->ctx, &prev);
+  (void)ml_ccu_read_failure(comm, c);
+  ml_ccu_teardown(c);
+  comm->impl = NULL;
+  if (s == MOELINK_SUCCESS) (void)ml_ccu_leave(comm->ctx, prev, s);
+}
+
+static moelink_status_t ml_ccu_check_inner(moelink_comm_t comm, ml_ccu_comm *c,
+                                           cudaStream_t stream) {
+  cudaError_t e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "waiting for the communicator's work");
+  if (ml_ccu_read_failure(comm, c)) return ml_fail(MOELINK_ERR_TIMEOUT, "%s", c->broken_msg);
+  ncclResult_t ae = ncclSuccess;
+  ncclResult_t r = ncclCommGetAsyncError(c->nccl, &ae);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(c->nccl, r, "ncclCommGetAsyncError");
+  if (ae != ncclSuccess && ae != ncclInProgress)
+    return ml_ccu_nccl_fail(c->nccl, ae, "the NCCL communicator");
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_check(moelink_comm_t comm, void *stream) {
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  return ml_ccu_leave(comm->ctx, prev, ml_ccu_check_inner(comm, ml_ccu(comm), (cudaStream_t)stream));
+}
+
+/* ---- symmetric memory ------------------------------------------------------- */
+
+static moelink_status_t ml_ccu_symm_alloc_inner(moelink_comm_t comm, size_t bytes, void **ptr) {
+  ml_ccu_comm *c = ml_ccu(comm);
+  ml_ccu_symm *m = (ml_ccu_symm *)calloc(1, sizeof *m);
+  if (!m) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "symmetric buffer record allocation failed");
+  moelink_status_t s = ml_ccu_symm_make(comm, c, bytes, m);
+  if (s != MOELINK_SUCCESS) {
+    free(m);
+    return s;
+  }
+  m->next = c->user;
+  c->user = m;
+  *ptr = m->ptr;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_symm_alloc(moelink_comm_t comm, size_t bytes, void **ptr) {
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  return ml_ccu_leave(comm->ctx, prev, ml_ccu_symm_alloc_inner(comm, bytes, ptr));
+}
+
+static ml_ccu_symm *ml_ccu_find(ml_ccu_comm *c, const void *ptr, ml_ccu_symm ***link) {
+  for (ml_ccu_symm **l = &c->user; *l; l = &(*l)->next) {
+    ml_ccu_symm *m = *l;
+    if ((const char *)ptr >= m->ptr && (const char *)ptr < m->ptr + m->bytes) {
+      if (link) *link = l;
+      return m;
+    }
+  }
+  return NULL;
+}
+
+static moelink_status_t ml_ccu_symm_free_inner(moelink_comm_t comm, void *ptr) {
+  ml_ccu_comm *c = ml_ccu(comm);
+  ml_ccu_symm **link = NULL;
+  ml_ccu_symm *m = ml_ccu_find(c, ptr, &link);
+  if (!m)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "symm_free: %p is not a symmetric buffer of this communicator", ptr);
+  if (m->ptr != (char *)ptr)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "symm_free: %p is inside the symmetric buffer %p, not its start", ptr,
+                   (void *)m->ptr);
+  /* Kernels still queued may use it; none waits forever. */
+  cudaError_t e = cudaDeviceSynchronize();
+  *link = m->next;
+  moelink_status_t s = ml_ccu_symm_release(c, m);
+  free(m);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "waiting for work before symm_free");
+  return s;
+}
+
+static moelink_status_t ml_ccu_symm_free(moelink_comm_t comm, void *ptr) {
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  return ml_ccu_leave(comm->ctx, prev, ml_ccu_symm_free_inner(comm, ptr));
+}
+
+/* ---- collectives ------------------------------------------------------------ */
+
+static ncclDataType_t ml_ccu_nccl_type(moelink_dtype_t dt) {
+  return dt == MOELINK_DTYPE_F32 ? ncclFloat32 : dt == MOELINK_DTYPE_BF16 ? ncclBfloat16
+                                                                          : ncclFloat16;
+}
+
+/* Ranks that do not all share one NVLink domain: NCCL's own collectives. */
+static moelink_status_t ml_ccu_nccl_coll(ml_ccu_comm *c, ml_ccu_op op, const void *send,
+                                         void *recv, size_t count, moelink_dtype_t dt,
+                                         cudaStream_t stream) {
+  ncclResult_t r;
+  const char *what;
+  switch (op) {
+  case ML_CCU_ALLREDUCE:
+    what = "ncclAllReduce";
+    r = ncclAllReduce(send, recv, count, ml_ccu_nccl_type(dt), ncclSum, c->nccl, stream);
+    break;
+  case ML_CCU_ALLGATHER:
+    what = "ncclAllGather";
+    r = ncclAllGather(send, recv, count, ml_ccu_nccl_type(dt), c->nccl, stream);
+    break;
+  default:
+    what = "ncclReduceScatter";
+    r = ncclReduceScatter(send, recv, count, ml_ccu_nccl_type(dt), ncclSum, c->nccl, stream);
+    break;
+  }
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(c->nccl, r, what);
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_coll_run(moelink_comm_t comm, ml_ccu_op op, const void *send,
+                                        void *recv, size_t count, moelink_dtype_t dt,
+                                        void *stream) {
+  ml_ccu_comm *c = ml_ccu(comm);
+  if (c->broken)
+    return ml_fail(MOELINK_ERR_INVALID_STATE, "the communicator failed earlier: %s",
+                   c->broken_msg);
+  int prev;
+  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  moelink_status_t s =
+      c->lsa_ok ? ml_ccu_collective(&c->coll, op, send, recv, count, dt, (cudaStream_t)stream)
+                : ml_ccu_nccl_coll(c, op, send, recv, count, dt, (cudaStream_t)stream);
+  return ml_ccu_leave(comm->ctx, prev, s);
+}
+
+static moelink_status_t ml_ccu_allreduce(moelink_comm_t comm, const void *send, void *recv,
+                                         size_t count, moelink_dtype_t dt, void *stream) {
+  return ml_ccu_coll_run(comm, ML_CCU_ALLREDUCE, send, recv, count, dt, stream);
+}
+
+static moelink_status_t ml_ccu_allgather(moelink_comm_t comm, const void *send, void *recv,
+                                         size_t count, moelink_dtype_t dt, void *stream) {
+  return ml_ccu_coll_run(comm, ML_CCU_ALLGATHER, send, recv, count, dt, stream);
+}
+
+static moelink_status_t ml_ccu_reduce_scatter(moelink_comm_t comm, const void *send, void *recv,
+                                              size_t count, moelink_dtype_t dt, void *stream) {
+  return ml_ccu_coll_run(comm, ML_CCU_REDUCE_SCATTER, send, recv, count, dt, stream);
+}
+
+static const ml_comm_ops ml_ccu_ops = {
+    "cuda",           ml_ccu_unique_id, ml_ccu_init,      ml_ccu_init_from_nccl,
+    ml_ccu_destroy,   ml_ccu_check,     ml_ccu_symm_alloc, ml_ccu_symm_free,
+    ml_ccu_allreduce, ml_ccu_allgather, ml_ccu_reduce_scatter};
+
+const ml_comm_ops *ml_comm_cuda_ops(void) { return &ml_ccu_ops; }
+
+/* ---- device views (moelink_device.cuh) -------------------------------------- */
+
+static moelink_status_t ml_ccu_device_ready(moelink_comm_t comm, const char *fn) {
+  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", fn);
+  if (comm->ops != &ml_ccu_ops)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s needs a communicator of a cuda context (this one runs on %s)", fn,
+                   comm->ops ? comm->ops->name : "nothing");
+  ml_ccu_comm *c = ml_ccu(comm);
+  if (!c->lsa_ok)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: only %d of the %d ranks share this rank's NVLink domain (device views "
+                   "need all of them, at most %d)",
+                   fn, c->lsa_size, comm->nranks, ML_CCU_MAX_RANKS);
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_comm_device(moelink_comm_t comm, moelink_device_comm_t *out) {
+  ml_clear_error();
+  if (!out) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "comm_device: out is NULL");
+  ML_TRY(ml_ccu_device_ready(comm, "comm_device"));
+  *out = ml_ccu(comm)->coll.dc;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_symm_view(moelink_comm_t comm, const void *ptr,
+                                   moelink_symm_view_t *out) {
+  ml_clear_error();
+  if (!out) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "symm_view: out is NULL");
+  if (!ptr) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "symm_view: ptr is NULL");
+  ML_TRY(ml_ccu_device_ready(comm, "symm_view"));
+  const ml_ccu_symm *m = ml_ccu_find(ml_ccu(comm), ptr, NULL);
+  if (!m)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "symm_view: %p is in no symmetric buffer of this communicator", ptr);
+  memset(out, 0, sizeof *out);
+  for (int q = 0; q < comm->nranks; ++q) out->base[q] = m->base[q];
+  out->local = m->ptr;
+  out->bytes = m->bytes;
+  return MOELINK_SUCCESS;
+}
+
+/* ---- hooks for tests -------------------------------------------------------- */
+
+moelink_status_t ml_comm_cuda_force_allreduce(moelink_comm_t comm, int algorithm) {
+  if (!comm || comm->ops != &ml_ccu_ops)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "not a cuda communicator");
+  if (algorithm < 0 || algorithm > 2)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "all-reduce algorithm %d (0, 1 or 2)",
+                   algorithm);
+  ml_ccu(comm)->coll.force_allreduce = algorithm;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t ml_comm_cuda_set_ctas(moelink_comm_t comm, int ctas) {
+  if (!comm || comm->ops != &ml_ccu_ops)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "not a cuda communicator");
+  if (ctas < 1 || ctas > ML_CCU_MAX_CTAS)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ctas %d out of range [1, %d]", ctas,
+                   ML_CCU_MAX_CTAS);
+  ml_ccu(comm)->coll.max_ctas = ctas;
+  return MOELINK_SUCCESS;
+}
+
+ncclComm_t ml_comm_cuda_nccl(moelink_comm_t comm) {
+  if (!comm || comm->ops != &ml_ccu_ops || !comm->impl) return NULL;
+  return ml_ccu(comm)->nccl;
+}
