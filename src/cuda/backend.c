@@ -53,7 +53,7 @@ static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx-
 
 /* ---- device guard ------------------------------------------------------------ */
 
-static moelink_status_t ml_cu_enter(moelink_context_t ctx, int *prev) {
+moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev) {
   /* A failed call made earlier on this thread (by anyone) leaves its error
    * behind; drop it so that the launch checks below report our own. Sticky
    * errors (a faulted context) come back from the next call anyway. */
@@ -63,7 +63,7 @@ static moelink_status_t ml_cu_enter(moelink_context_t ctx, int *prev) {
   return MOELINK_SUCCESS;
 }
 
-static moelink_status_t ml_cu_leave(moelink_context_t ctx, int prev, moelink_status_t s) {
+moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s) {
   if (prev != ctx->device) {
     cudaError_t e = cudaSetDevice(prev);
     if (e != cudaSuccess && s == MOELINK_SUCCESS)
@@ -76,9 +76,9 @@ static moelink_status_t ml_cu_leave(moelink_context_t ctx, int prev, moelink_sta
 #define ML_CU_GUARDED(ctx, call)                                               \
   do {                                                                         \
     int ml_prev_ = 0;                                                          \
-    ML_TRY(ml_cu_enter((ctx), &ml_prev_));                                     \
+    ML_TRY(ml_cuda_enter((ctx), &ml_prev_));                                     \
     moelink_status_t ml_s_ = (call);                                           \
-    return ml_cu_leave((ctx), ml_prev_, ml_s_);                                \
+    return ml_cuda_leave((ctx), ml_prev_, ml_s_);                                \
   } while (0)
 
 static int ml_cu_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
@@ -297,9 +297,9 @@ static void ml_cu_moe_fini(moelink_moe_t moe) {
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   if (!m) return;
   int prev = 0;
-  if (ml_cu_enter(moe->ctx, &prev) == MOELINK_SUCCESS) {
+  if (ml_cuda_enter(moe->ctx, &prev) == MOELINK_SUCCESS) {
     (void)cudaFree(m->base);
-    (void)ml_cu_leave(moe->ctx, prev, MOELINK_SUCCESS);
+    (void)ml_cuda_leave(moe->ctx, prev, MOELINK_SUCCESS);
   }
   free(m);
   moe->impl = NULL;

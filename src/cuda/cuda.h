@@ -30,6 +30,12 @@ extern "C" {
                      cudaGetErrorString(ml_cuda_err_));                        \
   } while (0)
 
+/* Device guard of every CUDA entry point (src/cuda/backend.c): makes ctx's
+ * device current, remembering the caller's in *prev; leave restores it and
+ * passes s through (or reports a failed restore when s is a success). */
+moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev);
+moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s);
+
 /* Rows per tile of the grouped GEMMs; plans built by the CUDA backend use it. */
 #define ML_CUDA_TILE_ROWS 64
 

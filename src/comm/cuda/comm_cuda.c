@@ -6,6 +6,7 @@
  * back. Collectives never synchronize; init, symmetric allocation, check and
  * destroy do (they are not on the hot path). */
 #include "comm/cuda/comm_cuda.h"
+#include "cuda/cuda.h"
 
 #include <dlfcn.h>
 #include <stdio.h>
@@ -71,27 +72,6 @@ static moelink_status_t ml_ccu_cuda_fail(cudaError_t e, const char *what) {
                  "%s failed: %s", what, cudaGetErrorString(e));
 }
 
-static moelink_status_t ml_ccu_enter(moelink_context_t ctx, int *prev) {
-  /* An error left behind by an earlier call of anyone on this thread must not
-   * be reported as ours. */
-  (void)cudaGetLastError();
-  cudaError_t e = cudaGetDevice(prev);
-  if (e == cudaSuccess && *prev != ctx->device) e = cudaSetDevice(ctx->device);
-  if (e != cudaSuccess)
-    return ml_fail(MOELINK_ERR_CUDA, "selecting cuda device %d: %s", ctx->device,
-                   cudaGetErrorString(e));
-  return MOELINK_SUCCESS;
-}
-
-static moelink_status_t ml_ccu_leave(moelink_context_t ctx, int prev, moelink_status_t s) {
-  if (prev != ctx->device) {
-    cudaError_t e = cudaSetDevice(prev);
-    if (e != cudaSuccess && s == MOELINK_SUCCESS)
-      return ml_fail(MOELINK_ERR_CUDA, "cudaSetDevice(%d) to restore the caller's device: %s",
-                     prev, cudaGetErrorString(e));
-  }
-  return s;
-}
 
 static void ml_ccu_version_text(int code, char *buf, size_t size) {
   if (code >= 10000)
@@ -453,8 +433,8 @@ static moelink_status_t ml_ccu_init_inner(moelink_comm_t comm, const moelink_uni
 
 static moelink_status_t ml_ccu_init(moelink_comm_t comm, const moelink_unique_id_t *id) {
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
-  return ml_ccu_leave(comm->ctx, prev, ml_ccu_init_inner(comm, id));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_init_inner(comm, id));
 }
 
 static moelink_status_t ml_ccu_from_nccl_inner(moelink_comm_t comm, ncclComm_t nc) {
@@ -489,19 +469,19 @@ static moelink_status_t ml_ccu_from_nccl_inner(moelink_comm_t comm, ncclComm_t n
 
 static moelink_status_t ml_ccu_init_from_nccl(moelink_comm_t comm, void *nccl_comm) {
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
-  return ml_ccu_leave(comm->ctx, prev, ml_ccu_from_nccl_inner(comm, (ncclComm_t)nccl_comm));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_from_nccl_inner(comm, (ncclComm_t)nccl_comm));
 }
 
 static void ml_ccu_destroy(moelink_comm_t comm) {
   ml_ccu_comm *c = ml_ccu(comm);
   if (!c) return;
   int prev = comm->ctx->device;
-  moelink_status_t s = ml_ccu_enter(comm->ctx, &prev);
+  moelink_status_t s = ml_cuda_enter(comm->ctx, &prev);
   (void)ml_ccu_read_failure(comm, c);
   ml_ccu_teardown(c);
   comm->impl = NULL;
-  if (s == MOELINK_SUCCESS) (void)ml_ccu_leave(comm->ctx, prev, s);
+  if (s == MOELINK_SUCCESS) (void)ml_cuda_leave(comm->ctx, prev, s);
 }
 
 static moelink_status_t ml_ccu_check_inner(moelink_comm_t comm, ml_ccu_comm *c,
@@ -519,8 +499,8 @@ static moelink_status_t ml_ccu_check_inner(moelink_comm_t comm, ml_ccu_comm *c,
 
 static moelink_status_t ml_ccu_check(moelink_comm_t comm, void *stream) {
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
-  return ml_ccu_leave(comm->ctx, prev, ml_ccu_check_inner(comm, ml_ccu(comm), (cudaStream_t)stream));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_check_inner(comm, ml_ccu(comm), (cudaStream_t)stream));
 }
 
 /* ---- symmetric memory ------------------------------------------------------- */
@@ -542,8 +522,8 @@ static moelink_status_t ml_ccu_symm_alloc_inner(moelink_comm_t comm, size_t byte
 
 static moelink_status_t ml_ccu_symm_alloc(moelink_comm_t comm, size_t bytes, void **ptr) {
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
-  return ml_ccu_leave(comm->ctx, prev, ml_ccu_symm_alloc_inner(comm, bytes, ptr));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_symm_alloc_inner(comm, bytes, ptr));
 }
 
 static ml_ccu_symm *ml_ccu_find(ml_ccu_comm *c, const void *ptr, ml_ccu_symm ***link) {
@@ -579,8 +559,8 @@ static moelink_status_t ml_ccu_symm_free_inner(moelink_comm_t comm, void *ptr) {
 
 static moelink_status_t ml_ccu_symm_free(moelink_comm_t comm, void *ptr) {
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
-  return ml_ccu_leave(comm->ctx, prev, ml_ccu_symm_free_inner(comm, ptr));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_symm_free_inner(comm, ptr));
 }
 
 /* ---- collectives ------------------------------------------------------------ */
@@ -622,11 +602,11 @@ static moelink_status_t ml_ccu_coll_run(moelink_comm_t comm, ml_ccu_op op, const
     return ml_fail(MOELINK_ERR_INVALID_STATE, "the communicator failed earlier: %s",
                    c->broken_msg);
   int prev;
-  ML_TRY(ml_ccu_enter(comm->ctx, &prev));
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
   moelink_status_t s =
       c->lsa_ok ? ml_ccu_collective(&c->coll, op, send, recv, count, dt, (cudaStream_t)stream)
                 : ml_ccu_nccl_coll(c, op, send, recv, count, dt, (cudaStream_t)stream);
-  return ml_ccu_leave(comm->ctx, prev, s);
+  return ml_cuda_leave(comm->ctx, prev, s);
 }
 
 static moelink_status_t ml_ccu_allreduce(moelink_comm_t comm, const void *send, void *recv,
