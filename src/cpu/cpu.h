@@ -20,7 +20,7 @@
 #define ML_CPU_TILE_ROWS 64
 
 /* Block sizes of the work items, derived from the config alone (see
- * ml_cpu_blocks in backend.c). */
+ * ml_cpu_blocks_for in backend.c). */
 typedef struct ml_cpu_blocks {
   int router_rows;  /* router experts converted and multiplied per item */
   int gu_cols;      /* routed gate/up: columns of I per item */
@@ -115,21 +115,34 @@ void ml_cpu_shared_gate_token(moelink_moe_t moe, const float *x32, int t);
 void ml_cpu_shared_gu_item(moelink_moe_t moe, const float *x32, int num_tokens, int item, int tid);
 void ml_cpu_shared_down_item(moelink_moe_t moe, int num_tokens, int item, int tid);
 
-/* ml_to_f32 with a fast path for f16 where the CPU has F16C (experts.c). */
+/* Conversions and GEMM (convert.c). */
+/* ml_to_f32 with a SIMD path for bf16/f16 (exact, same values). */
 void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n);
 
-/* GEMM helpers (experts.c) shared by the routed and the shared expert. */
-/* Weight rows [row0, row0 + rows) of a [*, cols] matrix of dtype as fp32:
- * in place for F32, else converted into conv. */
+/* Rows [row0, row0 + rows) of a [*, cols] weight matrix of dtype as fp32
+ * [rows, cols]: in place for F32, else converted into conv. */
 const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row0, int rows,
                                 int cols, float *conv);
-/* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T) for a [m, K] (lda),
- * wg and wu [nc, K]. */
+
+/* Whether a GEMM with m token rows puts the weights first, making its
+ * product come out transposed, [n, m]. */
+int ml_cpu_weights_first(int m);
+/* The BLAS call for a . w^T, a [m, K] (lda), w [n, K]: c is [m, n] (ldc), or
+ * [n, m] (ldc) when ml_cpu_weights_first(m). */
+void ml_cpu_gemm_raw(const float *a, int lda, int m, int K, const float *w, int n, float *c,
+                     int ldc);
+/* c[m, n] (ldc) = a . w^T in that layout always; tmp: m*n floats. */
+void ml_cpu_gemm(const float *a, int lda, int m, int K, const float *w, int n, float *c, int ldc,
+                 float *tmp);
+
+/* Expert blocks (experts.c), shared by the routed and the shared expert. */
+/* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T), a [m, K] (lda),
+ * wg and wu [nc, K]; tmp: 2 * row_chunk * nc floats. */
 void ml_cpu_swiglu_block(const float *a, int lda, int m, int K, const float *wg, const float *wu,
                          int nc, float *h, int ldh, int row_chunk, float *tmp);
-/* y[m, ldy] columns [0, nc) = scale[r] * (a . wd^T) for a [m, K] (lda), wd
- * [nc, K]; row_scale NULL means 1; row_scale[r] is read as
- * row_scale[map ? map[r] : r]. */
+/* y[m, ldy] columns [0, nc) = scale[r] * (a . wd^T), a [m, K] (lda), wd
+ * [nc, K]; row_scale NULL means 1; row r's scale is
+ * row_scale[map ? map[r] : r]; tmp: row_chunk * nc floats. */
 void ml_cpu_down_block(const float *a, int lda, int m, int K, const float *wd, int nc, float *y,
                        int ldy, const float *row_scale, const int32_t *map, int row_chunk,
                        float *tmp);

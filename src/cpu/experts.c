@@ -1,91 +1,52 @@
 /* Routed experts: gather each expert's token rows into one fp32 matrix, then
  * two phases of work items, each a block of one expert's weight rows (gate/up
  * with SwiGLU on the fly, then down with the routing weight), every item one
- * BLAS call per operand on the calling thread. Items are scheduled
- * dynamically; their boundaries depend only on the shapes, so the results do
- * not depend on scheduling. */
+ * BLAS call on the calling thread per chunk of token rows. Items are handed
+ * out dynamically, heaviest experts first; their boundaries depend only on
+ * the shapes, so the results do not depend on scheduling. */
 #include "cpu/cpu.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* Up to this many token rows per call the weights are BLAS's packed "B"
- * operand and the output comes out transposed: with few rows that orientation
- * streams the weights through the kernel at a better rate. */
-#define ML_CPU_FEW_ROWS 48
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-
-/* f16 -> f32 with the F16C instruction: exact, like the scalar conversion,
- * and an order of magnitude faster on the weight stream. */
-__attribute__((target("avx,f16c"))) static void ml_f16_to_f32_f16c(const uint16_t *src, float *dst,
-                                                                  size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-  for (; i < n; ++i) dst[i] = ml_f16_to_f32(src[i]);
-}
-
-static int ml_have_f16c(void) {
-  static int cached = -1;
-  int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-  if (v < 0) {
-    __builtin_cpu_init();
-    v = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-    __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
-  }
-  return v;
-}
-#endif
-
-void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-  if (dtype == MOELINK_DTYPE_F16 && ml_have_f16c()) {
-    ml_f16_to_f32_f16c((const uint16_t *)src, dst, n);
-    return;
-  }
-#endif
-  ml_to_f32(dtype, src, dst, n);
-}
-
-const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row0, int rows,
-                                int cols, float *conv) {
-  const size_t first = row0 * (size_t)cols;
-  if (dtype == MOELINK_DTYPE_F32) return (const float *)w + first;
-  ml_cpu_to_f32(dtype, (const char *)w + first * moelink_dtype_size(dtype), conv,
-                (size_t)rows * (size_t)cols);
-  return conv;
-}
 
 static inline float ml_silu(float g) { return g / (1.0f + expf(-g)); }
 
 void ml_cpu_swiglu_block(const float *a, int lda, int m, int K, const float *wg, const float *wu,
                          int nc, float *h, int ldh, int row_chunk, float *tmp) {
+  /* Gate and up products land side by side as if from one GEMM over 2*nc
+   * weight rows; converted blocks are adjacent and take one call. */
+  const int fused = wu == wg + (size_t)nc * K;
   for (int r0 = 0; r0 < m; r0 += row_chunk) {
     const int mc = m - r0 < row_chunk ? m - r0 : row_chunk;
     const float *ar = a + (size_t)r0 * (size_t)lda;
     float *hr = h + (size_t)r0 * (size_t)ldh;
-    if (mc <= ML_CPU_FEW_ROWS) {
-      float *tg = tmp, *tu = tmp + (size_t)nc * (size_t)mc;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nc, mc, K, 1.0f, wg, K, ar, lda, 0.0f,
-                  tg, mc);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nc, mc, K, 1.0f, wu, K, ar, lda, 0.0f,
-                  tu, mc);
-      for (int r = 0; r < mc; ++r)
+    if (ml_cpu_weights_first(mc)) {
+      /* tmp is [2*nc, mc]: gate rows, then up rows. */
+      if (fused) {
+        ml_cpu_gemm_raw(ar, lda, mc, K, wg, 2 * nc, tmp, mc);
+      } else {
+        ml_cpu_gemm_raw(ar, lda, mc, K, wg, nc, tmp, mc);
+        ml_cpu_gemm_raw(ar, lda, mc, K, wu, nc, tmp + (size_t)nc * mc, mc);
+      }
+      for (int r = 0; r < mc; ++r) {
+        float *o = hr + (size_t)r * ldh;
         for (int j = 0; j < nc; ++j)
-          hr[(size_t)r * ldh + j] = ml_silu(tg[(size_t)j * mc + r]) * tu[(size_t)j * mc + r];
+          o[j] = ml_silu(tmp[(size_t)j * mc + r]) * tmp[(size_t)(nc + j) * mc + r];
+      }
     } else {
-      float *tu = tmp;
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mc, nc, K, 1.0f, ar, lda, wg, K, 0.0f,
-                  hr, ldh);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mc, nc, K, 1.0f, ar, lda, wu, K, 0.0f,
-                  tu, nc);
-      for (int r = 0; r < mc; ++r)
-        for (int j = 0; j < nc; ++j)
-          hr[(size_t)r * ldh + j] = ml_silu(hr[(size_t)r * ldh + j]) * tu[(size_t)r * nc + j];
+      /* tmp is [mc, 2*nc]: gate columns, then up columns. */
+      if (fused) {
+        ml_cpu_gemm_raw(ar, lda, mc, K, wg, 2 * nc, tmp, 2 * nc);
+      } else {
+        ml_cpu_gemm_raw(ar, lda, mc, K, wg, nc, tmp, 2 * nc);
+        ml_cpu_gemm_raw(ar, lda, mc, K, wu, nc, tmp + nc, 2 * nc);
+      }
+      for (int r = 0; r < mc; ++r) {
+        const float *g = tmp + (size_t)r * 2 * nc, *u = g + nc;
+        float *o = hr + (size_t)r * ldh;
+        for (int j = 0; j < nc; ++j) o[j] = ml_silu(g[j]) * u[j];
+      }
     }
   }
 }
@@ -97,27 +58,21 @@ void ml_cpu_down_block(const float *a, int lda, int m, int K, const float *wd, i
     const int mc = m - r0 < row_chunk ? m - r0 : row_chunk;
     const float *ar = a + (size_t)r0 * (size_t)lda;
     float *yr = y + (size_t)r0 * (size_t)ldy;
-    if (mc <= ML_CPU_FEW_ROWS) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nc, mc, K, 1.0f, wd, K, ar, lda, 0.0f,
-                  tmp, mc);
+    if (ml_cpu_weights_first(mc)) {
+      ml_cpu_gemm_raw(ar, lda, mc, K, wd, nc, tmp, mc);
       for (int r = 0; r < mc; ++r) {
-        float *yo = yr + (size_t)r * ldy;
-        if (row_scale) {
-          const float s = row_scale[map ? map[r0 + r] : r0 + r];
-          for (int j = 0; j < nc; ++j) yo[j] = s * tmp[(size_t)j * mc + r];
-        } else {
-          for (int j = 0; j < nc; ++j) yo[j] = tmp[(size_t)j * mc + r];
-        }
+        float *o = yr + (size_t)r * ldy;
+        const float sc = row_scale ? row_scale[map ? map[r0 + r] : r0 + r] : 1.0f;
+        for (int j = 0; j < nc; ++j) o[j] = sc * tmp[(size_t)j * mc + r];
       }
     } else {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mc, nc, K, 1.0f, ar, lda, wd, K, 0.0f,
-                  yr, ldy);
-      if (row_scale)
-        for (int r = 0; r < mc; ++r) {
-          float *yo = yr + (size_t)r * ldy;
-          const float s = row_scale[map ? map[r0 + r] : r0 + r];
-          for (int j = 0; j < nc; ++j) yo[j] = s * yo[j];
-        }
+      ml_cpu_gemm_raw(ar, lda, mc, K, wd, nc, yr, ldy);
+      if (!row_scale) continue;
+      for (int r = 0; r < mc; ++r) {
+        float *o = yr + (size_t)r * ldy;
+        const float sc = row_scale[map ? map[r0 + r] : r0 + r];
+        for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
+      }
     }
   }
 }
@@ -175,8 +130,8 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
 #pragma omp for schedule(static)
     for (int r = 0; r < R; ++r) {
       const int t = pairs[r] / k;
-      ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes, xg + (size_t)r * H,
-                (size_t)H);
+      ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes,
+                    xg + (size_t)r * H, (size_t)H);
     }
     if (shared && c->shared_gate) {
 #pragma omp for schedule(static)
@@ -191,10 +146,12 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
         continue;
       }
       const int i = it - s_gu, e = ml_order_expert(ws->order, i / gu_blk);
-      const int c0 = (i % gu_blk) * b->gu_cols, nc = inter - c0 < b->gu_cols ? inter - c0 : b->gu_cols;
+      const int c0 = (i % gu_blk) * b->gu_cols;
+      const int nc = inter - c0 < b->gu_cols ? inter - c0 : b->gu_cols;
       const char *we = gate_up + (size_t)e * 2 * inter * H * es;
       const float *wg = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, H, conv);
-      const float *wu = ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
+      const float *wu =
+          ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
       ml_cpu_swiglu_block(xg + (size_t)off[e] * H, H, off[e + 1] - off[e], H, wg, wu, nc,
                           hbuf + (size_t)off[e] * inter + c0, inter, b->row_chunk, tmp);
     }
@@ -208,11 +165,12 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int i = it - s_dn, e = ml_order_expert(ws->order, i / dn_blk);
       const int c0 = (i % dn_blk) * b->down_cols;
       const int nc = H - c0 < b->down_cols ? H - c0 : b->down_cols;
-      const float *wd = ml_cpu_weight_rows(dt, down + (size_t)e * H * inter * es, (size_t)c0, nc, inter,
-                                           conv);
+      const float *wd = ml_cpu_weight_rows(dt, down + (size_t)e * H * inter * es, (size_t)c0, nc,
+                                           inter, conv);
       const int r0 = off[e], m = off[e + 1] - off[e];
-      ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc, y32 + (size_t)r0 * H + c0, H,
-                        job->weights, pairs + r0, b->row_chunk, tmp);
+      ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc,
+                        y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0, b->row_chunk,
+                        tmp);
       if (job->y_out)
         for (int r = r0; r < r0 + m; ++r)
           ml_from_f32(dt, y32 + (size_t)r * H + c0,

@@ -2,7 +2,6 @@
  * group-limited top-k selection and the final weights. */
 #include "cpu/cpu.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <string.h>
 
@@ -128,10 +127,9 @@ moelink_status_t ml_cpu_route_f32(moelink_moe_t moe, const float *x32, int num_t
 #pragma omp for schedule(dynamic, 1)
     for (int it = 0; it < items; ++it) {
       const int e0 = it * rb, ne = E - e0 < rb ? E - e0 : rb;
-      const float *w = ml_cpu_weight_rows(c->dtype, moe->w.router, (size_t)e0, ne, H,
-                                          ml_cpu_conv(ws, tid));
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, num_tokens, ne, H, 1.0f, x32, H, w, H,
-                  0.0f, logits + e0, E);
+      const float *w =
+          ml_cpu_weight_rows(c->dtype, moe->w.router, (size_t)e0, ne, H, ml_cpu_conv(ws, tid));
+      ml_cpu_gemm(x32, H, num_tokens, H, w, ne, logits + e0, E, ml_cpu_tmp(ws, tid));
     }
     float *misc = ml_cpu_misc(ws, tid);
 #pragma omp for schedule(static)
