@@ -23,7 +23,7 @@ run: build
 	./$(BUILD)/moelink run
 
 test: build
-	cd $(BUILD) && ctest -L cpu --output-on-failure -j $(JOBS)
+	cd $(BUILD) && ctest -L '^cpu$$' --output-on-failure -j $(JOBS)
 
 install: build
 	cmake --install $(BUILD) $(if $(PREFIX),--prefix $(PREFIX),)

@@ -38,11 +38,17 @@ log "build ok"
 rc=0
 if [ "$what" = all ] || [ "$what" = test ]; then
   log "ctest -L gpu"
-  (cd "$BUILD" && ctest -L gpu -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
+  (cd "$BUILD" && ctest -L '^gpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
   # ctest -V prefixes each test's lines with "N: "; show failures and per-test counts.
   grep -E ': not ok |: [0-9]+ passed, [0-9]+ failed|: FAIL|Test +#|tests passed' "$OUT/test.log" | tail -60
   log "gpu tests: $(grep -E 'tests passed' "$OUT/test.log" | tail -1)"
   log "TAP checks: $(grep -cE '^[0-9]+: ok ' "$OUT/test.log") ok, $(grep -cE '^[0-9]+: not ok ' "$OUT/test.log") not ok"
+fi
+
+if { [ "$what" = all ] || [ "$what" = test ]; } && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  log "ctest -L mgpu (2 ranks under moelink launch)"
+  (cd "$BUILD" && ctest -L '^mgpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/mgpu.log" 2>&1 || rc=1
+  grep -E ': \[rank [0-9]+\] ([0-9]+ passed|not ok)|Test +#|tests passed' "$OUT/mgpu.log" | tail -20
 fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
