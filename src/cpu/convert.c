@@ -13,15 +13,19 @@
 #define ML_CPU_FEW_ROWS 48
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define ML_CPU_X86 1
 
+/* AVX2 (which the builtin also checks the OS enables) and F16C, read from
+ * CPUID directly since not every compiler's builtin knows "f16c". */
 static int ml_cpu_has_simd(void) {
   static int cached = -1;
   int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
   if (v < 0) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
     __builtin_cpu_init();
-    v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    v = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
     __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
   }
   return v;
