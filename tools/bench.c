@@ -230,15 +230,11 @@ int cli_cmd_bench(int argc, char **argv) {
   for (int i = 0; i < o.ntokens; ++i)
     if (o.token_list[i] > tmax) tmax = o.token_list[i];
 
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = o.backend;
-  cc.num_threads = o.threads;
-  moelink_context_t ctx = NULL;
-  CLI_CALL("moelink_context_create", moelink_context_create(&cc, &ctx));
-  void *stream = NULL;
-  if (cuda && gpu_stream_create(&stream) != 0) cli_fail("%s", gpu_error());
-  moelink_moe_t moe = NULL;
-  CLI_CALL("moelink_moe_create", moelink_moe_create(ctx, c, &moe));
+  cli_session ss;
+  cli_session_open(&o, &ss);
+  moelink_context_t ctx = ss.ctx;
+  void *stream = ss.stream;
+  moelink_moe_t moe = ss.moe;
 
   char device[256];
   int threads = 0;
@@ -425,9 +421,7 @@ int cli_cmd_bench(int argc, char **argv) {
     free(B2);
     free(C2);
   }
-  moelink_moe_destroy(moe);
   cli_layer_free(&L);
-  gpu_stream_destroy(stream);
-  moelink_context_destroy(ctx);
+  cli_session_close(&ss);
   return 0;
 }

@@ -108,6 +108,16 @@ void cli_verify(const cli_layer *L, const void *x, const void *out, int num_toke
 double cli_tolerance(moelink_dtype_t dt);
 
 /* ---- commands ----------------------------------------------------------- */
+/* The context (backend and threads of the options), a stream on CUDA, and the
+ * layer of o->cfg that run and bench work on; failures end the program. */
+typedef struct cli_session {
+  moelink_context_t ctx;
+  void *stream; /* NULL on the CPU */
+  moelink_moe_t moe;
+} cli_session;
+void cli_session_open(const cli_opts *o, cli_session *ss);
+void cli_session_close(cli_session *ss);
+
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);
 int cli_cmd_launch(int argc, char **argv);

@@ -23,15 +23,11 @@ int cli_cmd_run(int argc, char **argv) {
   const size_t ds = moelink_dtype_size(c->dtype);
   const size_t act_bytes = (size_t)T * (size_t)c->hidden * ds;
 
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = o.backend;
-  cc.num_threads = o.threads;
-  moelink_context_t ctx = NULL;
-  CLI_CALL("moelink_context_create", moelink_context_create(&cc, &ctx));
-  void *stream = NULL;
-  if (cuda && gpu_stream_create(&stream) != 0) cli_fail("%s", gpu_error());
-  moelink_moe_t moe = NULL;
-  CLI_CALL("moelink_moe_create", moelink_moe_create(ctx, c, &moe));
+  cli_session ss;
+  cli_session_open(&o, &ss);
+  moelink_context_t ctx = ss.ctx;
+  void *stream = ss.stream;
+  moelink_moe_t moe = ss.moe;
 
   cli_print_config(&o, T);
   if (cuda) {
@@ -103,10 +99,8 @@ int cli_cmd_run(int argc, char **argv) {
   }
   free(x);
   free(out);
-  moelink_moe_destroy(moe);
   cli_layer_free(&L);
-  gpu_stream_destroy(stream);
-  moelink_context_destroy(ctx);
+  cli_session_close(&ss);
   fflush(stdout);
   if (rc) fprintf(stderr, "moelink: error: verification failed: relative L2 error above the tolerance\n");
   return rc;

@@ -1,5 +1,6 @@
 /* Errors, clocks, progress lines and small formatting helpers of the CLI. */
 #include "cli.h"
+#include "gpu.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -98,4 +99,23 @@ void cli_fmt_bytes(double bytes, char *buf, size_t n) {
     snprintf(buf, n, "%.1f kB", bytes / 1e3);
   else
     snprintf(buf, n, "%.0f B", bytes);
+}
+
+void cli_session_open(const cli_opts *o, cli_session *ss) {
+  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
+  cc.backend = o->backend;
+  cc.num_threads = o->threads;
+  ss->ctx = NULL;
+  ss->stream = NULL;
+  ss->moe = NULL;
+  CLI_CALL("moelink_context_create", moelink_context_create(&cc, &ss->ctx));
+  if (o->backend == MOELINK_BACKEND_CUDA && gpu_stream_create(&ss->stream) != 0)
+    cli_fail("%s", gpu_error());
+  CLI_CALL("moelink_moe_create", moelink_moe_create(ss->ctx, &o->cfg, &ss->moe));
+}
+
+void cli_session_close(cli_session *ss) {
+  moelink_moe_destroy(ss->moe);
+  gpu_stream_destroy(ss->stream);
+  moelink_context_destroy(ss->ctx);
 }
