@@ -347,3 +347,78 @@ moelink_status_t moelink_reduce_scatter(moelink_comm_t comm, const void *send, v
   return run ? comm->ops->reduce_scatter(comm, send, recv, count, dtype, stream)
              : MOELINK_SUCCESS;
 }
+
+/* The counts are in the backend's memory (device memory on CUDA), so only
+ * what the host knows is checked here: pointers, dtype, alignment, and the
+ * overlaps that the arrays' fixed sizes and recv's capacity let us see. The
+ * backends handle counts and offsets (a bad one is sent as 0 and reported). */
+static int ml_ranges_overlap(const void *a, size_t an, const void *b, size_t bn) {
+  uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+  return a && b && an && bn && x < y + bn && y < x + an;
+}
+
+moelink_status_t moelink_alltoallv(moelink_comm_t comm, const void *send,
+                                   const int64_t *send_counts, const int64_t *send_offsets,
+                                   void *recv, size_t recv_capacity, int64_t *recv_counts,
+                                   int64_t *recv_offsets, moelink_dtype_t dtype, void *stream) {
+  ml_clear_error();
+  const char *op = "alltoallv";
+  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
+  size_t es = moelink_dtype_size(dtype);
+  if (es == 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a moelink_dtype_t", op,
+                   (int)dtype);
+  if (dtype == MOELINK_DTYPE_FP8_E4M3)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s is not supported (f32, bf16, f16)", op,
+                   moelink_dtype_name(dtype));
+  if (!send) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: send is NULL", op);
+  if (!send_counts) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: send_counts is NULL", op);
+  if (!recv_counts) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: recv_counts is NULL", op);
+  if (!recv && recv_capacity)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: recv is NULL with recv_capacity %zu", op,
+                   recv_capacity);
+  if (recv_capacity > SIZE_MAX / es)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: recv_capacity %zu of %s overflows the address space", op, recv_capacity,
+                   moelink_dtype_name(dtype));
+  const size_t recv_bytes = recv_capacity * es;
+  uintptr_t s = (uintptr_t)send, r = (uintptr_t)recv;
+  if (s % es || r % es)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: %s %p is not aligned to the %zu bytes of a %s element", op,
+                   s % es ? "send" : "recv", s % es ? send : recv, es, moelink_dtype_name(dtype));
+  if (recv && r > UINTPTR_MAX - recv_bytes)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: recv wraps around the address space", op);
+  if (recv_capacity && s >= r && s < r + recv_bytes)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: send %p lies inside recv [%p, +%zu bytes): alltoallv does not run in place",
+                   op, send, recv, recv_bytes);
+  const struct {
+    const char *name;
+    const void *p;
+  } arr[] = {{"send_counts", send_counts},
+             {"send_offsets", send_offsets},
+             {"recv_counts", recv_counts},
+             {"recv_offsets", recv_offsets}};
+  const size_t ab = (size_t)comm->nranks * sizeof(int64_t);
+  for (int i = 0; i < 4; ++i)
+    if ((uintptr_t)arr[i].p % sizeof(int64_t))
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: %s %p is not 8-byte aligned", op,
+                     arr[i].name, arr[i].p);
+  /* The outputs are written while the inputs may still be read. */
+  for (int o = 2; o < 4; ++o)
+    for (int i = 0; i < 4; ++i)
+      if (i != o && ml_ranges_overlap(arr[o].p, ab, arr[i].p, ab))
+        return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                       "%s: %s %p and %s %p overlap (%d entries of 8 bytes each)", op,
+                       arr[o].name, arr[o].p, arr[i].name, arr[i].p, comm->nranks);
+  for (int o = 2; o < 4; ++o)
+    if (ml_ranges_overlap(arr[o].p, ab, recv, recv_bytes))
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: %s %p overlaps recv [%p, +%zu bytes)",
+                     op, arr[o].name, arr[o].p, recv, recv_bytes);
+  if (!comm->ops->alltoallv)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: the %s communicator has no alltoallv", op,
+                   comm->ops->name);
+  return comm->ops->alltoallv(comm, send, send_counts, send_offsets, recv, recv_capacity,
+                              recv_counts, recv_offsets, dtype, stream);
+}

@@ -36,6 +36,11 @@ typedef struct ml_comm_ops {
                                 moelink_dtype_t dtype, void *stream);
   moelink_status_t (*reduce_scatter)(moelink_comm_t comm, const void *send, void *recv,
                                      size_t count, moelink_dtype_t dtype, void *stream);
+  /* Counts in the backend's memory; send_offsets may be NULL (packed). */
+  moelink_status_t (*alltoallv)(moelink_comm_t comm, const void *send, const int64_t *send_counts,
+                                const int64_t *send_offsets, void *recv, size_t recv_capacity,
+                                int64_t *recv_counts, int64_t *recv_offsets,
+                                moelink_dtype_t dtype, void *stream);
 } ml_comm_ops;
 
 const ml_comm_ops *ml_comm_cpu_ops(void);

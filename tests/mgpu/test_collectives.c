@@ -3,7 +3,8 @@
  * all-gather, reduce-scatter; f32, bf16, f16; 1 element to 256 MiB with odd
  * sizes; 200 back-to-back calls of random ops, sizes, offsets and
  * algorithms; an all-reduce captured in a CUDA graph and replayed between
- * eager calls; a communicator wrapped around the NCCL one.
+ * eager calls; the copy-engine all-gather (the same sizes, and in a graph);
+ * a communicator wrapped around the NCCL one.
  *
  *   moelink launch -n 2 -- mgpu_test_collectives          the tests
  *   moelink launch -n 2 -- mgpu_test_collectives --bench  latency and bus
@@ -137,9 +138,11 @@ static void run_allreduce(moelink_dtype_t dt, size_t count) {
   check_sum(what, dt, h_ours, h_ref, count, c, 0);
   check_ranks_agree(what, h_ours, bytes);
 
-  /* One-shot, two-shot and in place add in the same order: same bits. */
-  static const char *const algo[] = {"", "one-shot", "two-shot"};
-  for (int a = 1; a <= 2; ++a) {
+  /* One-shot, two-shot, low-latency and in place add in the same order:
+   * same bits (low-latency only runs up to its size limit; above it the
+   * forced mode falls back to the size rule, the same bits again). */
+  static const char *const algo[] = {"", "one-shot", "two-shot", "low-latency"};
+  for (int a = 1; a <= 3; ++a) {
     MG_MUST(ml_comm_cuda_force_allreduce(W.comm, a), "force all-reduce algorithm");
     poison(alt, bytes);
     CHECK_OK(moelink_allreduce(W.comm, send, alt, count, dt, W.stream), algo[a]);
@@ -167,6 +170,9 @@ static void run_allreduce(moelink_dtype_t dt, size_t count) {
   cudaFree(alt);
 }
 
+/* " (copy engines)" while the CE all-gather is selected: names the checks. */
+static const char *g_ag_engine = "";
+
 static void run_allgather(moelink_dtype_t dt, size_t count) {
   const int c = g_case++;
   const int n = W.size;
@@ -177,7 +183,8 @@ static void run_allgather(moelink_dtype_t dt, size_t count) {
   poison(ours, bytes * n);
   poison(ref, bytes * n);
   MG_NCCL(W.nccl, ncclAllGather(send, ref, count, nccl_type(dt), W.nccl, W.stream));
-  snprintf(what, sizeof what, "allgather %s count %zu per rank", moelink_dtype_name(dt), count);
+  snprintf(what, sizeof what, "allgather%s %s count %zu per rank", g_ag_engine,
+           moelink_dtype_name(dt), count);
   CHECK_OK(moelink_allgather(W.comm, send, ours, count, dt, W.stream), what);
   sync_stream();
   char *h_ours = (char *)to_host(ours, bytes * n), *h_ref = (char *)to_host(ref, bytes * n);
@@ -260,7 +267,7 @@ static void run_stress(void) {
     const size_t need = k->op == OP_RS ? k->count * n : k->count;
     k->off = (size_t)(mg_next(&st) % (arena - need + 1));
     if (mg_next(&st) % 2) k->off &= ~(size_t)7; /* half of them 16-byte aligned */
-    k->algo = (int)(mg_next(&st) % 3);
+    k->algo = (int)(mg_next(&st) % 4);
     k->inplace = k->op == OP_AR && mg_next(&st) % 4 == 0;
     /* Grids of every width: a CTA index keeps its epochs and slots across them. */
     static const int ctas[] = {1, 3, 17, 64, 64, 128};
@@ -328,7 +335,7 @@ static void run_stress(void) {
     snprintf(what, sizeof what, "stress call %d: %s %s count %zu offset %zu, %d ctas%s%s", i,
              k->op == OP_AR ? "allreduce" : k->op == OP_AG ? "allgather" : "reduce_scatter",
              moelink_dtype_name(k->dt), k->count, k->off, k->ctas,
-             k->op == OP_AR ? (k->algo == 1 ? " one-shot" : k->algo == 2 ? " two-shot" : " auto")
+             k->op == OP_AR ? (k->algo == 1 ? " one-shot" : k->algo == 2 ? " two-shot" : k->algo == 3 ? " low-latency" : " auto")
                             : "",
              k->inplace ? " in place" : "");
     const char *o = h_ours + k->out_off, *r = h_ref + k->out_off;
@@ -408,6 +415,54 @@ static void run_graph(void) {
   cudaGraphExecDestroy(ge);
   cudaGraphDestroy(g);
   void *bufs[] = {s1, o1, r1, s2, o2, r2, ag_s, ag_o};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) cudaFree(bufs[i]);
+}
+
+/* The copy-engine all-gather captured in a graph: replays between eager
+ * calls continue its rounds (its counter lives in device memory). */
+static void run_ce_graph(void) {
+  const size_t c1 = 20000003, c2 = 4097; /* bf16: 2 rounds of 32 MiB regions at 2 ranks; small */
+  const int n = W.size;
+  void *s1 = mg_dev(c1 * 2), *o1 = mg_dev(c1 * 2 * n), *s2 = mg_dev(c2 * 4), *o2 = mg_dev(c2 * 4 * n);
+  fill(MOELINK_DTYPE_F32, s2, c2, mg_seed(W.rank, 950));
+  sync_stream();
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t ge = NULL;
+  MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeGlobal));
+  moelink_status_t a = moelink_allgather(W.comm, s1, o1, c1, MOELINK_DTYPE_BF16, W.stream);
+  cudaError_t e = cudaStreamEndCapture(W.stream, &g);
+  CHECK(a == MOELINK_SUCCESS && e == cudaSuccess, "CE graph: all-gather captured (%s, %s)",
+        moelink_status_string(a), cudaGetErrorString(e));
+  if (a || e != cudaSuccess) mg_bail("capture failed");
+  MG_CUDA(cudaGraphInstantiate(&ge, g, 0));
+  for (int k = 0; k < 3; ++k) {
+    const int c = 960 + k;
+    fill(MOELINK_DTYPE_BF16, s1, c1, mg_seed(W.rank, c));
+    poison(o1, c1 * 2 * n);
+    poison(o2, c2 * 4 * n);
+    MG_CUDA(cudaGraphLaunch(ge, W.stream));
+    CHECK_OK(moelink_allgather(W.comm, s2, o2, c2, MOELINK_DTYPE_F32, W.stream),
+             "CE graph: eager all-gather after a replay");
+    sync_stream();
+    char *h1 = (char *)to_host(o1, c1 * 2 * n), *h2 = (char *)to_host(o2, c2 * 4 * n);
+    size_t bad1 = 0, bad2 = 0;
+    for (int s = 0; s < n; ++s) {
+#pragma omp parallel for reduction(+ : bad1)
+      for (size_t i = 0; i < c1; ++i)
+        bad1 += mg_get(MOELINK_DTYPE_BF16, h1 + (size_t)s * c1 * 2, i) !=
+                mg_input(MOELINK_DTYPE_BF16, mg_seed(s, c), i);
+      for (size_t i = 0; i < c2; ++i)
+        bad2 += mg_get(MOELINK_DTYPE_F32, h2 + (size_t)s * c2 * 4, i) !=
+                mg_input(MOELINK_DTYPE_F32, mg_seed(s, 950), i);
+    }
+    CHECK(bad1 == 0 && bad2 == 0, "CE graph replay %d: replayed and eager blocks (%zu, %zu wrong)",
+          k, bad1, bad2);
+    free(h1);
+    free(h2);
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  void *bufs[] = {s1, o1, s2, o2};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) cudaFree(bufs[i]);
 }
 
@@ -533,6 +588,7 @@ static void run_bench(void) {
     const char *name;
     int op, algo, ctas;
   } ops[] = {{"allreduce", OP_AR, 0, 0},
+             {"allreduce/low-latency", OP_AR, 3, 0},
              {"allreduce/one-shot", OP_AR, 1, 0},
              {"allreduce/two-shot", OP_AR, 2, 0},
              {"allreduce/128ctas", OP_AR, 0, 128},
@@ -600,6 +656,18 @@ int main(int argc, char **argv) {
   EACH(ag_f32) run_allgather(MOELINK_DTYPE_F32, ag_f32[i_]);
   EACH(ag_16) run_allgather(MOELINK_DTYPE_BF16, ag_16[i_]);
   run_allgather(MOELINK_DTYPE_F16, 65537);
+  /* The same all-gathers on the copy engines, one that ends in a short
+   * round, then the SM kernel again (its epochs must not have moved). */
+  MG_MUST(ml_comm_cuda_set_allgather(W.comm, ML_CCU_AG_CE), "select the CE all-gather");
+  g_ag_engine = " (copy engines)";
+  EACH(ag_f32) run_allgather(MOELINK_DTYPE_F32, ag_f32[i_]);
+  EACH(ag_16) run_allgather(MOELINK_DTYPE_BF16, ag_16[i_]);
+  run_allgather(MOELINK_DTYPE_F16, 65537);
+  run_allgather(MOELINK_DTYPE_BF16, 33554433);
+  run_ce_graph();
+  MG_MUST(ml_comm_cuda_set_allgather(W.comm, ML_CCU_AG_SM), "select the SM all-gather");
+  g_ag_engine = "";
+  run_allgather(MOELINK_DTYPE_BF16, 1048579);
   EACH(rs_f32) run_reduce_scatter(MOELINK_DTYPE_F32, rs_f32[i_]);
   EACH(rs_16) run_reduce_scatter(MOELINK_DTYPE_BF16, rs_16[i_]);
   run_reduce_scatter(MOELINK_DTYPE_F16, 262147);

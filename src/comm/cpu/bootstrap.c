@@ -516,6 +516,7 @@ static const ml_comm_ops ml_cpu_comm_ops = {
     .allreduce = ml_cpu_allreduce,
     .allgather = ml_cpu_allgather,
     .reduce_scatter = ml_cpu_reduce_scatter,
+    .alltoallv = ml_cpu_alltoallv,
 };
 
 const ml_comm_ops *ml_comm_cpu_ops(void) { return &ml_cpu_comm_ops; }

@@ -22,31 +22,24 @@
 /* fp32 accumulators per block: small enough for the stack and the L1. */
 #define ML_CPU_BLOCK 512
 
-typedef struct ml_cpu_call {
-  ml_cpu_comm *c;
-  ml_cpu_op op;
-  moelink_dtype_t dtype;
-  size_t count;
-  const char *data_what;    /* what a rank waits for when it reads a peer's half */
-  const char *release_what; /* what it waits for before refilling its own */
-} ml_cpu_call;
-
 static const char *ml_cpu_op_name(uint32_t op) {
   switch (op) {
   case ML_CPU_OP_ALLREDUCE: return "allreduce";
   case ML_CPU_OP_ALLGATHER: return "allgather";
   case ML_CPU_OP_REDUCE_SCATTER: return "reduce_scatter";
+  case ML_CPU_OP_ALLTOALLV: return "alltoallv";
   }
   return "an unknown collective";
 }
 
-static void ml_cpu_call_init(ml_cpu_call *k, moelink_comm_t comm, ml_cpu_op op,
-                             moelink_dtype_t dtype, size_t count) {
+void ml_cpu_call_init(ml_cpu_call *k, moelink_comm_t comm, ml_cpu_op op, moelink_dtype_t dtype,
+                      size_t count) {
   static const char *const data[] = {"", "allreduce data", "allgather data",
-                                     "reduce_scatter data"};
+                                     "reduce_scatter data", "alltoallv data"};
   static const char *const release[] = {"", "allreduce staging release",
                                         "allgather staging release",
-                                        "reduce_scatter staging release"};
+                                        "reduce_scatter staging release",
+                                        "alltoallv staging release"};
   k->c = ml_cpu_of(comm);
   k->op = op;
   k->dtype = dtype;
@@ -55,8 +48,7 @@ static void ml_cpu_call_init(ml_cpu_call *k, moelink_comm_t comm, ml_cpu_op op,
   k->release_what = release[op];
 }
 
-/* Waits until this rank's half of `round` may be overwritten. */
-static moelink_status_t ml_cpu_round_open(const ml_cpu_call *k, uint64_t round) {
+moelink_status_t ml_cpu_round_open(const ml_cpu_call *k, uint64_t round) {
   ml_cpu_comm *c = k->c;
   if (round < 2) return MOELINK_SUCCESS;
   for (int p = 0; p < c->nranks; ++p)
@@ -64,7 +56,7 @@ static moelink_status_t ml_cpu_round_open(const ml_cpu_call *k, uint64_t round) 
   return MOELINK_SUCCESS;
 }
 
-static void ml_cpu_round_publish(const ml_cpu_call *k, uint64_t round) {
+void ml_cpu_round_publish(const ml_cpu_call *k, uint64_t round) {
   ml_cpu_slot *s = &k->c->slots[k->c->rank];
   ml_cpu_desc *d = &s->desc[round & 1];
   d->op = (uint32_t)k->op;
@@ -74,8 +66,7 @@ static void ml_cpu_round_publish(const ml_cpu_call *k, uint64_t round) {
   atomic_store_explicit(&s->ready, round + 1, memory_order_release);
 }
 
-/* Waits for peer p's half of `round` and checks it holds the same call. */
-static moelink_status_t ml_cpu_round_await(const ml_cpu_call *k, uint64_t round, int p) {
+moelink_status_t ml_cpu_round_await(const ml_cpu_call *k, uint64_t round, int p) {
   ml_cpu_comm *c = k->c;
   if (p == c->rank) return MOELINK_SUCCESS;
   ML_TRY(ml_cpu_wait_word(c, &c->slots[p].ready, round + 1, p, k->data_what));
@@ -92,12 +83,12 @@ static moelink_status_t ml_cpu_round_await(const ml_cpu_call *k, uint64_t round,
   return MOELINK_SUCCESS;
 }
 
-static moelink_status_t ml_cpu_round_await_all(const ml_cpu_call *k, uint64_t round) {
+moelink_status_t ml_cpu_round_await_all(const ml_cpu_call *k, uint64_t round) {
   for (int p = 0; p < k->c->nranks; ++p) ML_TRY(ml_cpu_round_await(k, round, p));
   return MOELINK_SUCCESS;
 }
 
-static void ml_cpu_round_close(const ml_cpu_call *k, uint64_t round) {
+void ml_cpu_round_close(const ml_cpu_call *k, uint64_t round) {
   atomic_store_explicit(&k->c->slots[k->c->rank].done, round + 1, memory_order_release);
 }
 

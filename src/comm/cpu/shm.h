@@ -96,7 +96,12 @@ typedef struct ml_cpu_comm {
   char err_msg[ML_CPU_MSG_MAX];
 } ml_cpu_comm;
 
-typedef enum { ML_CPU_OP_ALLREDUCE = 1, ML_CPU_OP_ALLGATHER, ML_CPU_OP_REDUCE_SCATTER } ml_cpu_op;
+typedef enum {
+  ML_CPU_OP_ALLREDUCE = 1,
+  ML_CPU_OP_ALLGATHER,
+  ML_CPU_OP_REDUCE_SCATTER,
+  ML_CPU_OP_ALLTOALLV
+} ml_cpu_op;
 
 static inline ml_cpu_comm *ml_cpu_of(moelink_comm_t comm) { return (ml_cpu_comm *)comm->impl; }
 
@@ -140,11 +145,43 @@ moelink_status_t ml_cpu_barrier_impl(ml_cpu_comm *c, const char *what);
 
 /* ---- collectives.c ------------------------------------------------------ */
 
+/* Staging rounds (the protocol is described at the top of collectives.c);
+ * every collective is a sequence of them:
+ *   open (wait until this rank's half may be refilled), fill the half,
+ *   publish, await peers' halves (checks they run the same call), read,
+ *   close. */
+typedef struct ml_cpu_call {
+  ml_cpu_comm *c;
+  ml_cpu_op op;
+  moelink_dtype_t dtype;
+  size_t count;             /* posted with each round; every rank must post the same */
+  const char *data_what;    /* what a rank waits for when it reads a peer's half */
+  const char *release_what; /* what it waits for before refilling its own */
+} ml_cpu_call;
+
+void ml_cpu_call_init(ml_cpu_call *k, moelink_comm_t comm, ml_cpu_op op, moelink_dtype_t dtype,
+                      size_t count);
+/* Waits until this rank's half of `round` may be overwritten. */
+moelink_status_t ml_cpu_round_open(const ml_cpu_call *k, uint64_t round);
+void ml_cpu_round_publish(const ml_cpu_call *k, uint64_t round);
+/* Waits for peer p's half of `round` (nothing for p == own rank) and checks
+ * it holds the same call (op, dtype, count, round). */
+moelink_status_t ml_cpu_round_await(const ml_cpu_call *k, uint64_t round, int p);
+moelink_status_t ml_cpu_round_await_all(const ml_cpu_call *k, uint64_t round);
+void ml_cpu_round_close(const ml_cpu_call *k, uint64_t round);
+
 moelink_status_t ml_cpu_allreduce(moelink_comm_t comm, const void *send, void *recv,
                                   size_t count, moelink_dtype_t dtype, void *stream);
 moelink_status_t ml_cpu_allgather(moelink_comm_t comm, const void *send, void *recv,
                                   size_t count, moelink_dtype_t dtype, void *stream);
 moelink_status_t ml_cpu_reduce_scatter(moelink_comm_t comm, const void *send, void *recv,
                                        size_t count, moelink_dtype_t dtype, void *stream);
+
+/* ---- alltoall.c --------------------------------------------------------- */
+
+moelink_status_t ml_cpu_alltoallv(moelink_comm_t comm, const void *send,
+                                  const int64_t *send_counts, const int64_t *send_offsets,
+                                  void *recv, size_t recv_capacity, int64_t *recv_counts,
+                                  int64_t *recv_offsets, moelink_dtype_t dtype, void *stream);
 
 #endif

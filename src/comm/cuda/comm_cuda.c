@@ -20,6 +20,8 @@ int64_t ml_comm_timeout_ms(void);
  * over. Every rank must see the same values (they shape the kernels' rounds). */
 MOELINK_PARAM(COMM_MAX_CTAS, ML_CCU_DEFAULT_CTAS)
 MOELINK_PARAM(COMM_ONESHOT_MAX_BYTES, (int64_t)ML_CCU_ONESHOT_MAX_DEFAULT)
+/* All-reduces up to this size take the low-latency path (0: never). */
+MOELINK_PARAM(COMM_LL_MAX_BYTES, (int64_t)ML_CCU_LL_MAX_WORDS * 4)
 
 _Static_assert(sizeof(ncclUniqueId) == MOELINK_UNIQUE_ID_BYTES, "unique id sizes differ");
 
@@ -49,6 +51,10 @@ typedef struct ml_ccu_comm {
   uint64_t *scratch; /* ML_CCU_MAX_RANKS words, for window addresses */
   uint64_t *epoch;   /* ML_CCU_MAX_CTAS words */
   ml_ccu_symm internal;
+  ml_ccu_symm ll;      /* the low-latency all-reduce's cells */
+  void *ll_state;      /* its call count and ticket (device memory) */
+  ml_ccu_symm ce;      /* the copy-engine all-gather's buffer, once selected */
+  uint64_t *ce_round;  /* its round counter */
   ml_ccu_symm *user; /* moelink_symm_alloc buffers */
   ml_ccu_coll coll;
   int broken;
@@ -182,10 +188,15 @@ static const char *ml_ccu_prim_name(unsigned prim, char *buf, size_t size) {
   case MOELINK_PRIM_SIGNAL_WAIT: return "a signal (moelink_signal_wait)";
   case MOELINK_PRIM_BARRIER: return "a barrier (moelink_barrier)";
   case ML_CCU_PRIM_AR_ONESHOT: return "one-shot all-reduce data";
+  case ML_CCU_PRIM_AR_LL: return "low-latency all-reduce data";
   case ML_CCU_PRIM_AR_RS: return "two-shot all-reduce data (reduce-scatter round)";
   case ML_CCU_PRIM_AR_AG: return "two-shot all-reduce data (all-gather round)";
   case ML_CCU_PRIM_ALLGATHER: return "all-gather data";
   case ML_CCU_PRIM_REDUCE_SCATTER: return "reduce-scatter data";
+  case ML_CCU_PRIM_A2A_COUNTS: return "alltoallv counts";
+  case ML_CCU_PRIM_A2A_DATA: return "alltoallv data";
+  case ML_CCU_PRIM_AG_CE_READY: return "copy-engine all-gather data";
+  case ML_CCU_PRIM_AG_CE_RELEASE: return "copy-engine all-gather staging release";
   default: break;
   }
   if (prim >= MOELINK_PRIM_USER)
@@ -261,6 +272,10 @@ static void ml_ccu_teardown(ml_ccu_comm *c) {
     free(m);
   }
   (void)ml_ccu_symm_release(c, &c->internal);
+  (void)ml_ccu_symm_release(c, &c->ce);
+  if (c->ce_round) (void)cudaFree(c->ce_round);
+  (void)ml_ccu_symm_release(c, &c->ll);
+  if (c->ll_state) (void)cudaFree(c->ll_state);
   if (c->devcomm) ml_ccu_devcomm_destroy(c->nccl, c->devcomm);
   c->devcomm = NULL;
   if (c->epoch) (void)cudaFree(c->epoch);
@@ -275,6 +290,44 @@ static void ml_ccu_teardown(ml_ccu_comm *c) {
   }
   (void)cudaGetLastError();
   free(c);
+}
+
+/* MOELINK_COMM_ALLGATHER: "sm" (default) or "ce"; read once per process like
+ * the MOELINK_PARAM knobs, anything else keeps the default. Every rank must
+ * see the same value (choosing CE allocates a symmetric buffer). */
+static int ml_ccu_allgather_knob(void) {
+  static int cached = -1;
+  int v = __atomic_load_n(&cached, __ATOMIC_ACQUIRE);
+  if (v < 0) {
+    const char *e = getenv("MOELINK_COMM_ALLGATHER");
+    v = e && strcmp(e, "ce") == 0 ? ML_CCU_AG_CE : ML_CCU_AG_SM;
+    __atomic_store_n(&cached, v, __ATOMIC_RELEASE);
+  }
+  return v;
+}
+
+/* The copy-engine all-gather's buffer and round counter (collective: a
+ * symmetric allocation). */
+static moelink_status_t ml_ccu_ce_make(moelink_comm_t comm, ml_ccu_comm *c) {
+  if (c->ce.ptr) return MOELINK_SUCCESS;
+  const int n = comm->nranks;
+  const size_t region = ML_CCU_CE_STAGE_BYTES / (size_t)n / 4096 * 4096;
+  if (!c->ce_round) {
+    cudaError_t e = cudaMalloc((void **)&c->ce_round, sizeof(uint64_t));
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->ce_round, 0, sizeof(uint64_t), c->setup);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+    if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "the copy-engine all-gather's round counter");
+  }
+  ML_TRY(ml_ccu_symm_make(comm, c, ML_CCU_CE_STAGE_OFFSET + (size_t)n * region, &c->ce));
+  ml_ccu_ce *ce = &c->coll.ce;
+  for (int q = 0; q < n; ++q) {
+    ce->stage[q] = c->ce.base[q] + ML_CCU_CE_STAGE_OFFSET;
+    ce->ready[q] = (uint64_t *)(c->ce.base[q] + ML_CCU_CE_READY_OFFSET);
+    ce->released[q] = (uint64_t *)(c->ce.base[q] + ML_CCU_CE_RELEASED_OFFSET);
+  }
+  ce->round = c->ce_round;
+  ce->region = region;
+  return MOELINK_SUCCESS;
 }
 
 /* Everything after the NCCL communicator exists (collective). */
@@ -319,6 +372,24 @@ static moelink_status_t ml_ccu_setup(moelink_comm_t comm, ml_ccu_comm *c) {
     k->stage[q] = c->internal.base[q] + ML_CCU_STAGE_OFFSET;
     k->sig[q] = (uint64_t *)(c->internal.base[q] + ML_CCU_SIG_OFFSET);
     k->dc.ctl[q] = (uint64_t *)(c->internal.base[q] + ML_CCU_CTL_OFFSET);
+  }
+  int64_t ll_max = ml_param_COMM_LL_MAX_BYTES();
+  if (ll_max < 0) ll_max = 0;
+  if (ll_max > (int64_t)ML_CCU_LL_MAX_WORDS * 4) ll_max = (int64_t)ML_CCU_LL_MAX_WORDS * 4;
+  if (n > 1 && ll_max > 0) {
+    ML_TRY(ml_ccu_symm_make(comm, c, ML_CCU_LL_BYTES(n), &c->ll));
+    e = cudaMalloc(&c->ll_state, 64);
+    if (e == cudaSuccess) e = cudaMemsetAsync(c->ll_state, 0, 64, c->setup);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+    if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "the low-latency all-reduce's counters");
+    for (int q = 0; q < n; ++q) k->ll.cells[q] = (uint64_t *)c->ll.base[q];
+    k->ll.epoch = (uint64_t *)c->ll_state;
+    k->ll.ticket = (unsigned *)((char *)c->ll_state + 32);
+    k->ll_max = (size_t)ll_max;
+  }
+  if (ml_ccu_allgather_knob() == ML_CCU_AG_CE && n > 1) {
+    ML_TRY(ml_ccu_ce_make(comm, c));
+    k->allgather_engine = ML_CCU_AG_CE;
   }
   return MOELINK_SUCCESS;
 }
@@ -489,6 +560,7 @@ static moelink_status_t ml_ccu_check_inner(moelink_comm_t comm, ml_ccu_comm *c,
   cudaError_t e = cudaStreamSynchronize(stream);
   if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "waiting for the communicator's work");
   if (ml_ccu_read_failure(comm, c)) return ml_fail(MOELINK_ERR_TIMEOUT, "%s", c->broken_msg);
+  if (c->lsa_ok && c->internal.ptr) ML_TRY(ml_ccu_alltoallv_report(&c->coll));
   ncclResult_t ae = ncclSuccess;
   ncclResult_t r = ncclCommGetAsyncError(c->nccl, &ae);
   if (r != ncclSuccess) return ml_ccu_nccl_fail(c->nccl, r, "ncclCommGetAsyncError");
@@ -603,9 +675,19 @@ static moelink_status_t ml_ccu_coll_run(moelink_comm_t comm, ml_ccu_op op, const
                    c->broken_msg);
   int prev;
   ML_TRY(ml_cuda_enter(comm->ctx, &prev));
-  moelink_status_t s =
-      c->lsa_ok ? ml_ccu_collective(&c->coll, op, send, recv, count, dt, (cudaStream_t)stream)
-                : ml_ccu_nccl_coll(c, op, send, recv, count, dt, (cudaStream_t)stream);
+  moelink_status_t s;
+  if (!c->lsa_ok)
+    s = ml_ccu_nccl_coll(c, op, send, recv, count, dt, (cudaStream_t)stream);
+  else if (op == ML_CCU_ALLREDUCE && c->coll.ll_max > 0 &&
+           count * moelink_dtype_size(dt) <= c->coll.ll_max &&
+           (c->coll.force_allreduce == 0 || c->coll.force_allreduce == 3))
+    s = ml_ccu_allreduce_ll(&c->coll.ll, comm->rank, comm->nranks, &c->coll.dc, send, recv,
+                            count, dt, (cudaStream_t)stream);
+  else if (op == ML_CCU_ALLGATHER && c->coll.allgather_engine == ML_CCU_AG_CE)
+    s = ml_ccu_allgather_ce(&c->coll, send, recv, count * moelink_dtype_size(dt),
+                            (cudaStream_t)stream);
+  else
+    s = ml_ccu_collective(&c->coll, op, send, recv, count, dt, (cudaStream_t)stream);
   return ml_cuda_leave(comm->ctx, prev, s);
 }
 
@@ -624,10 +706,72 @@ static moelink_status_t ml_ccu_reduce_scatter(moelink_comm_t comm, const void *s
   return ml_ccu_coll_run(comm, ML_CCU_REDUCE_SCATTER, send, recv, count, dt, stream);
 }
 
+/* Counts must be device memory: a host array would fault in the kernel.
+ * Skipped while capturing (a capture is made once; the replays reuse it). */
+static moelink_status_t ml_ccu_device_array(const char *name, const void *p,
+                                            cudaStream_t stream) {
+  if (!p) return MOELINK_SUCCESS;
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return MOELINK_SUCCESS;
+  }
+  if (cs != cudaStreamCaptureStatusNone) return MOELINK_SUCCESS;
+  struct cudaPointerAttributes at;
+  cudaError_t e = cudaPointerGetAttributes(&at, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return MOELINK_SUCCESS;
+  }
+  if (at.type == cudaMemoryTypeUnregistered)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "alltoallv: %s %p is host memory: on a cuda communicator the counts live in "
+                   "device memory",
+                   name, p);
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ccu_alltoallv_inner(moelink_comm_t comm, ml_ccu_comm *c,
+                                               const void *send, const int64_t *send_counts,
+                                               const int64_t *send_offsets, void *recv,
+                                               size_t recv_capacity, int64_t *recv_counts,
+                                               int64_t *recv_offsets, moelink_dtype_t dt,
+                                               cudaStream_t stream) {
+  if (!c->lsa_ok)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "alltoallv: only %d of the %d ranks share this rank's NVLink domain (NCCL's "
+                   "send/recv would need the counts on the host)",
+                   c->lsa_size, comm->nranks);
+  ML_TRY(ml_ccu_device_array("send_counts", send_counts, stream));
+  ML_TRY(ml_ccu_device_array("send_offsets", send_offsets, stream));
+  ML_TRY(ml_ccu_device_array("recv_counts", recv_counts, stream));
+  ML_TRY(ml_ccu_device_array("recv_offsets", recv_offsets, stream));
+  return ml_ccu_alltoallv(&c->coll, send, send_counts, send_offsets, recv, recv_capacity,
+                          recv_counts, recv_offsets, dt, stream);
+}
+
+static moelink_status_t ml_ccu_alltoallv_op(moelink_comm_t comm, const void *send,
+                                            const int64_t *send_counts,
+                                            const int64_t *send_offsets, void *recv,
+                                            size_t recv_capacity, int64_t *recv_counts,
+                                            int64_t *recv_offsets, moelink_dtype_t dt,
+                                            void *stream) {
+  ml_ccu_comm *c = ml_ccu(comm);
+  if (c->broken)
+    return ml_fail(MOELINK_ERR_INVALID_STATE, "the communicator failed earlier: %s",
+                   c->broken_msg);
+  int prev;
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev,
+                       ml_ccu_alltoallv_inner(comm, c, send, send_counts, send_offsets, recv,
+                                              recv_capacity, recv_counts, recv_offsets, dt,
+                                              (cudaStream_t)stream));
+}
+
 static const ml_comm_ops ml_ccu_ops = {
     "cuda",           ml_ccu_unique_id, ml_ccu_init,      ml_ccu_init_from_nccl,
     ml_ccu_destroy,   ml_ccu_check,     ml_ccu_symm_alloc, ml_ccu_symm_free,
-    ml_ccu_allreduce, ml_ccu_allgather, ml_ccu_reduce_scatter};
+    ml_ccu_allreduce, ml_ccu_allgather, ml_ccu_reduce_scatter, ml_ccu_alltoallv_op};
 
 const ml_comm_ops *ml_comm_cuda_ops(void) { return &ml_ccu_ops; }
 
@@ -678,8 +822,8 @@ moelink_status_t moelink_symm_view(moelink_comm_t comm, const void *ptr,
 moelink_status_t ml_comm_cuda_force_allreduce(moelink_comm_t comm, int algorithm) {
   if (!comm || comm->ops != &ml_ccu_ops)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "not a cuda communicator");
-  if (algorithm < 0 || algorithm > 2)
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "all-reduce algorithm %d (0, 1 or 2)",
+  if (algorithm < 0 || algorithm > 3)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "all-reduce algorithm %d (0, 1, 2 or 3)",
                    algorithm);
   ml_ccu(comm)->coll.force_allreduce = algorithm;
   return MOELINK_SUCCESS;
@@ -692,6 +836,26 @@ moelink_status_t ml_comm_cuda_set_ctas(moelink_comm_t comm, int ctas) {
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ctas %d out of range [1, %d]", ctas,
                    ML_CCU_MAX_CTAS);
   ml_ccu(comm)->coll.max_ctas = ctas;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t ml_comm_cuda_set_allgather(moelink_comm_t comm, int engine) {
+  if (!comm || comm->ops != &ml_ccu_ops)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "not a cuda communicator");
+  if (engine != ML_CCU_AG_SM && engine != ML_CCU_AG_CE)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "all-gather engine %d (0 sm or 1 ce)", engine);
+  ml_ccu_comm *c = ml_ccu(comm);
+  if (!c->lsa_ok)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "the all-gather engine cannot be chosen: only %d of the %d ranks share this "
+                   "rank's NVLink domain, so NCCL's all-gather runs",
+                   c->lsa_size, comm->nranks);
+  if (engine == ML_CCU_AG_CE && comm->nranks > 1) {
+    int prev;
+    ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+    ML_TRY(ml_cuda_leave(comm->ctx, prev, ml_ccu_ce_make(comm, c)));
+  }
+  c->coll.allgather_engine = engine;
   return MOELINK_SUCCESS;
 }
 
