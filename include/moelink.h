@@ -396,6 +396,102 @@ MOELINK_API moelink_status_t moelink_reduce_scatter(moelink_comm_t comm, const v
                                                     void *recv, size_t count,
                                                     moelink_dtype_t dtype, void *stream);
 
+/* All-to-all with per-peer counts (expert-parallel dispatch and combine): a
+ * bitwise copy, f32, bf16, f16. The count arrays live where the data lives:
+ * device memory on CUDA (written by earlier kernels on the stream: the call
+ * reads them on the device, never synchronizes, and is graph-capturable;
+ * host memory is rejected), host memory on CPU. Each array has one int64_t
+ * element count per rank:
+ *   send_counts[p]   elements this rank sends to rank p (>= 0), read from
+ *                    send + send_offsets[p] (send_offsets NULL: packed in rank
+ *                    order, the exclusive prefix sums of send_counts);
+ *   recv_counts[p]   (output) elements that came from rank p: its
+ *                    send_counts[this rank];
+ *   recv_offsets[p]  (output, may be NULL) where they start in recv: the data
+ *                    arrives packed in source-rank order, each peer's
+ *                    elements in the order it sent them, so recv_offsets
+ *                    is the exclusive prefix sum of recv_counts.
+ * recv holds recv_capacity elements. Incoming elements that would land at or
+ * past recv_capacity are dropped, never written; recv_counts and recv_offsets
+ * still give the full counts (a kernel can compare their sum with the
+ * capacity), and the rank reports MOELINK_ERR_INVALID_ARGUMENT ("received N
+ * elements, capacity C"): on CPU from this call, on CUDA from the next
+ * moelink_comm_check. A negative count or offset is sent as a count of 0 and
+ * reported the same way by the rank that passed it. Either report leaves the
+ * communicator usable (every rank completes the exchange). The ranges
+ * send + send_offsets[p] .. + send_counts[p] are the caller's to keep inside
+ * send. No in place: send must not lie inside recv, and the output arrays
+ * must not overlap the input arrays or each other. send must not be NULL;
+ * recv may be NULL only with recv_capacity 0. Every rank must call it (a
+ * collective, in the same order as the others), whatever its counts. On
+ * CUDA it needs every rank in one NVLink domain (else UNSUPPORTED). */
+MOELINK_API moelink_status_t moelink_alltoallv(moelink_comm_t comm, const void *send,
+                                               const int64_t *send_counts,
+                                               const int64_t *send_offsets, void *recv,
+                                               size_t recv_capacity, int64_t *recv_counts,
+                                               int64_t *recv_offsets, moelink_dtype_t dtype,
+                                               void *stream);
+
+/* ------------------------------------------------------------------------ */
+/* Tensor-parallel GEMMs fused with their collective                        */
+/* ------------------------------------------------------------------------ */
+
+/* The three GEMMs of a tensor-parallel dense layer, each fused with the
+ * collective around it, over the ranks of a communicator. Matrices are
+ * row-major and contiguous; B is a linear layer's weight [n, k] (out = a b^T).
+ * Every rank calls the same op with the same m, n, k (a collective). The GEMM
+ * accumulates in fp32 and rounds its partial result to the dtype; partials are
+ * summed over ranks in rank order 0..n-1 in fp32 and rounded once, so every
+ * rank gets bitwise the same C, run after run (the same numbers as "GEMM, then
+ * the dtype's collective" computes). m = 0 does nothing; n, k >= 1; c must
+ * not overlap a or b. Stream-ordered, graph-capturable on CUDA. On CUDA the
+ * ranks must share one NVLink domain, and shapes with n or k not a multiple
+ * of 8 run on a slow fallback GEMM. */
+typedef struct moelink_tp *moelink_tp_t;
+
+typedef struct moelink_tp_config {
+  size_t size;           /* sizeof(moelink_tp_config_t) */
+  moelink_dtype_t dtype; /* of a, b and c: BF16 or F16 (F32 on the CPU backend too) */
+  int max_m;             /* the largest m a call may pass (all ranks' rows together) */
+  int max_n;             /* the largest n */
+  int max_k;             /* the largest k (ag_gemm: the full k; gemm_rs/ar: this rank's slice) */
+  int comm_ctas;         /* CTAs communication kernels may take; 0: the measured default */
+} moelink_tp_config_t;
+
+#define MOELINK_TP_CONFIG_INIT {sizeof(moelink_tp_config_t), MOELINK_DTYPE_BF16, 0, 0, 0, 0}
+
+/* Bytes of workspace (symmetric memory on CUDA, per rank) moelink_tp_create
+ * allocates for cfg on comm. */
+MOELINK_API moelink_status_t moelink_tp_workspace_size(moelink_comm_t comm,
+                                                       const moelink_tp_config_t *cfg,
+                                                       size_t *bytes);
+
+/* Creates the fused ops' state for cfg on comm (collective: every rank, same
+ * cfg, same order as other symmetric allocations). Errors: INVALID_ARGUMENT
+ * (sizes < 1, dtype), UNSUPPORTED (F32 on CUDA), OUT_OF_MEMORY, CUDA, NCCL. */
+MOELINK_API moelink_status_t moelink_tp_create(moelink_comm_t comm, const moelink_tp_config_t *cfg,
+                                               moelink_tp_t *out);
+
+/* Frees it (collective). NULL: no-op. The communicator must outlive it. */
+MOELINK_API moelink_status_t moelink_tp_destroy(moelink_tp_t tp);
+
+/* All-gather + GEMM (column-parallel layer): a [m / nranks, k] holds this
+ * rank's rows (rank r: rows r*m/nranks ..), b [n, k]; c [m, n] = A b^T with A
+ * the [m, k] rows of all ranks. m % nranks == 0. */
+MOELINK_API moelink_status_t moelink_ag_gemm(moelink_tp_t tp, const void *a, const void *b,
+                                             void *c, int m, int n, int k, void *stream);
+
+/* GEMM + reduce-scatter (row-parallel layer): a [m, k] and b [n, k] are this
+ * rank's slices of the reduction dimension; c [m / nranks, n] = rows
+ * rank*m/nranks .. of the sum over ranks of a b^T. m % nranks == 0. */
+MOELINK_API moelink_status_t moelink_gemm_rs(moelink_tp_t tp, const void *a, const void *b,
+                                             void *c, int m, int n, int k, void *stream);
+
+/* GEMM + all-reduce: a [m, k], b [n, k] as in moelink_gemm_rs; c [m, n] = the
+ * sum over ranks of a b^T, on every rank. */
+MOELINK_API moelink_status_t moelink_gemm_ar(moelink_tp_t tp, const void *a, const void *b,
+                                             void *c, int m, int n, int k, void *stream);
+
 /* ------------------------------------------------------------------------ */
 /* Utilities                                                                */
 /* ------------------------------------------------------------------------ */

@@ -120,7 +120,13 @@ void cli_session_close(cli_session *ss);
 
 int cli_cmd_run(int argc, char **argv);
 int cli_cmd_bench(int argc, char **argv);
+/* `moelink bench tp`: tensor-parallel fused GEMMs (tools/bench_tp.c). */
+int cli_cmd_bench_tp(int argc, char **argv);
+void cli_help_bench_tp(void);
 int cli_cmd_launch(int argc, char **argv);
+/* `moelink bench comm` (tools/bench_comm.c): collectives beside NCCL's. */
+int cli_cmd_bench_comm(int argc, char **argv);
+void cli_help_bench_comm(void);
 void cli_help_run(void);
 void cli_help_bench(void);
 void cli_help_launch(void);

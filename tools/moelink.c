@@ -10,6 +10,7 @@ static const char cli_usage_text[] =
     "commands:\n"
     "  run       run one MoE layer on generated weights, time it, optionally verify it\n"
     "  bench     median times over token counts beside this machine's floors\n"
+    "  bench comm  collectives' latency and bus bandwidth beside NCCL's (under launch)\n"
     "  presets   list the built-in model presets\n"
     "  launch    start N ranks of a command on this machine (one per GPU)\n"
     "\n"
@@ -81,7 +82,11 @@ static void cli_bench_text(void) {
          "  --tokens T1,T2,...     token counts (default cpu 256; cuda 1,16,128,512,2048,8192)\n"
          "  --iters N              timed iterations per T (default cpu 5, cuda 20)\n"
          "  --warmup N             untimed iterations first (default cpu 1, cuda 3)\n"
-         "  --json FILE            also write everything as JSON\n");
+         "  --json FILE            also write everything as JSON\n"
+         "moelink bench tp [options]   tensor-parallel GEMMs fused with their collective,\n"
+         "  under moelink launch -n N (moelink bench tp --help)\n"
+         "moelink bench comm [options]   collectives beside NCCL's, per size, under moelink\n"
+         "  launch -n N (moelink bench comm --help)\n");
 }
 
 void cli_help_bench(void) {
@@ -141,6 +146,10 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
     if (argc > 2 && strcmp(argv[2], "run") == 0)
       cli_help_run();
+    else if (argc > 3 && strcmp(argv[2], "bench") == 0 && strcmp(argv[3], "tp") == 0)
+      cli_help_bench_tp();
+    else if (argc > 3 && strcmp(argv[2], "bench") == 0 && strcmp(argv[3], "comm") == 0)
+      cli_help_bench_comm();
     else if (argc > 2 && strcmp(argv[2], "bench") == 0)
       cli_help_bench();
     else if (argc > 2 && strcmp(argv[2], "launch") == 0)
@@ -152,6 +161,10 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "version") == 0) return cli_version();
   if (strcmp(cmd, "presets") == 0) return cli_presets(argc - 2, argv + 2);
   if (strcmp(cmd, "run") == 0) return cli_cmd_run(argc - 2, argv + 2);
+  if (strcmp(cmd, "bench") == 0 && argc > 2 && strcmp(argv[2], "tp") == 0)
+    return cli_cmd_bench_tp(argc - 3, argv + 3);
+  if (strcmp(cmd, "bench") == 0 && argc > 2 && strcmp(argv[2], "comm") == 0)
+    return cli_cmd_bench_comm(argc - 3, argv + 3);
   if (strcmp(cmd, "bench") == 0) return cli_cmd_bench(argc - 2, argv + 2);
   if (strcmp(cmd, "launch") == 0) return cli_cmd_launch(argc - 2, argv + 2);
   cli_usage_error("unknown command '%s' (commands: run, bench, presets, launch; see moelink "

@@ -1,0 +1,384 @@
+/* The CUDA tensor-parallel ops: each call is a short, fixed sequence of
+ * stream-ordered launches (no host synchronization, capturable) that lets
+ * the GEMM run while the data moves:
+ *
+ * ag_gemm  a side stream pushes this rank's shard into every peer's gather
+ *          rows with the copy engine (no SMs) and then signals READY; the
+ *          stream multiplies the own shard meanwhile, then, per peer in
+ *          rank order starting after this one, waits for its READY and
+ *          multiplies its rows.
+ * gemm_rs  the GEMM is split by the rank that owns the output rows, the
+ *          peers' blocks first; the copy engine moves each finished block
+ *          into its owner's partial slot while the next block computes (no
+ *          SMs taken from the GEMM), then signals READY. One pass waits for
+ *          the peers' READY and sums the slots in rank order.
+ * gemm_ar  small outputs (MOELINK_TP_AR_ONESHOT_MAX_BYTES): the GEMM writes
+ *          this rank's partial locally, one pass reads every rank's partial
+ *          and sums them. Larger ones: gemm_rs's exchange, then the sum of
+ *          the own rows is stored locally and pushed into every peer's
+ *          gather rows (GATHER), and a last pass copies the peers' rows out.
+ *
+ * Every call starts by waiting for the peers' DONE of the previous call
+ * (tp_cuda.h: the reuse rule) and ends by signalling its own. */
+#include "tp/tp.h"
+
+#include "cuda/cuda.h"
+#include "cuda/gemm/decode.h"
+#include "tp/cuda/tp_cuda.h"
+
+#include <cublas_v2.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Largest gemm_ar output (bytes) that takes the one-shot path. */
+MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
+/* Which GEMM the ops run: 0 the measured choice (moelink's decode GEMM for
+ * up to one tile of rows, cuBLAS above), 1 moelink's engines only, 2 cuBLAS
+ * only. Shapes the tensor-core paths refuse always take the fallback. */
+MOELINK_PARAM(TP_GEMM, 0)
+
+typedef struct ml_tpc {
+  char *ws;                /* symmetric workspace */
+  moelink_symm_view_t view;
+  size_t g_off, p_off;     /* offsets of the gather rows and the partials */
+  ml_tpc_sync sync;
+  void *dev;               /* epoch, ticket (cudaMalloc) */
+  float *partials;         /* decode GEMM split-K scratch */
+  uint32_t *tickets;
+  size_t partial_floats, ticket_count;
+  int sms, ctas;
+  cublasHandle_t blas;
+  void *blas_ws;           /* cuBLAS workspace, set once (capturable calls) */
+  cudaStream_t side;
+  cudaEvent_t fork, join;
+  cudaEvent_t chunk[ML_TPC_MAX_RANKS]; /* a block of the scatter GEMM is done */
+} ml_tpc;
+
+static size_t ml_tpc_align(size_t x) { return (x + 255) & ~(size_t)255; }
+
+static void ml_tpc_layout(int nranks, const moelink_tp_config_t *cfg, size_t *g_off,
+                          size_t *p_off, size_t *total) {
+  const size_t es = moelink_dtype_size(cfg->dtype);
+  const size_t gcols = (size_t)(cfg->max_k > cfg->max_n ? cfg->max_k : cfg->max_n);
+  const size_t ms = ((size_t)cfg->max_m + (size_t)nranks - 1) / (size_t)nranks;
+  *g_off = ML_TPC_FLAG_BYTES;
+  *p_off = ml_tpc_align(*g_off + (size_t)cfg->max_m * gcols * es);
+  size_t p_bytes = (size_t)nranks * ms * (size_t)cfg->max_n * es;
+  const size_t own = (size_t)cfg->max_m * (size_t)cfg->max_n * es; /* one-shot partial */
+  if (own > p_bytes) p_bytes = own;
+  *total = ml_tpc_align(*p_off + p_bytes);
+}
+
+static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink_tp_config_t *cfg,
+                                              size_t *bytes) {
+  size_t g, p;
+  ml_tpc_layout(comm->nranks, cfg, &g, &p, bytes);
+  return MOELINK_SUCCESS;
+}
+
+#define ML_TPC_BLAS_WS_BYTES ((size_t)32 << 20)
+
+static void ml_tpc_release(moelink_tp_t tp, ml_tpc *t) {
+  if (t->blas) cublasDestroy(t->blas);
+  if (t->blas_ws) cudaFree(t->blas_ws);
+  if (t->side) cudaStreamDestroy(t->side);
+  if (t->fork) cudaEventDestroy(t->fork);
+  if (t->join) cudaEventDestroy(t->join);
+  for (int i = 0; i < ML_TPC_MAX_RANKS; ++i)
+    if (t->chunk[i]) cudaEventDestroy(t->chunk[i]);
+  if (t->dev) cudaFree(t->dev);
+  if (t->partials) cudaFree(t->partials);
+  if (t->tickets) cudaFree(t->tickets);
+  if (t->ws) moelink_symm_free(tp->comm, t->ws);
+  free(t);
+}
+
+static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
+  moelink_comm_t comm = tp->comm;
+  const moelink_tp_config_t *cfg = &tp->cfg;
+  if (cfg->dtype != MOELINK_DTYPE_BF16 && cfg->dtype != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "tp_create: dtype %s is not supported on the cuda backend (bf16, f16)",
+                   moelink_dtype_name(cfg->dtype));
+  if (comm->nranks > ML_TPC_MAX_RANKS)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "tp_create: %d ranks (the cuda ops take at most %d)",
+                   comm->nranks, ML_TPC_MAX_RANKS);
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&t->sms, cudaDevAttrMultiProcessorCount, dev));
+  t->ctas = cfg->comm_ctas > 0 ? cfg->comm_ctas : t->sms;
+  tp->cfg.comm_ctas = t->ctas;
+
+  size_t total;
+  ml_tpc_layout(comm->nranks, cfg, &t->g_off, &t->p_off, &total);
+  ML_TRY(moelink_symm_alloc(comm, total, (void **)&t->ws));
+  ML_TRY(moelink_symm_view(comm, t->ws, &t->view));
+  ML_TRY(moelink_comm_device(comm, &t->sync.dc));
+  for (int r = 0; r < comm->nranks; ++r) t->sync.flags[r] = (uint64_t *)t->view.base[r];
+
+  ML_CUDA_TRY(cudaMalloc(&t->dev, 256));
+  ML_CUDA_TRY(cudaMemset(t->dev, 0, 256));
+  t->sync.epoch = (uint64_t *)t->dev;
+  t->sync.ticket = (unsigned *)((char *)t->dev + 64);
+
+  /* Split-K scratch of the decode GEMM for every n it may see (rows <= one
+   * pass; k up to max_k only lowers the split count). */
+  for (int n = 8; n <= cfg->max_n; n += 8) {
+    size_t f = 0, c = 0;
+    ml_cuda_decode_scratch(ML_CUDA_TILE_ROWS, 1, 1, n, cfg->max_k, 0, t->sms, &f, &c);
+    if (f > t->partial_floats) t->partial_floats = f;
+    if (c > t->ticket_count) t->ticket_count = c;
+  }
+  if (t->partial_floats > 0) {
+    ML_CUDA_TRY(cudaMalloc((void **)&t->partials, t->partial_floats * sizeof(float)));
+    ML_CUDA_TRY(cudaMalloc((void **)&t->tickets, t->ticket_count * sizeof(uint32_t)));
+    ML_CUDA_TRY(cudaMemset(t->tickets, 0, t->ticket_count * sizeof(uint32_t)));
+  }
+  cublasStatus_t bs = cublasCreate(&t->blas);
+  if (bs != CUBLAS_STATUS_SUCCESS) {
+    t->blas = NULL;
+    return ml_fail(MOELINK_ERR_CUDA, "tp_create: cublasCreate failed (status %d)", (int)bs);
+  }
+  ML_CUDA_TRY(cudaMalloc(&t->blas_ws, ML_TPC_BLAS_WS_BYTES));
+  bs = cublasSetWorkspace(t->blas, t->blas_ws, ML_TPC_BLAS_WS_BYTES);
+  if (bs != CUBLAS_STATUS_SUCCESS)
+    return ml_fail(MOELINK_ERR_CUDA, "tp_create: cublasSetWorkspace failed (status %d)", (int)bs);
+  ML_CUDA_TRY(cudaStreamCreateWithFlags(&t->side, cudaStreamNonBlocking));
+  ML_CUDA_TRY(cudaEventCreateWithFlags(&t->fork, cudaEventDisableTiming));
+  ML_CUDA_TRY(cudaEventCreateWithFlags(&t->join, cudaEventDisableTiming));
+  for (int i = 0; i < ML_TPC_MAX_RANKS; ++i)
+    ML_CUDA_TRY(cudaEventCreateWithFlags(&t->chunk[i], cudaEventDisableTiming));
+  /* The symmetric buffer comes back zeroed (flags at 0 = nothing signalled):
+   * make sure that memset is done before a peer's first signal can land. */
+  ML_CUDA_TRY(cudaDeviceSynchronize());
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_tpc_init(moelink_tp_t tp) {
+  int prev;
+  ML_TRY(ml_cuda_enter(tp->comm->ctx, &prev));
+  ml_tpc *t = (ml_tpc *)calloc(1, sizeof *t);
+  moelink_status_t s = t ? ml_tpc_init_inner(tp, t)
+                         : ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "tp_create: out of host memory");
+  if (s == MOELINK_SUCCESS)
+    tp->impl = t;
+  else if (t)
+    ml_tpc_release(tp, t);
+  return ml_cuda_leave(tp->comm->ctx, prev, s);
+}
+
+static void ml_tpc_fini(moelink_tp_t tp) {
+  int prev;
+  if (ml_cuda_enter(tp->comm->ctx, &prev) != MOELINK_SUCCESS) return;
+  ml_tpc *t = (ml_tpc *)tp->impl;
+  if (t) {
+    cudaDeviceSynchronize();
+    ml_tpc_release(tp, t);
+  }
+  tp->impl = NULL;
+  ml_cuda_leave(tp->comm->ctx, prev, MOELINK_SUCCESS);
+}
+
+/* out [rows, n] = a [rows, k] b^T on the engine that suits the shape. */
+static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const void *a,
+                                    const void *b, void *out, int rows, int n, int k,
+                                    cudaStream_t st) {
+  if (rows <= 0) return MOELINK_SUCCESS;
+  if (n % 8 || k % 8 || (((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) & 15))
+    return ml_tpc_gemm_simple(dt, a, b, out, rows, n, k, st);
+  const int64_t which = ml_param_TP_GEMM();
+  const int decode = t->partials && ml_cuda_decode_wanted(rows, 1);
+  if (which == 2 || (which != 1 && !decode)) {
+    /* Row-major out = a b^T is column-major out^T = b a^T: b as the
+     * transposed [k, n] operand, a as the plain [k, rows] one. */
+    const cudaDataType_t ty = dt == MOELINK_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float one = 1.f, zero = 0.f;
+    cublasStatus_t bs = cublasSetStream(t->blas, st);
+    if (bs == CUBLAS_STATUS_SUCCESS)
+      bs = cublasGemmEx(t->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, b, ty, k, a, ty, k,
+                        &zero, out, ty, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (bs != CUBLAS_STATUS_SUCCESS)
+      return ml_fail(MOELINK_ERR_CUDA, "tp: cublasGemmEx (%d x %d x %d) failed (status %d)", rows,
+                     n, k, (int)bs);
+    return MOELINK_SUCCESS;
+  }
+  if (decode) {
+    ml_decode_opts o;
+    memset(&o, 0, sizeof o);
+    o.sm_count = t->sms;
+    o.partials = t->partials;
+    o.partial_floats = t->partial_floats;
+    o.tickets = t->tickets;
+    o.ticket_count = t->ticket_count;
+    return ml_cuda_decode_scaled(dt, a, k, b, n, k, NULL, NULL, 1, rows, NULL, NULL, out, 0, &o,
+                                 st);
+  }
+  return ml_cuda_gemm_scaled(dt, a, k, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 0, st);
+}
+
+static ml_tpc_pass ml_tpc_pass_none(void) {
+  ml_tpc_pass p;
+  memset(&p, 0, sizeof p);
+  p.signal_kind = p.wait_kind = p.end_kind = -1;
+  return p;
+}
+
+static moelink_status_t ml_tpc_ag(moelink_tp_t tp, ml_tpc *t, const char *a, const char *b,
+                                  char *c, int m, int n, int k, cudaStream_t st) {
+  const int nr = tp->comm->nranks, me = tp->comm->rank;
+  const moelink_dtype_t dt = tp->cfg.dtype;
+  const size_t es = moelink_dtype_size(dt);
+  const int ms = m / nr;
+  const size_t shard = (size_t)ms * (size_t)k * es;
+  ML_TRY(ml_tpc_begin(&t->sync, st));
+  ML_CUDA_TRY(cudaEventRecord(t->fork, st));
+  ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->fork, 0));
+  for (int i = 1; i < nr; ++i) {
+    const int p = (me + i) % nr;
+    char *dst = t->view.base[p] + t->g_off + (size_t)me * shard;
+    ML_CUDA_TRY(cudaMemcpyAsync(dst, a, shard, cudaMemcpyDeviceToDevice, t->side));
+  }
+  ML_TRY(ml_tpc_signal(&t->sync, ML_TPC_READY, t->side));
+  ML_CUDA_TRY(cudaEventRecord(t->join, t->side));
+
+  ML_TRY(ml_tpc_gemm(t, dt, a, b, c + (size_t)me * ms * n * es, ms, n, k, st));
+  for (int i = 1; i < nr; ++i) {
+    const int p = (me + i) % nr;
+    /* One wait for all peers: their shards left at the same time. */
+    if (i == 1) ML_TRY(ml_tpc_wait(&t->sync, ML_TPC_READY, st));
+    ML_TRY(ml_tpc_gemm(t, dt, t->ws + t->g_off + (size_t)p * shard, b,
+                       c + (size_t)p * ms * n * es, ms, n, k, st));
+  }
+  ML_CUDA_TRY(cudaStreamWaitEvent(st, t->join, 0));
+  return ml_tpc_signal(&t->sync, ML_TPC_DONE, st);
+}
+
+/* The exchange of gemm_rs and the large gemm_ar: rows [r0(d), r0(d+1)) of
+ * the product belong to rank d's slot `me` (slots of ms_max rows). The
+ * peers' blocks are computed first, each into this rank's own gather rows,
+ * and the copy engine moves each to its owner (side stream) while the next
+ * block computes; READY follows the last copy. The own block goes straight
+ * into the own slot. The caller joins the side stream (t->join).
+ * The gather rows are free for this: peers write into them (gemm_ar's
+ * gathered result) only after this rank's READY, when its copies are done. */
+static moelink_status_t ml_tpc_scatter_gemm(moelink_tp_t tp, ml_tpc *t, const char *a,
+                                            const char *b, int m, int n, int k, int ms_max,
+                                            cudaStream_t st) {
+  const int nr = tp->comm->nranks, me = tp->comm->rank;
+  const moelink_dtype_t dt = tp->cfg.dtype;
+  const size_t es = moelink_dtype_size(dt);
+  const size_t slot = (size_t)ms_max * (size_t)n * es;
+  for (int i = 1; i < nr; ++i) {
+    const int d = (me + i) % nr;
+    const int r0 = (int)((int64_t)m * d / nr), r1 = (int)((int64_t)m * (d + 1) / nr);
+    char *stage = t->ws + t->g_off + (size_t)r0 * n * es;
+    ML_TRY(ml_tpc_gemm(t, dt, a + (size_t)r0 * k * es, b, stage, r1 - r0, n, k, st));
+    ML_CUDA_TRY(cudaEventRecord(t->chunk[i], st));
+    ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->chunk[i], 0));
+    ML_CUDA_TRY(cudaMemcpyAsync(t->view.base[d] + t->p_off + (size_t)me * slot, stage,
+                                (size_t)(r1 - r0) * n * es, cudaMemcpyDeviceToDevice, t->side));
+  }
+  ML_TRY(ml_tpc_signal(&t->sync, ML_TPC_READY, t->side));
+  ML_CUDA_TRY(cudaEventRecord(t->join, t->side));
+  const int r0 = (int)((int64_t)m * me / nr), r1 = (int)((int64_t)m * (me + 1) / nr);
+  ML_TRY(ml_tpc_gemm(t, dt, a + (size_t)r0 * k * es, b, t->ws + t->p_off + (size_t)me * slot,
+                     r1 - r0, n, k, st));
+  ML_CUDA_TRY(cudaStreamWaitEvent(st, t->join, 0));
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_tpc_rs(moelink_tp_t tp, ml_tpc *t, const char *a, const char *b,
+                                  char *c, int m, int n, int k, cudaStream_t st) {
+  const int nr = tp->comm->nranks;
+  const size_t es = moelink_dtype_size(tp->cfg.dtype);
+  const int ms = m / nr;
+  ML_TRY(ml_tpc_begin(&t->sync, st));
+  ML_TRY(ml_tpc_scatter_gemm(tp, t, a, b, m, n, k, ms, st));
+  ml_tpc_pass p = ml_tpc_pass_none();
+  for (int q = 0; q < nr; ++q) p.src[q] = t->ws + t->p_off + (size_t)q * ms * n * es;
+  p.nsrc = nr;
+  p.out = c;
+  p.count = (size_t)ms * (size_t)n;
+  p.wait_kind = ML_TPC_READY;
+  p.end_kind = ML_TPC_DONE;
+  return ml_tpc_run_pass(&t->sync, tp->cfg.dtype, &p, t->ctas, st);
+}
+
+static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, const char *b,
+                                  char *c, int m, int n, int k, cudaStream_t st) {
+  const int nr = tp->comm->nranks, me = tp->comm->rank;
+  const moelink_dtype_t dt = tp->cfg.dtype;
+  const size_t es = moelink_dtype_size(dt);
+  const size_t bytes = (size_t)m * (size_t)n * es;
+  ML_TRY(ml_tpc_begin(&t->sync, st));
+  ml_tpc_pass p = ml_tpc_pass_none();
+  if (bytes <= (size_t)ml_param_TP_AR_ONESHOT_MAX_BYTES()) {
+    ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ws + t->p_off, m, n, k, st));
+    for (int q = 0; q < nr; ++q) p.src[q] = t->view.base[q] + t->p_off;
+    p.nsrc = nr;
+    p.out = c;
+    p.count = (size_t)m * (size_t)n;
+    p.signal_kind = ML_TPC_READY;
+    p.wait_kind = ML_TPC_READY;
+    p.end_kind = ML_TPC_DONE;
+    return ml_tpc_run_pass(&t->sync, dt, &p, t->ctas, st);
+  }
+  const int ms_max = (m + nr - 1) / nr;
+  ML_TRY(ml_tpc_scatter_gemm(tp, t, a, b, m, n, k, ms_max, st));
+  const size_t slot = (size_t)ms_max * (size_t)n * es;
+  const int r0 = (int)((int64_t)m * me / nr), r1 = (int)((int64_t)m * (me + 1) / nr);
+  const size_t row0 = (size_t)r0 * (size_t)n * es;
+  for (int q = 0; q < nr; ++q) p.src[q] = t->ws + t->p_off + (size_t)q * slot;
+  p.nsrc = nr;
+  p.out = c + row0;
+  for (int q = 0; q < nr; ++q)
+    if (q != me) p.push[q] = t->view.base[q] + t->g_off + row0;
+  p.count = (size_t)(r1 - r0) * (size_t)n;
+  p.wait_kind = ML_TPC_READY;
+  p.end_kind = ML_TPC_GATHER;
+  ML_TRY(ml_tpc_run_pass(&t->sync, dt, &p, t->ctas, st));
+  /* The peers' rows, gathered here; the last copy tells them this call is over. */
+  int first = 1, copies = nr - 1;
+  for (int q = 0; q < nr; ++q) {
+    if (q == me) continue;
+    const size_t q0 = (size_t)((int64_t)m * q / nr), q1 = (size_t)((int64_t)m * (q + 1) / nr);
+    ml_tpc_pass g = ml_tpc_pass_none();
+    g.src[0] = t->ws + t->g_off + q0 * (size_t)n * es;
+    g.nsrc = 1;
+    g.out = c + q0 * (size_t)n * es;
+    g.count = (q1 - q0) * (size_t)n;
+    g.wait_kind = first ? ML_TPC_GATHER : -1;
+    g.end_kind = --copies == 0 ? ML_TPC_DONE : -1;
+    first = 0;
+    ML_TRY(ml_tpc_run_pass(&t->sync, dt, &g, t->ctas, st));
+  }
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_tpc_run_inner(moelink_tp_t tp, ml_tp_op op, const void *a,
+                                         const void *b, void *c, int m, int n, int k,
+                                         cudaStream_t st) {
+  ml_tpc *t = (ml_tpc *)tp->impl;
+  if (tp->comm->nranks == 1) /* one partial, nothing to exchange: the GEMM is the op */
+    return ml_tpc_gemm(t, tp->cfg.dtype, a, b, c, m, n, k, st);
+  switch (op) {
+  case ML_TP_AG_GEMM: return ml_tpc_ag(tp, t, a, b, c, m, n, k, st);
+  case ML_TP_GEMM_RS: return ml_tpc_rs(tp, t, a, b, c, m, n, k, st);
+  case ML_TP_GEMM_AR: return ml_tpc_ar(tp, t, a, b, c, m, n, k, st);
+  }
+  return ml_fail(MOELINK_ERR_INTERNAL, "tp: unknown op %d", (int)op);
+}
+
+static moelink_status_t ml_tpc_run(moelink_tp_t tp, ml_tp_op op, const void *a, const void *b,
+                                   void *c, int m, int n, int k, void *stream) {
+  int prev;
+  ML_TRY(ml_cuda_enter(tp->comm->ctx, &prev));
+  moelink_status_t s = ml_tpc_run_inner(tp, op, a, b, c, m, n, k, (cudaStream_t)stream);
+  return ml_cuda_leave(tp->comm->ctx, prev, s);
+}
+
+static const ml_tp_ops ml_tpc_ops = {"cuda", ml_tpc_workspace_size, ml_tpc_init, ml_tpc_fini,
+                                     ml_tpc_run};
+
+const ml_tp_ops *ml_tp_cuda_ops(void) { return &ml_tpc_ops; }

@@ -1,0 +1,98 @@
+/* The CUDA tensor-parallel ops: declarations shared by the host side
+ * (tp_cuda.c: the order of copies, GEMMs and waits) and the kernels
+ * (tp_kernels.cu: flags, reductions, the fallback GEMM).
+ *
+ * Each tp owns one symmetric buffer, laid out the same on every rank:
+ *
+ *   [0, 4 KiB)  flags: word [kind * ML_TPC_MAX_RANKS + s] is written only by
+ *               rank s (an epoch, only growing)
+ *   G           gather rows [max_m, max(max_k, max_n)]: ag_gemm's gathered A
+ *               rows (rank s pushes its shard to rows of shard s), gemm_ar's
+ *               reduced C rows of the other ranks
+ *   P           partials: slots [nranks][ceil(max_m / nranks)][max_n] that
+ *               gemm_rs / gemm_ar's GEMMs store into (rank s into slot s of
+ *               the rank owning the rows), or, for the one-shot gemm_ar, this
+ *               rank's [m, n] partial that the peers read
+ *
+ * plus, in ordinary device memory, the epoch (one word: calls are numbered
+ * 1, 2, ... on every rank, and CUDA graph replays continue the count) and a
+ * ticket that tells the last CTA of a kernel.
+ *
+ * Reuse rule: a call first waits until every peer signalled DONE for the
+ * previous call (it finished reading everything this rank wrote into it),
+ * then writes into the peers' buffers; it signals DONE itself when it has
+ * read what the peers wrote into its own. */
+#ifndef MOELINK_TP_CUDA_H
+#define MOELINK_TP_CUDA_H
+
+#include "moelink_device.cuh"
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ML_TPC_MAX_RANKS MOELINK_DEVICE_MAX_RANKS
+#define ML_TPC_FLAG_BYTES ((size_t)4096)
+
+/* Flag kinds. */
+enum { ML_TPC_DONE = 0, ML_TPC_READY = 1, ML_TPC_GATHER = 2 };
+
+/* Primitive ids of the waits, for timeout messages (moelink_device.cuh
+ * leaves 16..255 to moelink; the communicator uses 16..31). */
+#define ML_TPC_PRIM_BEGIN 40
+#define ML_TPC_PRIM_READY 41
+#define ML_TPC_PRIM_GATHER 42
+
+typedef struct ml_tpc_sync {
+  moelink_device_comm_t dc;
+  uint64_t *flags[ML_TPC_MAX_RANKS]; /* each rank's flag words, as this rank addresses them */
+  uint64_t *epoch;                   /* this rank's call counter */
+  unsigned *ticket;                  /* zero between kernels */
+} ml_tpc_sync;
+
+/* epoch += 1; then wait until every peer's DONE >= the previous epoch. */
+moelink_status_t ml_tpc_begin(const ml_tpc_sync *s, cudaStream_t stream);
+
+/* Every peer's flag `kind` from this rank = the current epoch (release:
+ * after everything the stream did before). */
+moelink_status_t ml_tpc_signal(const ml_tpc_sync *s, int kind, cudaStream_t stream);
+
+/* Waits until every peer's flag `kind` has reached the current epoch. */
+moelink_status_t ml_tpc_wait(const ml_tpc_sync *s, int kind, cudaStream_t stream);
+
+/* One reduction or copy pass over count elements of dt:
+ *   before: signal_kind >= 0: peers' flag signal_kind = epoch (one thread);
+ *           wait_kind >= 0: every CTA waits for all peers' flag wait_kind;
+ *   body:   v[i] = fp32 sum of src[0][i] .. src[nsrc-1][i] in that order,
+ *           rounded once; out[i] = v[i] and push[p][i] = v[i] for each
+ *           non-NULL push[p] (p < ML_TPC_MAX_RANKS);
+ *   after:  end_kind >= 0: the last CTA to finish signals peers' flag
+ *           end_kind = epoch, once every CTA's stores are visible.
+ * Sources may be other GPUs' memory (read through L2, never a stale L1). */
+typedef struct ml_tpc_pass {
+  const void *src[ML_TPC_MAX_RANKS];
+  int nsrc;
+  void *out;
+  void *push[ML_TPC_MAX_RANKS];
+  size_t count;
+  int signal_kind, wait_kind, end_kind;
+} ml_tpc_pass;
+
+moelink_status_t ml_tpc_run_pass(const ml_tpc_sync *s, moelink_dtype_t dt,
+                                 const ml_tpc_pass *p, int ctas, cudaStream_t stream);
+
+/* out[r, j] = sum_k a[r, k] b[j, k] for r < rows, j < n (row-major, any
+ * alignment, fp32 accumulation, one rounding): the GEMM for shapes the
+ * tensor-core engines do not take (n or k not a multiple of 8). */
+moelink_status_t ml_tpc_gemm_simple(moelink_dtype_t dt, const void *a, const void *b, void *out,
+                                    int rows, int n, int k, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
