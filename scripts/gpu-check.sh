@@ -2,12 +2,19 @@
 # On a GPU machine (through the device tool): configure with CUDA, build, run the gpu tests,
 # then the benchmarks. Logs and JSON go to $OUT (or ./out). At most 8 files come back from the
 # device tool, so everything is gathered into a few.
-#   scripts/gpu-check.sh [all|test|bench]   (default all)
+#   scripts/gpu-check.sh [PART...]   (default all)
+# PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks),
+# comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
+# 2+ GPUs); test = gpu mgpu; all = every part. Parts that need 2 GPUs are skipped on one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT/json"
-what=${1:-all}
+PARTS=" ${*:-all} "
+want() { case "$PARTS" in *" all "*|*" $1 "*) return 0;; esac
+         [ "$1" = gpu ] || [ "$1" = mgpu ] && case "$PARTS" in *" test "*) return 0;; esac
+         return 1; }
+NGPU=$(nvidia-smi -L | wc -l)
 export NCCL_NVLS_ENABLE=0
 BUILD=${BUILD:-build-gpu}
 JOBS=$(nproc)
@@ -36,7 +43,7 @@ fi
 log "build ok"
 
 rc=0
-if [ "$what" = all ] || [ "$what" = test ]; then
+if want gpu; then
   log "ctest -L gpu"
   (cd "$BUILD" && ctest -L '^gpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
   # ctest -V prefixes each test's lines with "N: "; show failures and per-test counts.
@@ -45,13 +52,13 @@ if [ "$what" = all ] || [ "$what" = test ]; then
   log "TAP checks: $(grep -cE '^[0-9]+: ok ' "$OUT/test.log") ok, $(grep -cE '^[0-9]+: not ok ' "$OUT/test.log") not ok"
 fi
 
-if { [ "$what" = all ] || [ "$what" = test ]; } && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+if want mgpu && [ "$NGPU" -ge 2 ]; then
   log "ctest -L mgpu (2 ranks under moelink launch)"
   (cd "$BUILD" && ctest -L '^mgpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/mgpu.log" 2>&1 || rc=1
   grep -E ': \[rank [0-9]+\] ([0-9]+ passed|not ok)|Test +#|tests passed' "$OUT/mgpu.log" | tail -20
 fi
 
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if want bench; then
   TOKENS=${TOKENS:-1,16,128,512,2048,8192}
   for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
     log "bench $p"
@@ -65,6 +72,31 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
         python3 bench/compare_torch.py --preset "$p" --tokens "$TOKENS" \
         --json "$OUT/json/torch_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
     done
+  fi
+fi
+# Collectives beside NCCL's on 2 GPUs: the default SM engines, then the copy-engine all-gather.
+if want comm && [ "$NGPU" -ge 2 ]; then
+  log "bench comm (2 ranks)"
+  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench comm --backend cuda \
+    --json "$OUT/json/bench_comm.json" 2>&1 | tee -a "$OUT/comm.log" || rc=1
+  log "bench comm, copy-engine all-gather (2 ranks)"
+  ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench comm --backend cuda \
+    --ops allgather --allgather ce --json "$OUT/json/bench_comm_ce.json" 2>&1 |
+    tee -a "$OUT/comm.log" || rc=1
+fi
+# Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
+# (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.
+if want tp && [ "$NGPU" -ge 2 ]; then
+  log "bench tp (2 ranks)"
+  ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp \
+    --json "$OUT/json/bench_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
+  log "bench tp, MOELINK_TP_GEMM=1 (moelink's GEMM engines only)"
+  MOELINK_TP_GEMM=1 ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp \
+    --json "$OUT/json/bench_tp_engine.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
+  if python3 -c 'import torch' 2>/dev/null; then
+    log "compare_tp (2 ranks)"
+    PYTHONUNBUFFERED=1 ./"$BUILD"/moelink launch -n 2 --timeout 300 -- \
+      python3 bench/compare_tp.py --json "$OUT/json/torch_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   fi
 fi
 # The device tool brings back at most 8 files: pack the JSON into one.
