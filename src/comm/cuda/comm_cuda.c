@@ -377,7 +377,7 @@ static moelink_status_t ml_ccu_setup(moelink_comm_t comm, ml_ccu_comm *c) {
   if (ll_max < 0) ll_max = 0;
   if (ll_max > (int64_t)ML_CCU_LL_MAX_WORDS * 4) ll_max = (int64_t)ML_CCU_LL_MAX_WORDS * 4;
   if (n > 1 && ll_max > 0) {
-    ML_TRY(ml_ccu_symm_make(comm, c, ML_CCU_LL_BYTES(n), &c->ll));
+    ML_TRY(ml_ccu_symm_make(comm, c, ML_CCU_LL_BYTES(n, ML_CCU_LL_MAX_WORDS), &c->ll));
     e = cudaMalloc(&c->ll_state, 64);
     if (e == cudaSuccess) e = cudaMemsetAsync(c->ll_state, 0, 64, c->setup);
     if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
@@ -385,6 +385,8 @@ static moelink_status_t ml_ccu_setup(moelink_comm_t comm, ml_ccu_comm *c) {
     for (int q = 0; q < n; ++q) k->ll.cells[q] = (uint64_t *)c->ll.base[q];
     k->ll.epoch = (uint64_t *)c->ll_state;
     k->ll.ticket = (unsigned *)((char *)c->ll_state + 32);
+    k->ll.max_words = ML_CCU_LL_MAX_WORDS;
+    k->ll.max_ctas = ML_CCU_LL_MAX_CTAS;
     k->ll_max = (size_t)ll_max;
   }
   if (ml_ccu_allgather_knob() == ML_CCU_AG_CE && n > 1) {
@@ -682,7 +684,7 @@ static moelink_status_t ml_ccu_coll_run(moelink_comm_t comm, ml_ccu_op op, const
            count * moelink_dtype_size(dt) <= c->coll.ll_max &&
            (c->coll.force_allreduce == 0 || c->coll.force_allreduce == 3))
     s = ml_ccu_allreduce_ll(&c->coll.ll, comm->rank, comm->nranks, &c->coll.dc, send, recv,
-                            count, dt, (cudaStream_t)stream);
+                            NULL, count, dt, (cudaStream_t)stream);
   else if (op == ML_CCU_ALLGATHER && c->coll.allgather_engine == ML_CCU_AG_CE)
     s = ml_ccu_allgather_ce(&c->coll, send, recv, count * moelink_dtype_size(dt),
                             (cudaStream_t)stream);

@@ -103,22 +103,33 @@ typedef struct ml_ccu_ce {
 #define ML_CCU_LL_MAX_CTAS 16
 #define ML_CCU_PRIM_AR_LL 21
 
-/* Its state: each rank's cell buffer (symmetric, [2][nranks][MAX_WORDS]
- * 8-byte cells) and this rank's call count and CTA ticket. */
+/* Its state: each rank's cell buffer (symmetric, [2][nranks][max_words]
+ * 8-byte cells), this rank's call count and CTA ticket, and the most CTAs a
+ * call may take. The communicator's own uses ML_CCU_LL_MAX_WORDS and
+ * ML_CCU_LL_MAX_CTAS; other users (src/tp/cuda/) size theirs. */
 typedef struct ml_ccu_ll {
   uint64_t *cells[ML_CCU_MAX_RANKS];
   uint64_t *epoch;
   unsigned *ticket;
+  size_t max_words;
+  int max_ctas;
 } ml_ccu_ll;
 
-/* Bytes of the cell buffer for nranks ranks. */
-#define ML_CCU_LL_BYTES(nranks) ((size_t)2 * (size_t)(nranks) * ML_CCU_LL_MAX_WORDS * 8)
+/* Bytes of a cell buffer for nranks ranks and max_words words. */
+#define ML_CCU_LL_BYTES(nranks, max_words) ((size_t)2 * (size_t)(nranks) * (max_words) * 8)
 
-/* Enqueues a low-latency all-reduce (count * size of dt <= 4 * ML_CCU_LL_MAX_WORDS). */
+/* Where a low-latency all-reduce writes its result: recv as a plain array
+ * (cols == 0), or, for bf16/f16 with an even cols, element i at
+ * recv[(i / cols) * ld + i % cols] (a column block of a row-major matrix). */
+typedef struct ml_ccu_ll_out {
+  int cols, ld;
+} ml_ccu_ll_out;
+
+/* Enqueues a low-latency all-reduce (count * size of dt <= 4 * ll->max_words). */
 moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, int nranks,
                                      const moelink_device_comm_t *dc, const void *send,
-                                     void *recv, size_t count, moelink_dtype_t dt,
-                                     cudaStream_t stream);
+                                     void *recv, const ml_ccu_ll_out *layout, size_t count,
+                                     moelink_dtype_t dt, cudaStream_t stream);
 
 /* What a collective kernel needs to know about its communicator. */
 typedef struct ml_ccu_coll {

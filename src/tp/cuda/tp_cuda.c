@@ -13,8 +13,13 @@
  *          SMs taken from the GEMM), then signals READY. One pass waits for
  *          the peers' READY and sums the slots in rank order.
  * gemm_ar  small outputs (MOELINK_TP_AR_ONESHOT_MAX_BYTES): the GEMM writes
- *          this rank's partial locally, one pass reads every rank's partial
- *          and sums them. Larger ones: gemm_rs's exchange, then the sum of
+ *          this rank's partial locally and the communicator's low-latency
+ *          all-reduce kernel (comm/cuda/allreduce_ll.cu, on this op's own
+ *          cells) sums it: each word travels with its call number, so there
+ *          is no separate signal and no begin/DONE handshake. Outputs of
+ *          MOELINK_TP_AR_SPLIT_MIN_BYTES and more are split into column
+ *          blocks: block j's exchange (side stream) runs while block j + 1
+ *          computes. Larger outputs: gemm_rs's exchange, then the sum of
  *          the own rows is stored locally and pushed into every peer's
  *          gather rows (GATHER), and a last pass copies the peers' rows out.
  *
@@ -22,6 +27,7 @@
  * (tp_cuda.h: the reuse rule) and ends by signalling its own. */
 #include "tp/tp.h"
 
+#include "comm/cuda/comm_cuda.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
 #include "tp/cuda/tp_cuda.h"
@@ -33,10 +39,17 @@
 
 /* Largest gemm_ar output (bytes) that takes the one-shot path. */
 MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
-/* Which GEMM the ops run: 0 the measured choice (moelink's decode GEMM for
- * up to one tile of rows, cuBLAS above), 1 moelink's engines only, 2 cuBLAS
- * only. Shapes the tensor-core paths refuse always take the fallback. */
+/* gemm_ar outputs from this size on are split into column blocks whose
+ * exchange overlaps the next block's GEMM; the number of blocks. */
+MOELINK_PARAM(TP_AR_SPLIT_MIN_BYTES, 512 << 10)
+MOELINK_PARAM(TP_AR_SPLIT, 4)
+/* Which GEMM the ops run: 0 cuBLAS (measured faster on every shape of
+ * docs/PERF.md, decode sizes included), 1 moelink's engines (decode GEMM up
+ * to one tile of rows, the tile engines above). Shapes the tensor-core paths
+ * refuse always take the fallback. */
 MOELINK_PARAM(TP_GEMM, 0)
+
+#define ML_TPC_LL_CTAS 32 /* the one-shot exchange leaves the other SMs to the GEMM */
 
 typedef struct ml_tpc {
   char *ws;                /* symmetric workspace */
@@ -53,6 +66,11 @@ typedef struct ml_tpc {
   cudaStream_t side;
   cudaEvent_t fork, join;
   cudaEvent_t chunk[ML_TPC_MAX_RANKS]; /* a block of the scatter GEMM is done */
+  ml_ccu_ll ll;                        /* the one-shot gemm_ar's exchange */
+  char *ll_cells;                      /* its symmetric cells */
+  void *ll_state;                      /* its call count and ticket */
+  char *ll_scratch;                    /* this rank's partial [m, n] */
+  size_t ll_bytes;                     /* the largest output it takes */
 } ml_tpc;
 
 static size_t ml_tpc_align(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -70,10 +88,21 @@ static void ml_tpc_layout(int nranks, const moelink_tp_config_t *cfg, size_t *g_
   *total = ml_tpc_align(*p_off + p_bytes);
 }
 
+/* Bytes of the largest gemm_ar output the one-shot path takes (a multiple of 4). */
+static size_t ml_tpc_ll_bytes(const moelink_tp_config_t *cfg) {
+  int64_t lim = ml_param_TP_AR_ONESHOT_MAX_BYTES();
+  if (lim < 0) lim = 0;
+  const size_t most = (size_t)cfg->max_m * (size_t)cfg->max_n * moelink_dtype_size(cfg->dtype);
+  const size_t b = (size_t)lim < most ? (size_t)lim : most;
+  return (b + 3) & ~(size_t)3;
+}
+
 static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink_tp_config_t *cfg,
                                               size_t *bytes) {
   size_t g, p;
   ml_tpc_layout(comm->nranks, cfg, &g, &p, bytes);
+  const size_t ll = ml_tpc_ll_bytes(cfg);
+  if (comm->nranks > 1 && ll > 0) *bytes += ML_CCU_LL_BYTES(comm->nranks, ll / 4) + ll;
   return MOELINK_SUCCESS;
 }
 
@@ -90,6 +119,9 @@ static void ml_tpc_release(moelink_tp_t tp, ml_tpc *t) {
   if (t->dev) cudaFree(t->dev);
   if (t->partials) cudaFree(t->partials);
   if (t->tickets) cudaFree(t->tickets);
+  if (t->ll_state) cudaFree(t->ll_state);
+  if (t->ll_scratch) cudaFree(t->ll_scratch);
+  if (t->ll_cells) moelink_symm_free(tp->comm, t->ll_cells);
   if (t->ws) moelink_symm_free(tp->comm, t->ws);
   free(t);
 }
@@ -122,9 +154,24 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
   t->sync.epoch = (uint64_t *)t->dev;
   t->sync.ticket = (unsigned *)((char *)t->dev + 64);
 
+  t->ll_bytes = comm->nranks > 1 ? ml_tpc_ll_bytes(cfg) : 0;
+  if (t->ll_bytes > 0) {
+    const size_t words = t->ll_bytes / 4;
+    ML_TRY(moelink_symm_alloc(comm, ML_CCU_LL_BYTES(comm->nranks, words), (void **)&t->ll_cells));
+    moelink_symm_view_t v;
+    ML_TRY(moelink_symm_view(comm, t->ll_cells, &v));
+    for (int r = 0; r < comm->nranks; ++r) t->ll.cells[r] = (uint64_t *)v.base[r];
+    ML_CUDA_TRY(cudaMalloc(&t->ll_state, 64));
+    ML_CUDA_TRY(cudaMemset(t->ll_state, 0, 64));
+    t->ll.epoch = (uint64_t *)t->ll_state;
+    t->ll.ticket = (unsigned *)((char *)t->ll_state + 32);
+    t->ll.max_words = words;
+    t->ll.max_ctas = ML_TPC_LL_CTAS;
+    ML_CUDA_TRY(cudaMalloc((void **)&t->ll_scratch, t->ll_bytes));
+  }
   /* Split-K scratch of the decode GEMM for every n it may see (rows <= one
-   * pass; k up to max_k only lowers the split count). */
-  for (int n = 8; n <= cfg->max_n; n += 8) {
+   * pass; k up to max_k only lowers the split count); only when it may run. */
+  for (int n = 8; ml_param_TP_GEMM() == 1 && n <= cfg->max_n; n += 8) {
     size_t f = 0, c = 0;
     ml_cuda_decode_scratch(ML_CUDA_TILE_ROWS, 1, 1, n, cfg->max_k, 0, t->sms, &f, &c);
     if (f > t->partial_floats) t->partial_floats = f;
@@ -187,9 +234,7 @@ static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const v
   if (rows <= 0) return MOELINK_SUCCESS;
   if (n % 8 || k % 8 || (((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) & 15))
     return ml_tpc_gemm_simple(dt, a, b, out, rows, n, k, st);
-  const int64_t which = ml_param_TP_GEMM();
-  const int decode = t->partials && ml_cuda_decode_wanted(rows, 1);
-  if (which == 2 || (which != 1 && !decode)) {
+  if (ml_param_TP_GEMM() != 1) {
     /* Row-major out = a b^T is column-major out^T = b a^T: b as the
      * transposed [k, n] operand, a as the plain [k, rows] one. */
     const cudaDataType_t ty = dt == MOELINK_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
@@ -203,7 +248,7 @@ static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const v
                      n, k, (int)bs);
     return MOELINK_SUCCESS;
   }
-  if (decode) {
+  if (t->partials && ml_cuda_decode_wanted(rows, 1)) {
     ml_decode_opts o;
     memset(&o, 0, sizeof o);
     o.sm_count = t->sms;
@@ -305,25 +350,54 @@ static moelink_status_t ml_tpc_rs(moelink_tp_t tp, ml_tpc *t, const char *a, con
   return ml_tpc_run_pass(&t->sync, tp->cfg.dtype, &p, t->ctas, st);
 }
 
+/* The one-shot gemm_ar: the partial goes to local scratch, the low-latency
+ * all-reduce sums it into c; large enough outputs in column blocks, each
+ * block's exchange on the side stream behind its GEMM. Every rank makes the
+ * same sequence of exchanges, in order, which is all their protocol needs. */
+static moelink_status_t ml_tpc_ar_oneshot(moelink_tp_t tp, ml_tpc *t, const char *a,
+                                          const char *b, char *c, int m, int n, int k,
+                                          cudaStream_t st) {
+  const moelink_dtype_t dt = tp->cfg.dtype;
+  const size_t es = moelink_dtype_size(dt);
+  const moelink_comm_t comm = tp->comm;
+  int64_t pieces = ml_param_TP_AR_SPLIT();
+  if (pieces < 1) pieces = 1;
+  if (pieces > ML_TPC_MAX_RANKS) pieces = ML_TPC_MAX_RANKS;
+  if ((size_t)m * (size_t)n * es < (size_t)ml_param_TP_AR_SPLIT_MIN_BYTES() ||
+      n % (int)(8 * pieces) != 0)
+    pieces = 1;
+  if (pieces == 1) {
+    ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ll_scratch, m, n, k, st));
+    return ml_ccu_allreduce_ll(&t->ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
+                               NULL, (size_t)m * (size_t)n, dt, st);
+  }
+  const int nj = n / (int)pieces;
+  ML_CUDA_TRY(cudaEventRecord(t->fork, st));
+  ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->fork, 0));
+  for (int j = 0; j < (int)pieces; ++j) {
+    char *part = t->ll_scratch + (size_t)j * (size_t)m * (size_t)nj * es;
+    ML_TRY(ml_tpc_gemm(t, dt, a, b + (size_t)j * nj * k * es, part, m, nj, k, st));
+    ML_CUDA_TRY(cudaEventRecord(t->chunk[j], st));
+    ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->chunk[j], 0));
+    const ml_ccu_ll_out out = {nj, n};
+    ML_TRY(ml_ccu_allreduce_ll(&t->ll, comm->rank, comm->nranks, &t->sync.dc, part,
+                               c + (size_t)j * nj * es, &out, (size_t)m * (size_t)nj, dt,
+                               t->side));
+  }
+  ML_CUDA_TRY(cudaEventRecord(t->join, t->side));
+  ML_CUDA_TRY(cudaStreamWaitEvent(st, t->join, 0));
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, const char *b,
                                   char *c, int m, int n, int k, cudaStream_t st) {
   const int nr = tp->comm->nranks, me = tp->comm->rank;
   const moelink_dtype_t dt = tp->cfg.dtype;
   const size_t es = moelink_dtype_size(dt);
   const size_t bytes = (size_t)m * (size_t)n * es;
+  if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);
   ML_TRY(ml_tpc_begin(&t->sync, st));
   ml_tpc_pass p = ml_tpc_pass_none();
-  if (bytes <= (size_t)ml_param_TP_AR_ONESHOT_MAX_BYTES()) {
-    ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ws + t->p_off, m, n, k, st));
-    for (int q = 0; q < nr; ++q) p.src[q] = t->view.base[q] + t->p_off;
-    p.nsrc = nr;
-    p.out = c;
-    p.count = (size_t)m * (size_t)n;
-    p.signal_kind = ML_TPC_READY;
-    p.wait_kind = ML_TPC_READY;
-    p.end_kind = ML_TPC_DONE;
-    return ml_tpc_run_pass(&t->sync, dt, &p, t->ctas, st);
-  }
   const int ms_max = (m + nr - 1) / nr;
   ML_TRY(ml_tpc_scatter_gemm(tp, t, a, b, m, n, k, ms_max, st));
   const size_t slot = (size_t)ms_max * (size_t)n * es;
