@@ -12,16 +12,18 @@
  *          into its owner's partial slot while the next block computes (no
  *          SMs taken from the GEMM), then signals READY. One pass waits for
  *          the peers' READY and sums the slots in rank order.
- * gemm_ar  small outputs (MOELINK_TP_AR_ONESHOT_MAX_BYTES): the GEMM writes
+ * gemm_ar  small outputs (MOELINK_TP_AR_LL_MAX_BYTES): the GEMM writes
  *          this rank's partial locally and the communicator's low-latency
  *          all-reduce kernel (comm/cuda/allreduce_ll.cu, on this op's own
  *          cells) sums it: each word travels with its call number, so there
- *          is no separate signal and no begin/DONE handshake. Outputs of
- *          MOELINK_TP_AR_SPLIT_MIN_BYTES and more are split into column
- *          blocks: block j's exchange (side stream) runs while block j + 1
- *          computes. Larger outputs: gemm_rs's exchange, then the sum of
- *          the own rows is stored locally and pushed into every peer's
- *          gather rows (GATHER), and a last pass copies the peers' rows out.
+ *          is no separate signal and no begin/DONE handshake (optionally in
+ *          column blocks, block j's exchange on the side stream while block
+ *          j + 1 computes: MOELINK_TP_AR_SPLIT). Up to
+ *          MOELINK_TP_AR_ONESHOT_MAX_BYTES: the GEMM writes the partial into
+ *          P, one pass reads every rank's partial and sums them. Larger:
+ *          gemm_rs's exchange, then the sum of the own rows is stored
+ *          locally and pushed into every peer's gather rows (GATHER), and a
+ *          last pass copies the peers' rows out.
  *
  * Every call starts by waiting for the peers' DONE of the previous call
  * (tp_cuda.h: the reuse rule) and ends by signalling its own. */
@@ -37,12 +39,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Largest gemm_ar output (bytes) that takes the one-shot path. */
+/* Largest gemm_ar output (bytes) that takes the low-latency exchange, and
+ * the largest that takes the one-shot pull (measured: docs/PERF.md). */
+MOELINK_PARAM(TP_AR_LL_MAX_BYTES, 512 << 10)
 MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
-/* gemm_ar outputs from this size on are split into column blocks whose
- * exchange overlaps the next block's GEMM; the number of blocks. */
-MOELINK_PARAM(TP_AR_SPLIT_MIN_BYTES, 512 << 10)
-MOELINK_PARAM(TP_AR_SPLIT, 4)
+/* Low-latency gemm_ar outputs from this size on are split into this many
+ * column blocks whose exchange overlaps the next block's GEMM (1: never;
+ * measured slower than one block with cuBLAS on the shapes of docs/PERF.md). */
+MOELINK_PARAM(TP_AR_SPLIT_MIN_BYTES, 128 << 10)
+MOELINK_PARAM(TP_AR_SPLIT, 1)
 /* Which GEMM the ops run: 0 cuBLAS (measured faster on every shape of
  * docs/PERF.md, decode sizes included), 1 moelink's engines (decode GEMM up
  * to one tile of rows, the tile engines above). Shapes the tensor-core paths
@@ -90,7 +95,7 @@ static void ml_tpc_layout(int nranks, const moelink_tp_config_t *cfg, size_t *g_
 
 /* Bytes of the largest gemm_ar output the one-shot path takes (a multiple of 4). */
 static size_t ml_tpc_ll_bytes(const moelink_tp_config_t *cfg) {
-  int64_t lim = ml_param_TP_AR_ONESHOT_MAX_BYTES();
+  int64_t lim = ml_param_TP_AR_LL_MAX_BYTES();
   if (lim < 0) lim = 0;
   const size_t most = (size_t)cfg->max_m * (size_t)cfg->max_n * moelink_dtype_size(cfg->dtype);
   const size_t b = (size_t)lim < most ? (size_t)lim : most;
@@ -367,8 +372,11 @@ static moelink_status_t ml_tpc_ar_oneshot(moelink_tp_t tp, ml_tpc *t, const char
       n % (int)(8 * pieces) != 0)
     pieces = 1;
   if (pieces == 1) {
+    /* Nothing to overlap with: the exchange may take every SM it can use. */
+    ml_ccu_ll ll = t->ll;
+    ll.max_ctas = t->ctas;
     ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ll_scratch, m, n, k, st));
-    return ml_ccu_allreduce_ll(&t->ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
+    return ml_ccu_allreduce_ll(&ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
                                NULL, (size_t)m * (size_t)n, dt, st);
   }
   const int nj = n / (int)pieces;
@@ -398,6 +406,18 @@ static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, con
   if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);
   ML_TRY(ml_tpc_begin(&t->sync, st));
   ml_tpc_pass p = ml_tpc_pass_none();
+  if (bytes <= (size_t)ml_param_TP_AR_ONESHOT_MAX_BYTES()) {
+    /* Every rank reads every rank's partial (P, this call's [m, n]). */
+    ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ws + t->p_off, m, n, k, st));
+    for (int q = 0; q < nr; ++q) p.src[q] = t->view.base[q] + t->p_off;
+    p.nsrc = nr;
+    p.out = c;
+    p.count = (size_t)m * (size_t)n;
+    p.signal_kind = ML_TPC_READY;
+    p.wait_kind = ML_TPC_READY;
+    p.end_kind = ML_TPC_DONE;
+    return ml_tpc_run_pass(&t->sync, dt, &p, t->ctas, st);
+  }
   const int ms_max = (m + nr - 1) / nr;
   ML_TRY(ml_tpc_scatter_gemm(tp, t, a, b, m, n, k, ms_max, st));
   const size_t slot = (size_t)ms_max * (size_t)n * es;
