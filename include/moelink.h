@@ -493,6 +493,100 @@ MOELINK_API moelink_status_t moelink_gemm_ar(moelink_tp_t tp, const void *a, con
                                              void *c, int m, int n, int k, void *stream);
 
 /* ------------------------------------------------------------------------ */
+/* Expert parallelism                                                       */
+/* ------------------------------------------------------------------------ */
+
+/* An expert-parallel layer: the routed experts of one MoE layer split evenly
+ * over the ranks of a communicator (rank r owns experts
+ * [r*E/n, (r+1)*E/n), E = moe.num_experts, n ranks), everything else
+ * (router, correction bias, shared expert) replicated. Each rank passes its
+ * own tokens; a forward routes them locally, sends each token once to every
+ * rank that owns at least one of its k experts (with its routing weights and
+ * expert ids), runs the local experts on what arrived, sends the weighted
+ * expert outputs back, and the token's own rank adds its k contributions in
+ * slot order j = 0..k-1 in fp32, plus the shared expert, and rounds once:
+ * the sums the single-rank layer (moelink_moe_forward on all ranks' tokens
+ * concatenated in rank order, same weights) does, in the same order.
+ *
+ * Memory is fixed at create and never depends on the token count or on how
+ * the tokens route: a rank receives at most recv_capacity token rows per
+ * round; more go through in further rounds, and more than moe.max_tokens
+ * tokens on a rank in further steps. All ranks run the same rounds, so a
+ * call on which every token picks one rank's experts is slower, never larger
+ * or failed. */
+typedef struct moelink_ep *moelink_ep_t;
+
+typedef struct moelink_ep_config {
+  size_t size;              /* sizeof(moelink_ep_config_t): set by the INIT macro */
+  moelink_moe_config_t moe; /* the whole layer (E = all experts of all ranks); its
+                               max_tokens bounds the tokens a rank handles per
+                               step (a forward of more takes several steps) */
+  int recv_capacity;        /* token rows a rank receives per round (>= 1);
+                               0: moe.max_tokens * min(ranks, top_k), about
+                               one round per step with balanced routing */
+} moelink_ep_config_t;
+
+#define MOELINK_EP_CONFIG_INIT                                                 \
+  { sizeof(moelink_ep_config_t), MOELINK_MOE_CONFIG_INIT, 0 }
+
+/* Bytes one rank allocates for cfg on comm at create (host memory plus
+ * symmetric memory on CPU ranks; device and symmetric memory on CUDA): a
+ * function of the config and the rank count alone. Errors as
+ * moelink_ep_create's argument checks. */
+MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
+                                                       const moelink_ep_config_t *cfg,
+                                                       size_t *bytes);
+
+/* Creates an expert-parallel layer on comm (collective: every rank, the same
+ * cfg, in the same order as other symmetric allocations; ranks that pass
+ * different configs all fail). Errors: INVALID_ARGUMENT (NULL, bad size
+ * field, a bad moe config: the message names the field, num_experts not a
+ * multiple of the rank count, recv_capacity < 0), UNSUPPORTED (no
+ * expert-parallel ops for the communicator's backend in this build: the CUDA
+ * backend has none yet; fp8), OUT_OF_MEMORY, TIMEOUT (a peer never came). */
+MOELINK_API moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                               moelink_ep_t *out);
+
+/* Frees it (collective). NULL: no-op. The communicator must outlive it, and
+ * no call that uses it may still run. */
+MOELINK_API moelink_status_t moelink_ep_destroy(moelink_ep_t ep);
+
+/* The config it was created with (recv_capacity resolved), this rank's first
+ * expert and its number of experts (E / ranks). Any output may be NULL. */
+MOELINK_API moelink_status_t moelink_ep_get_config(moelink_ep_t ep, moelink_ep_config_t *cfg,
+                                                   int *first_expert, int *local_experts);
+
+/* Binds this rank's weights (no copy; they must stay valid and unchanged
+ * while forward calls may run). Shapes, with El = E / ranks local experts:
+ *   router [E, H], correction_bias [E], shared_gate_up [2*Is, H],
+ *   shared_down [H, Is], shared_gate [H]: the whole layer's, the same on
+ *   every rank;
+ *   gate_up [El, 2*I, H] and down [El, H, I]: experts first_expert ..
+ *   first_expert + El - 1 only (the slices at offsets first_expert*2*I*H and
+ *   first_expert*H*I of the full tensors).
+ * A pointer is required exactly when the config uses it. Errors:
+ * INVALID_ARGUMENT (NULL, bad size field, a pointer missing or one the config
+ * does not use), DTYPE_MISMATCH (w->dtype is not moe.dtype). Not collective. */
+MOELINK_API moelink_status_t moelink_ep_set_weights(moelink_ep_t ep,
+                                                    const moelink_moe_weights_t *w);
+
+/* The routed layer over all ranks (collective: every rank calls it, the same
+ * number of times, each with its own tokens): out[T, H] for this rank's
+ * x[T, H], both of moe.dtype, T = num_tokens >= 0 and free to differ between
+ * ranks (0 included: the rank still serves its experts). Any T runs in fixed
+ * memory (steps of moe.max_tokens tokens, rounds of recv_capacity received
+ * rows). x and out must not overlap. Deterministic: the same inputs on every
+ * rank give bitwise the same output. On CUDA: stream-ordered, no host
+ * synchronization. A rank whose own arguments are bad (NULL x or out with
+ * T > 0, overlap, T < 0) still takes part with no tokens, so its peers finish,
+ * and then reports INVALID_ARGUMENT. Errors: INVALID_ARGUMENT, INVALID_STATE
+ * (no weights set on this rank: it does not take part and its peers report
+ * TIMEOUT), TIMEOUT (a peer did not take part, or died: names the rank and
+ * what was awaited), UNSUPPORTED. */
+MOELINK_API moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_tokens,
+                                                void *out, void *stream);
+
+/* ------------------------------------------------------------------------ */
 /* Utilities                                                                */
 /* ------------------------------------------------------------------------ */
 

@@ -41,7 +41,7 @@
 
 /* Largest gemm_ar output (bytes) that takes the low-latency exchange, and
  * the largest that takes the one-shot pull (measured: docs/PERF.md). */
-MOELINK_PARAM(TP_AR_LL_MAX_BYTES, 512 << 10)
+MOELINK_PARAM(TP_AR_LL_MAX_BYTES, 1 << 20)
 MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
 /* Low-latency gemm_ar outputs from this size on are split into this many
  * column blocks whose exchange overlaps the next block's GEMM (1: never;
