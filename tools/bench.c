@@ -38,67 +38,9 @@ typedef struct bench_floors {
   double read_gbps, matmul_tflops;
 } bench_floors;
 
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; s && *s; ++s) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\')
-      fprintf(f, "\\%c", ch);
-    else if (ch < 0x20)
-      fprintf(f, "\\u%04x", ch);
-    else
-      fputc(ch, f);
-  }
-  fputc('"', f);
-}
 
-static void json_num(FILE *f, double v) {
-  if (isfinite(v))
-    fprintf(f, "%.6g", v);
-  else
-    fputs("null", f);
-}
 
-/* The commit of the working directory's repository, when git can tell; a copy of the tree
- * without .git (as on a lent GPU machine) names it in MOELINK_COMMIT instead. */
-static void git_commit(char *buf, size_t n) {
-  buf[0] = '\0';
-  const char *env = getenv("MOELINK_COMMIT");
-  if (env && *env) {
-    snprintf(buf, n, "%s", env);
-    return;
-  }
-  FILE *p = popen("git rev-parse HEAD 2>/dev/null", "r");
-  if (!p) return;
-  char line[128] = "";
-  if (fgets(line, sizeof line, p)) {
-    size_t len = strspn(line, "0123456789abcdef");
-    if (len == 40) {
-      line[40] = '\0';
-      snprintf(buf, n, "%s", line);
-    }
-  }
-  pclose(p);
-}
 
-static void cpu_model(char *buf, size_t n) {
-  snprintf(buf, n, "unknown");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) == 0) {
-      char *v = strchr(line, ':');
-      if (v) {
-        v += 1 + strspn(v + 1, " \t");
-        v[strcspn(v, "\n")] = '\0';
-        snprintf(buf, n, "%s", v);
-      }
-      break;
-    }
-  }
-  fclose(f);
-}
 
 static void write_json(const char *path, const cli_opts *o, const char *device, int threads,
                        const bench_floors *fl, const bench_row *rows, int nrows) {
@@ -111,29 +53,29 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   struct tm tmv;
   gmtime_r(&now, &tmv);
   strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  git_commit(commit, sizeof commit);
+  cli_commit(commit, sizeof commit);
   cli_skew_string(o->zipf, skew, sizeof skew);
 
   fprintf(f, "{\n  \"tool\": \"moelink bench\",\n  \"version\": ");
-  json_str(f, moelink_version());
+  cli_json_str(f, moelink_version());
   fprintf(f, ",\n  \"date\": ");
-  json_str(f, date);
+  cli_json_str(f, date);
   fprintf(f, ",\n  \"git_commit\": ");
   if (commit[0])
-    json_str(f, commit);
+    cli_json_str(f, commit);
   else
     fputs("null", f);
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
-  json_str(f, device);
+  cli_json_str(f, device);
   if (!cuda) fprintf(f, ",\n  \"threads\": %d", threads);
   fprintf(f, ",\n  \"config\": {\"layer\": ");
-  json_str(f, cli_shape_name(o));
+  cli_json_str(f, cli_shape_name(o));
   fprintf(f,
           ", \"hidden\": %d, \"inter\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\", "
           "\"renormalize\": %d, \"n_group\": %d, \"topk_group\": %d, \"routed_scaling\": ",
           c->hidden, c->inter, c->num_experts, c->top_k, cli_router_name(c->router),
           c->renormalize, c->n_group, c->topk_group);
-  json_num(f, c->routed_scaling);
+  cli_json_num(f, c->routed_scaling);
   fprintf(f,
           ", \"correction_bias\": %d, \"shared_inter\": %d, \"shared_gate\": %d, \"dtype\": "
           "\"%s\", \"max_tokens\": %d, \"seed\": %llu, \"skew\": \"%s\"},\n",
@@ -142,9 +84,9 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   fprintf(f, "  \"iters\": %d,\n  \"warmup\": %d,\n", o->iters, o->warmup);
   if (cuda) {
     fprintf(f, "  \"floors\": {\"read_GBps\": ");
-    json_num(f, fl->read_gbps);
+    cli_json_num(f, fl->read_gbps);
     fprintf(f, ", \"read_buffer_bytes\": %zu, \"matmul_TFLOPs\": ", CLI_READ_BYTES);
-    json_num(f, fl->matmul_tflops);
+    cli_json_num(f, fl->matmul_tflops);
     fprintf(f, ", \"matmul\": \"cublasGemmEx bf16 %d^3, fp32 compute\", \"iters\": %d, "
                "\"l2_flush_bytes\": %zu},\n",
             CLI_MATMUL_N, CLI_FLOOR_ITERS, CLI_L2_FLUSH_BYTES);
@@ -155,33 +97,33 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   for (int i = 0; i < nrows; ++i) {
     const bench_row *r = &rows[i];
     fprintf(f, "    {\"tokens\": %d, \"median_ms\": ", r->tokens);
-    json_num(f, r->ms_med);
+    cli_json_num(f, r->ms_med);
     fprintf(f, ", \"min_ms\": ");
-    json_num(f, r->ms_min);
+    cli_json_num(f, r->ms_min);
     fprintf(f, ", \"flops\": ");
-    json_num(f, r->flops);
+    cli_json_num(f, r->flops);
     fprintf(f, ", \"tokens_per_s\": ");
-    json_num(f, r->tokens_s);
+    cli_json_num(f, r->tokens_s);
     if (cuda) {
       fprintf(f, ", \"TFLOPs\": ");
-      json_num(f, r->flop_s / 1e12);
+      cli_json_num(f, r->flop_s / 1e12);
       fprintf(f, ", \"experts_touched\": %d, \"bytes\": ", r->touched);
-      json_num(f, r->bytes);
+      cli_json_num(f, r->bytes);
       fprintf(f, ", \"GBps\": ");
-      json_num(f, r->gbps);
+      cli_json_num(f, r->gbps);
       fprintf(f, ", \"floor_ms\": ");
-      json_num(f, r->floor_ms);
+      cli_json_num(f, r->floor_ms);
       fprintf(f, ", \"pct_of_floor\": ");
-      json_num(f, r->pct_floor);
+      cli_json_num(f, r->pct_floor);
     } else {
       fprintf(f, ", \"GFLOPs\": ");
-      json_num(f, r->flop_s / 1e9);
+      cli_json_num(f, r->flop_s / 1e9);
       fprintf(f, ", \"sgemm_ms\": ");
-      json_num(f, r->blas_ms);
+      cli_json_num(f, r->blas_ms);
       fprintf(f, ", \"sgemm_GFLOPs\": ");
-      json_num(f, r->blas_flop_s / 1e9);
+      cli_json_num(f, r->blas_flop_s / 1e9);
       fprintf(f, ", \"pct_of_sgemm\": ");
-      json_num(f, r->pct_blas);
+      cli_json_num(f, r->pct_blas);
     }
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
@@ -242,7 +184,7 @@ int cli_cmd_bench(int argc, char **argv) {
   if (cuda) {
     if (gpu_device_name(device, sizeof device) != 0) cli_fail("%s", gpu_error());
   } else {
-    cpu_model(device, sizeof device);
+    cli_cpu_model(device, sizeof device);
 #ifdef _OPENMP
     threads = o.threads > 0 ? o.threads : omp_get_num_procs();
 #else

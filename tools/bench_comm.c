@@ -270,65 +270,9 @@ static void bc_fmt_size(size_t b, char *buf, size_t n) {
     snprintf(buf, n, "%.1f %s", v, unit[u]);
 }
 
-static void bc_json_str(FILE *f, const char *s) {
-  if (!s) {
-    fputs("null", f);
-    return;
-  }
-  fputc('"', f);
-  for (; *s; ++s) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\')
-      fprintf(f, "\\%c", ch);
-    else if (ch < 0x20)
-      fprintf(f, "\\u%04x", ch);
-    else
-      fputc(ch, f);
-  }
-  fputc('"', f);
-}
 
-static void bc_json_num(FILE *f, double v) {
-  if (isfinite(v))
-    fprintf(f, "%.6g", v);
-  else
-    fputs("null", f);
-}
 
-/* The commit: MOELINK_COMMIT (a copy of the tree without .git), else git. */
-static void bc_commit(char *buf, size_t n) {
-  buf[0] = '\0';
-  const char *env = getenv("MOELINK_COMMIT");
-  if (env && *env) {
-    snprintf(buf, n, "%s", env);
-    return;
-  }
-  FILE *p = popen("git rev-parse HEAD 2>/dev/null", "r");
-  if (!p) return;
-  char line[128] = "";
-  if (fgets(line, sizeof line, p) && strspn(line, "0123456789abcdef") == 40) {
-    line[40] = '\0';
-    snprintf(buf, n, "%s", line);
-  }
-  pclose(p);
-}
 
-static void bc_cpu_model(char *buf, size_t n) {
-  snprintf(buf, n, "unknown");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    char *v = strchr(line, ':');
-    if (strncmp(line, "model name", 10) == 0 && v) {
-      v += 1 + strspn(v + 1, " \t");
-      v[strcspn(v, "\n")] = '\0';
-      snprintf(buf, n, "%s", v);
-      break;
-    }
-  }
-  fclose(f);
-}
 
 static double bc_bus_factor(int op, int n) {
   const double nf = (double)n;
@@ -660,21 +604,21 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
   struct tm tmv;
   gmtime_r(&now, &tmv);
   strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  bc_commit(commit, sizeof commit);
+  cli_commit(commit, sizeof commit);
   if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "unknown");
   host[sizeof host - 1] = '\0';
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
 
   fprintf(f, "{\n  \"tool\": \"moelink bench comm\",\n  \"version\": ");
-  bc_json_str(f, moelink_version());
+  cli_json_str(f, moelink_version());
   fprintf(f, ",\n  \"date\": ");
-  bc_json_str(f, date);
+  cli_json_str(f, date);
   fprintf(f, ",\n  \"git_commit\": ");
-  bc_json_str(f, commit[0] ? commit : NULL);
+  cli_json_str(f, commit[0] ? commit : NULL);
   fprintf(f, ",\n  \"host\": ");
-  bc_json_str(f, host);
+  cli_json_str(f, host);
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
-  bc_json_str(f, device);
+  cli_json_str(f, device);
   fprintf(f, ",\n  \"nranks\": %d,\n  \"dtype\": \"%s\",\n", w->n, moelink_dtype_name(o->dtype));
   fprintf(f, "  \"nccl_version\": ");
 #ifdef BC_NCCL
@@ -683,7 +627,7 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
     (void)ncclGetVersion(&v);
     char vs[32];
     snprintf(vs, sizeof vs, "%d.%d.%d", v / 10000, v / 100 % 100, v % 100);
-    bc_json_str(f, vs);
+    cli_json_str(f, vs);
     int drv = 0, rt = 0;
     (void)cudaDriverGetVersion(&drv);
     (void)cudaRuntimeGetVersion(&rt);
@@ -695,15 +639,15 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
   fputs("null", f);
 #endif
   fprintf(f, ",\n  \"env\": {\"NCCL_NVLS_ENABLE\": ");
-  bc_json_str(f, getenv("NCCL_NVLS_ENABLE"));
+  cli_json_str(f, getenv("NCCL_NVLS_ENABLE"));
   fprintf(f, ", \"MOELINK_COMM_MAX_CTAS\": ");
-  bc_json_str(f, getenv("MOELINK_COMM_MAX_CTAS"));
+  cli_json_str(f, getenv("MOELINK_COMM_MAX_CTAS"));
   fprintf(f, ", \"MOELINK_COMM_ALLGATHER\": ");
-  bc_json_str(f, getenv("MOELINK_COMM_ALLGATHER"));
+  cli_json_str(f, getenv("MOELINK_COMM_ALLGATHER"));
   fprintf(f, ", \"MOELINK_COMM_ONESHOT_MAX_BYTES\": ");
-  bc_json_str(f, getenv("MOELINK_COMM_ONESHOT_MAX_BYTES"));
+  cli_json_str(f, getenv("MOELINK_COMM_ONESHOT_MAX_BYTES"));
   fprintf(f, "},\n  \"timing\": ");
-  bc_json_str(f, !cuda ? "host clock around back-to-back calls after a barrier; rank 0"
+  cli_json_str(f, !cuda ? "host clock around back-to-back calls after a barrier; rank 0"
                  : o->eager ? "CUDA events around back-to-back eager launches; rank 0"
                             : "CUDA events around one replay of a graph of back-to-back calls; rank 0");
   fprintf(f, ",\n  \"samples\": %d,\n  \"warmup\": %d,\n", o->reps, o->warmup);
@@ -729,23 +673,23 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
       fprintf(f, ", \"allgather_engine\": \"%s\"", o->ag_engine == 1 ? "ce" : o->ag_engine == 0 ? "sm" : "default");
     if (cuda && o->ctas) fprintf(f, ", \"ctas\": %d", o->ctas);
     fprintf(f, ", \"moelink_us\": ");
-    bc_json_num(f, r->ml.med);
+    cli_json_num(f, r->ml.med);
     fprintf(f, ", \"moelink_min_us\": ");
-    bc_json_num(f, r->ml.min);
+    cli_json_num(f, r->ml.min);
     fprintf(f, ", \"moelink_max_us\": ");
-    bc_json_num(f, r->ml.max);
+    cli_json_num(f, r->ml.max);
     fprintf(f, ", \"nccl_us\": ");
-    bc_json_num(f, r->nc.med);
+    cli_json_num(f, r->nc.med);
     fprintf(f, ", \"nccl_min_us\": ");
-    bc_json_num(f, r->nc.min);
+    cli_json_num(f, r->nc.min);
     fprintf(f, ", \"nccl_max_us\": ");
-    bc_json_num(f, r->nc.max);
+    cli_json_num(f, r->nc.max);
     fprintf(f, ", \"moelink_busbw_GBps\": ");
-    bc_json_num(f, r->ml_bw);
+    cli_json_num(f, r->ml_bw);
     fprintf(f, ", \"nccl_busbw_GBps\": ");
-    bc_json_num(f, r->nc_bw);
+    cli_json_num(f, r->nc_bw);
     fprintf(f, ", \"ratio\": ");
-    bc_json_num(f, r->nc.med / r->ml.med);
+    cli_json_num(f, r->nc.med / r->ml.med);
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
   fprintf(f, "  ]\n}\n");
@@ -782,7 +726,7 @@ int cli_cmd_bench_comm(int argc, char **argv) {
   if (cuda) {
     if (gpu_device_name(device, sizeof device) != 0) cli_fail("%s", gpu_error());
   } else {
-    bc_cpu_model(device, sizeof device);
+    cli_cpu_model(device, sizeof device);
   }
   if (root) {
     printf("moelink bench comm: %d ranks, %s, %s on %s\n", n, moelink_dtype_name(o.dtype),

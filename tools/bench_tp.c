@@ -897,44 +897,12 @@ static void bt_print_row(const bt_row *r, int cuda) {
   fflush(stdout);
 }
 
-static void bt_json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; s && *s; ++s) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\')
-      fprintf(f, "\\%c", ch);
-    else if (ch < 0x20)
-      fprintf(f, "\\u%04x", ch);
-    else
-      fputc(ch, f);
-  }
-  fputc('"', f);
-}
 
 static void bt_json_num(FILE *f, const char *key, double v) {
   fprintf(f, ", \"%s\": ", key);
-  if (isfinite(v))
-    fprintf(f, "%.6g", v);
-  else
-    fputs("null", f);
+  cli_json_num(f, v);
 }
 
-static void bt_commit(char *buf, size_t n) {
-  const char *env = getenv("MOELINK_COMMIT");
-  snprintf(buf, n, "%s", "");
-  if (env && *env) {
-    snprintf(buf, n, "%s", env);
-    return;
-  }
-  FILE *p = popen("git rev-parse HEAD 2>/dev/null", "r");
-  if (!p) return;
-  char line[128] = "";
-  if (fgets(line, sizeof line, p) && strspn(line, "0123456789abcdef") == 40) {
-    line[40] = '\0';
-    snprintf(buf, n, "%s", line);
-  }
-  pclose(p);
-}
 
 static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
                           const char *device, const bt_row *rows, int nrows) {
@@ -946,22 +914,22 @@ static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
   struct tm tmv;
   gmtime_r(&now, &tmv);
   strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  bt_commit(commit, sizeof commit);
+  cli_commit(commit, sizeof commit);
   fprintf(f, "{\n  \"tool\": \"moelink bench tp\",\n  \"version\": ");
-  bt_json_str(f, moelink_version());
+  cli_json_str(f, moelink_version());
   fprintf(f, ",\n  \"date\": ");
-  bt_json_str(f, date);
+  cli_json_str(f, date);
   fprintf(f, ",\n  \"git_commit\": ");
   if (commit[0])
-    bt_json_str(f, commit);
+    cli_json_str(f, commit);
   else
     fputs("null", f);
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
-  bt_json_str(f, device);
+  cli_json_str(f, device);
   fprintf(f, ",\n  \"nranks\": %d,\n  \"tp\": %d,\n  \"dtype\": \"%s\",\n", w->nranks, w->nranks,
           moelink_dtype_name(o->dtype));
   fprintf(f, "  \"dims\": \"%s\",\n  \"dims_meaning\": ", o->layer ? "layer" : "local");
-  bt_json_str(f, "m, n, k of a row are what the moelink call gets on each rank: ag_gemm a "
+  cli_json_str(f, "m, n, k of a row are what the moelink call gets on each rank: ag_gemm a "
                  "[m/tp, k], b [n, k] (n = this rank's N_local), c [m, n]; gemm_rs / gemm_ar a "
                  "[m, k], b [n, k] (k = this rank's K_local). list_n / list_k are the shape as "
                  "listed; with dims=layer the listed N (ag) or K (rs, ar) is the whole layer's "
@@ -969,20 +937,20 @@ static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
   fprintf(f, ",\n  \"iters\": %d,\n  \"warmup\": %d,\n  \"comm_ctas\": %d,\n  \"seed\": %llu,\n",
           o->iters, o->warmup, o->comm_ctas, (unsigned long long)o->seed);
   fprintf(f, "  \"timing\": ");
-  bt_json_str(f, cuda ? "per rank: median of iters CUDA-event-timed calls after warmup, each "
+  cli_json_str(f, cuda ? "per rank: median of iters CUDA-event-timed calls after warmup, each "
                         "after a 256 MiB L2 flush and a 1-element NCCL all-reduce that lines "
                         "the ranks up; a row's time is the slowest rank's median"
                       : "per rank: median of iters host-clock-timed calls after warmup, each "
                         "after a barrier; a row's time is the slowest rank's median");
   fprintf(f, ",\n  \"baselines\": ");
-  bt_json_str(f, cuda ? "gemm: cublasGemmEx (dtype in/out, CUBLAS_COMPUTE_32F) on the rank's "
+  cli_json_str(f, cuda ? "gemm: cublasGemmEx (dtype in/out, CUBLAS_COMPUTE_32F) on the rank's "
                         "local problem; seq: ncclAllGather then that GEMM (ag), the GEMM then "
                         "ncclReduceScatter (rs) or ncclAllReduce (ar), one stream"
                       : "none on the cpu backend");
   fprintf(f, ",\n  \"flops\": ");
-  bt_json_str(f, "per rank: 2 * m * n * k (the rank's GEMM); TFLOPs = flops / time");
+  cli_json_str(f, "per rank: 2 * m * n * k (the rank's GEMM); TFLOPs = flops / time");
   fprintf(f, ",\n  \"verify\": ");
-  bt_json_str(f, "before timing, outputs poisoned: verify_max_err = max over sampled elements "
+  cli_json_str(f, "before timing, outputs poisoned: verify_max_err = max over sampled elements "
                  "of |c - fp64 recomputation with the documented roundings| / (sum over ranks "
                  "of |partial|); verify_rel_l2_vs_nccl = rel L2 of c vs GEMM+NCCL over sampled "
                  "rows; worst rank");
@@ -1012,21 +980,6 @@ static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
   if (fclose(f) != 0) cli_fail("--json: error writing '%s'", path);
 }
 
-static void bt_cpu_model(char *buf, size_t n) {
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    char *v = strchr(line, ':');
-    if (strncmp(line, "model name", 10) == 0 && v) {
-      v += 1 + strspn(v + 1, " \t");
-      v[strcspn(v, "\n")] = '\0';
-      snprintf(buf, n, "%s", v);
-      break;
-    }
-  }
-  fclose(f);
-}
 
 int cli_cmd_bench_tp(int argc, char **argv) {
   bt_opts o;
@@ -1036,7 +989,7 @@ int cli_cmd_bench_tp(int argc, char **argv) {
   const int cuda = o.backend == MOELINK_BACKEND_CUDA;
   char device[256] = "cpu";
   if (cuda && gpu_device_name(device, sizeof device)) cli_fail("%s", gpu_error());
-  if (!cuda) bt_cpu_model(device, sizeof device);
+  if (!cuda) cli_cpu_model(device, sizeof device);
   if (w.rank == 0) {
     printf("moelink bench tp: %d ranks (TP = %d), %s, %s, dims %s (n, k below are each "
            "rank's: ag n = N_local, rs/ar k = K_local)\n",

@@ -10,6 +10,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* Exit codes: 1 for a failed run or library error, 2 for bad arguments. */
 enum { CLI_EXIT_FAIL = 1, CLI_EXIT_USAGE = 2 };
@@ -130,5 +131,15 @@ void cli_help_bench_comm(void);
 void cli_help_run(void);
 void cli_help_bench(void);
 void cli_help_launch(void);
+
+/* JSON output of the benchmarks: a string (NULL: null) with escapes, a
+ * number (not finite: null). */
+void cli_json_str(FILE *f, const char *s);
+void cli_json_num(FILE *f, double v);
+/* The commit the numbers belong to: MOELINK_COMMIT (a copy of the tree
+ * without .git, as on a lent GPU machine), else git's HEAD, else "". */
+void cli_commit(char *buf, size_t n);
+/* The CPU's model name from /proc/cpuinfo ("unknown" if none). */
+void cli_cpu_model(char *buf, size_t n);
 
 #endif

@@ -2,6 +2,7 @@
 #include "cli.h"
 #include "gpu.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -118,4 +119,63 @@ void cli_session_close(cli_session *ss) {
   moelink_moe_destroy(ss->moe);
   gpu_stream_destroy(ss->stream);
   moelink_context_destroy(ss->ctx);
+}
+
+void cli_json_str(FILE *f, const char *s) {
+  if (!s) {
+    fputs("null", f);
+    return;
+  }
+  fputc('"', f);
+  for (; *s; ++s) {
+    unsigned char ch = (unsigned char)*s;
+    if (ch == '"' || ch == '\\')
+      fprintf(f, "\\%c", ch);
+    else if (ch < 0x20)
+      fprintf(f, "\\u%04x", ch);
+    else
+      fputc(ch, f);
+  }
+  fputc('"', f);
+}
+
+void cli_json_num(FILE *f, double v) {
+  if (isfinite(v))
+    fprintf(f, "%.6g", v);
+  else
+    fputs("null", f);
+}
+
+void cli_commit(char *buf, size_t n) {
+  buf[0] = '\0';
+  const char *env = getenv("MOELINK_COMMIT");
+  if (env && *env) {
+    snprintf(buf, n, "%s", env);
+    return;
+  }
+  FILE *p = popen("git rev-parse HEAD 2>/dev/null", "r");
+  if (!p) return;
+  char line[128] = "";
+  if (fgets(line, sizeof line, p) && strspn(line, "0123456789abcdef") == 40) {
+    line[40] = '\0';
+    snprintf(buf, n, "%s", line);
+  }
+  pclose(p);
+}
+
+void cli_cpu_model(char *buf, size_t n) {
+  snprintf(buf, n, "unknown");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    char *v = strchr(line, ':');
+    if (strncmp(line, "model name", 10) == 0 && v) {
+      v += 1 + strspn(v + 1, " \t");
+      v[strcspn(v, "\n")] = '\0';
+      snprintf(buf, n, "%s", v);
+      break;
+    }
+  }
+  fclose(f);
 }
