@@ -198,8 +198,12 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
 #define IS(s) (strcmp(name, (s)) == 0)
     /* Options that take no value. */
     if (IS("--no-renorm") || IS("--bias") || IS("--shared-gate") ||
-        (!bench && (IS("--verify") || IS("--no-verify")))) {
+        (!bench && (IS("--verify") || IS("--no-verify"))) || (bench && IS("--graph"))) {
       if (val) cli_usage_error("%s: takes no value, got '%s'", name, val);
+      if (IS("--graph")) {
+        o->graph = 1;
+        continue;
+      }
       if (IS("--no-renorm")) sh.renorm = 0;
       else if (IS("--bias")) sh.bias = 1;
       else if (IS("--shared-gate")) sh.shared_gate = 1;

@@ -68,6 +68,7 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
   cli_json_str(f, device);
   if (!cuda) fprintf(f, ",\n  \"threads\": %d", threads);
+  if (cuda) fprintf(f, ",\n  \"timing\": \"%s\"", o->graph ? "cuda graph replay" : "eager");
   fprintf(f, ",\n  \"config\": {\"layer\": ");
   cli_json_str(f, cli_shape_name(o));
   fprintf(f,
@@ -163,6 +164,7 @@ int cli_cmd_bench(int argc, char **argv) {
   cli_parse(argc, argv, 1, &o);
   const moelink_moe_config_t *c = &o.cfg;
   const int cuda = o.backend == MOELINK_BACKEND_CUDA;
+  if (!cuda && o.graph) cli_usage_error("--graph: CUDA graphs need --backend cuda");
   if (o.iters < 0) o.iters = cuda ? 20 : 5;
   if (o.warmup < 0) o.warmup = cuda ? 3 : 1;
   const size_t ds = moelink_dtype_size(c->dtype);
@@ -267,13 +269,28 @@ int cli_cmd_bench(int argc, char **argv) {
                                (c->shared_gate ? (double)H : 0.0)) +
                  (c->correction_bias ? 4.0 * c->num_experts : 0.0);
     }
+    void *graph = NULL;
+    if (cuda && o.graph) {
+      /* One forward captured; replays run the same kernels with no launch
+       * work on the host (what a decode loop in a serving engine does). */
+      if (gpu_graph_begin(stream) != 0) cli_fail("%s", gpu_error());
+      moelink_status_t s = moelink_moe_forward(moe, dx, T, dout, stream);
+      if (gpu_graph_end(stream, &graph) != 0) cli_fail("graph capture (T=%d): %s", T, gpu_error());
+      if (s != MOELINK_SUCCESS)
+        cli_fail("moelink_moe_forward under capture: %s: %s", moelink_status_string(s),
+                 moelink_last_error());
+    }
     for (int it = -o.warmup; it < o.iters; ++it) {
       double t_ms;
       if (cuda) {
         if (gpu_memset_async(flush, it & 0xff, CLI_L2_FLUSH_BYTES, stream) ||
             gpu_timer_start(&tm, stream))
           cli_fail("%s", gpu_error());
-        CLI_CALL("moelink_moe_forward", moelink_moe_forward(moe, dx, T, dout, stream));
+        if (graph) {
+          if (gpu_graph_launch(graph, stream) != 0) cli_fail("%s", gpu_error());
+        } else {
+          CLI_CALL("moelink_moe_forward", moelink_moe_forward(moe, dx, T, dout, stream));
+        }
         if (gpu_timer_stop(&tm, stream, &t_ms) != 0)
           cli_fail("forward (T=%d): %s", T, gpu_error());
       } else {
@@ -284,6 +301,7 @@ int cli_cmd_bench(int argc, char **argv) {
       if (it >= 0) ms[it] = t_ms;
       cli_progress_update(&prog, ++done, steps, "runs");
     }
+    gpu_graph_destroy(graph);
     r->ms_med = cli_median(ms, o.iters);
     r->ms_min = ms[0];
     r->tokens_s = r->ms_med > 0 ? T / (r->ms_med * 1e-3) : 0.0;

@@ -32,6 +32,7 @@ typedef struct cli_opts {
   int verify;                    /* run: -1 = default */
   int verify_tokens;
   int iters, warmup;             /* bench: -1 = backend default */
+  int graph;                     /* bench (cuda): time CUDA-graph replays of the forward */
   const char *json;
   int argc;                      /* 0: the command had no arguments at all */
 } cli_opts;

@@ -119,6 +119,32 @@ int gpu_timer_stop(gpu_timer *t, void *stream, double *ms) {
   return 0;
 }
 
+int gpu_graph_begin(void *stream) {
+  GPU_TRY(cudaStreamBeginCapture((cudaStream_t)stream, cudaStreamCaptureModeThreadLocal));
+  return 0;
+}
+
+int gpu_graph_end(void *stream, void **exec) {
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t x = NULL;
+  *exec = NULL;
+  GPU_TRY(cudaStreamEndCapture((cudaStream_t)stream, &g));
+  cudaError_t e = cudaGraphInstantiate(&x, g, 0);
+  (void)cudaGraphDestroy(g);
+  if (e != cudaSuccess) return gpu_set_error("cudaGraphInstantiate: %s", cudaGetErrorString(e));
+  *exec = (void *)x;
+  return 0;
+}
+
+int gpu_graph_launch(void *exec, void *stream) {
+  GPU_TRY(cudaGraphLaunch((cudaGraphExec_t)exec, (cudaStream_t)stream));
+  return 0;
+}
+
+void gpu_graph_destroy(void *exec) {
+  if (exec) (void)cudaGraphExecDestroy((cudaGraphExec_t)exec);
+}
+
 #else /* built without CUDA: every entry fails the same way */
 
 #define GPU_NONE() gpu_set_error("this moelink was built without CUDA (configure with -DMOELINK_CUDA=ON)")
@@ -141,6 +167,13 @@ int gpu_stream_create(void **stream) {
 void gpu_stream_destroy(void *stream) {}
 int gpu_stream_sync(void *stream) { return GPU_NONE(); }
 int gpu_memset_async(void *buf, int value, size_t bytes, void *stream) { return GPU_NONE(); }
+int gpu_graph_begin(void *stream) { return GPU_NONE(); }
+int gpu_graph_end(void *stream, void **exec) {
+  *exec = NULL;
+  return GPU_NONE();
+}
+int gpu_graph_launch(void *exec, void *stream) { return GPU_NONE(); }
+void gpu_graph_destroy(void *exec) {}
 int gpu_timer_create(gpu_timer *t) {
   t->start = t->stop = NULL;
   return GPU_NONE();

@@ -26,6 +26,13 @@ int gpu_stream_sync(void *stream);
 /* Writes bytes of buf with cudaMemsetAsync: evicts the weights from L2. */
 int gpu_memset_async(void *buf, int value, size_t bytes, void *stream);
 
+/* Stream capture into a CUDA graph: begin, then end with the instantiated
+ * graph in *exec (launch with gpu_graph_launch, free with gpu_graph_destroy). */
+int gpu_graph_begin(void *stream);
+int gpu_graph_end(void *stream, void **exec);
+int gpu_graph_launch(void *exec, void *stream);
+void gpu_graph_destroy(void *exec);
+
 typedef struct gpu_timer {
   void *start, *stop;
 } gpu_timer;

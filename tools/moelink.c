@@ -83,6 +83,8 @@ static void cli_bench_text(void) {
          "  --iters N              timed iterations per T (default cpu 5, cuda 20)\n"
          "  --warmup N             untimed iterations first (default cpu 1, cuda 3)\n"
          "  --json FILE            also write everything as JSON\n"
+         "  --graph                cuda: capture each T's forward once in a CUDA graph and time\n"
+         "                         its replays (what a serving engine does at decode)\n"
          "moelink bench tp [options]   tensor-parallel GEMMs fused with their collective,\n"
          "  under moelink launch -n N (moelink bench tp --help)\n"
          "moelink bench comm [options]   collectives beside NCCL's, per size, under moelink\n"
