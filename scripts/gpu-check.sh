@@ -65,6 +65,12 @@ if want bench; then
     ./"$BUILD"/moelink bench --backend cuda --preset "$p" --tokens "$TOKENS" \
       --json "$OUT/json/bench_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
   done
+  # Decode sizes again as CUDA-graph replays (no host launch work in the time).
+  for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+    log "bench $p (graph replay)"
+    ./"$BUILD"/moelink bench --backend cuda --preset "$p" --tokens 1,16,128 --graph \
+      --json "$OUT/json/bench_graph_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  done
   if python3 -c 'import torch' 2>/dev/null; then
     for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
       log "compare_torch $p"
