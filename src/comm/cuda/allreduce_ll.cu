@@ -119,6 +119,9 @@ template <int DT>
 __global__ void __launch_bounds__(ML_LL_THREADS)
     ml_ll_kernel(const __grid_constant__ ml_ll_args a) {
   const int me = a.dc.rank, n = a.dc.nranks;
+  /* Launched early (ml_ccu_ll.pdl): nothing of the previous kernel's output,
+   * the call count included, is read before it is complete. A no-op otherwise. */
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   /* One call number for all CTAs: the last CTA to finish stores it, after
    * every CTA has read the old one. */
   const uint64_t e = *(volatile uint64_t *)a.epoch + 1;
@@ -203,12 +206,23 @@ extern "C" moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, i
   const unsigned grid = (unsigned)ctas;
   unsigned threads = (unsigned)((a.per_cta + 31) / 32 * 32);
   if (threads > ML_LL_THREADS) threads = ML_LL_THREADS;
-  switch (dt) {
-  case MOELINK_DTYPE_F32: ml_ll_kernel<MOELINK_DTYPE_F32><<<grid, threads, 0, stream>>>(a); break;
-  case MOELINK_DTYPE_BF16: ml_ll_kernel<MOELINK_DTYPE_BF16><<<grid, threads, 0, stream>>>(a); break;
-  default: ml_ll_kernel<MOELINK_DTYPE_F16><<<grid, threads, 0, stream>>>(a); break;
+  void (*kernel)(ml_ll_args) = dt == MOELINK_DTYPE_F32    ? ml_ll_kernel<MOELINK_DTYPE_F32>
+                               : dt == MOELINK_DTYPE_BF16 ? ml_ll_kernel<MOELINK_DTYPE_BF16>
+                                                          : ml_ll_kernel<MOELINK_DTYPE_F16>;
+  cudaLaunchConfig_t cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  if (ll->pdl) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
   }
-  cudaError_t err = cudaGetLastError();
+  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a);
+  if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "launch of the low-latency all-reduce (%u CTAs) failed: %s",
                    grid, cudaGetErrorString(err));

@@ -113,6 +113,10 @@ typedef struct ml_ccu_ll {
   unsigned *ticket;
   size_t max_words;
   int max_ctas;
+  /* Launch with programmatic stream serialization: the kernel is resident
+   * while the previous kernel of the stream drains, and reads nothing before
+   * that kernel is done (griddepcontrol.wait). */
+  int pdl;
 } ml_ccu_ll;
 
 /* Bytes of a cell buffer for nranks ranks and max_words words. */

@@ -54,6 +54,9 @@ MOELINK_PARAM(TP_AR_SPLIT, 1)
  * refuse always take the fallback. */
 MOELINK_PARAM(TP_GEMM, 0)
 
+/* 1: the one-shot exchange is launched while the GEMM drains (PDL). */
+MOELINK_PARAM(TP_AR_PDL, 1)
+
 #define ML_TPC_LL_CTAS 32 /* the one-shot exchange leaves the other SMs to the GEMM */
 
 typedef struct ml_tpc {
@@ -375,6 +378,7 @@ static moelink_status_t ml_tpc_ar_oneshot(moelink_tp_t tp, ml_tpc *t, const char
     /* Nothing to overlap with: the exchange may take every SM it can use. */
     ml_ccu_ll ll = t->ll;
     ll.max_ctas = t->ctas;
+    ll.pdl = ml_param_TP_AR_PDL() != 0;
     ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ll_scratch, m, n, k, st));
     return ml_ccu_allreduce_ll(&ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
                                NULL, (size_t)m * (size_t)n, dt, st);
