@@ -1,0 +1,515 @@
+/* Expert parallelism on CPU ranks: the protocol the GPU implementation is to
+ * follow, with the layer math of the CPU backend (src/cpu/) on each rank.
+ *
+ * Each rank holds two CPU layers of its own: `front`, the whole layer's
+ * config, used for routing, the shared expert and the final combine of this
+ * rank's tokens; `local`, its El = E / n experts with max_tokens =
+ * recv_capacity, run on the rows it receives. And one symmetric allocation
+ * (peers write into it with plain stores, then signal):
+ *   hash                  the config's hash, compared once at create
+ *   sig_count[n]          sig_count[s] = step epoch: s's counts row is in
+ *   sig_arrive[n]         sig_arrive[s] = round epoch: s's rows of the round are in
+ *   sig_back[n]           sig_back[d] = round epoch: d is done with the round:
+ *                         its receive buffer may be refilled and its expert
+ *                         outputs for this rank's tokens are in `ret`
+ *   counts[2][n][n+1]     row s of a step (parity): tokens s sends to each rank,
+ *                         then 1 if s has tokens left for a further step
+ *   meta[cap][2+2k]       per received row: source rank, source token (within
+ *                         the step), the k expert ids (-1: not this rank's
+ *                         expert), the k routing weights (fp32 bits)
+ *   rows[cap][H]          received token rows, layer dtype
+ *   ret[max_tokens*k][H]  fp32 expert output of slot j of token t (already
+ *                         times its routing weight) at row t*k + j, written by
+ *                         the rank that owns that expert
+ *
+ * A forward is a sequence of steps, each of at most max_tokens tokens per
+ * rank; every rank runs every step (with 0 tokens once it has none left)
+ * until no rank has tokens left. A step:
+ *  1. route this rank's tokens; list, per destination rank, the tokens with at
+ *     least one expert there (ascending: each token once per destination);
+ *  2. push the row of counts into every rank's counts[parity][me]; wait for
+ *     all rows: every rank now knows the whole matrix M[s][d];
+ *  3. rank d's incoming rows are ordered by source rank, then token; round j
+ *     carries incoming positions [j*cap, (j+1)*cap) of every destination, so
+ *     the rounds of a step are max_d ceil(sum_s M[s][d] / cap), the same on
+ *     every rank, and a source knows where its rows land without asking;
+ *  4. per round: push this round's rows (+ meta) into each destination's
+ *     buffer (once its previous round is done: sig_back), signal arrival;
+ *     wait for all sources; run the local experts on the received rows; push
+ *     each (row, slot) result into its source's ret; signal sig_back to all;
+ *  5. wait for sig_back of the step's last round from every rank, then
+ *     combine: out[t] = sum_j ret[t*k+j] in slot order (+ shared expert),
+ *     fp32, one rounding: the CPU backend's own combine.
+ * Every counter only grows. Reuse is safe by causality: a source refills a
+ * destination's buffer only after that destination's sig_back of the round
+ * before; peers write a source's ret in step s+1 only for rows that source
+ * sent in step s+1, after its combine of step s; counts alternate between two
+ * parities, and a rank can be at most one step ahead of any other.
+ *
+ * Memory: the two layers' workspaces (max_tokens and recv_capacity rows), the
+ * symmetric buffer above and O(max_tokens * k + cap * k + n^2) host ints: set
+ * by the config, never by a call's token count or routing. */
+#include "comm/cpu/comm_cpu.h"
+#include "cpu/cpu.h"
+#include "ep/ep.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct ml_ep_cpu {
+  moelink_moe_t front, local;
+  int n, me, E, El, k, kl, H, cap, max_tokens;
+  size_t row_bytes; /* H * dtype size */
+  size_t meta_ints; /* 2 + 2k */
+  /* symmetric memory: this rank's copy, and every rank's base */
+  unsigned char *symm;
+  unsigned char **peer;
+  size_t off_hash, off_count, off_arrive, off_back, off_counts, off_meta, off_rows, off_ret;
+  /* host scratch */
+  int32_t *dest_off; /* [n+1] */
+  int32_t *dest_tok; /* [max_tokens * min(k, n)] */
+  int64_t *mat;      /* [n][n+1] copy of the step's counts */
+  int64_t *pre;      /* [n] position of this rank's rows among each destination's incoming */
+  int32_t *lids;     /* [cap * kl] local expert ids of the received rows (-1: none) */
+  float *lwts;       /* [cap * kl] */
+  int32_t *lslot;    /* [cap * kl] slot j of the source token (-1: none) */
+  int32_t *ident;    /* [max_tokens * k]: pair p's result is ret row p */
+  void *host;
+  uint64_t steps, rounds; /* epochs, equal on every rank */
+} ml_ep_cpu;
+
+static size_t ml_ep_up(size_t v) { return (v + 63) & ~(size_t)63; }
+
+/* Offsets of the symmetric layout; returns its size. */
+static size_t ml_ep_symm_layout(const moelink_ep_config_t *cfg, int n, ml_ep_cpu *w) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  const size_t k = (size_t)c->top_k, H = (size_t)c->hidden, cap = (size_t)cfg->recv_capacity;
+  const size_t es = moelink_dtype_size(c->dtype), nn = (size_t)n;
+  size_t off = 0;
+  w->off_hash = off;
+  off += 64;
+  w->off_count = off;
+  off = ml_ep_up(off + nn * 8);
+  w->off_arrive = off;
+  off = ml_ep_up(off + nn * 8);
+  w->off_back = off;
+  off = ml_ep_up(off + nn * 8);
+  w->off_counts = off;
+  off = ml_ep_up(off + 2 * nn * (nn + 1) * 8);
+  w->off_meta = off;
+  off = ml_ep_up(off + cap * (2 + 2 * k) * 4);
+  w->off_rows = off;
+  off = ml_ep_up(off + cap * H * es);
+  w->off_ret = off;
+  off = ml_ep_up(off + (size_t)c->max_tokens * k * H * 4);
+  return off;
+}
+
+/* Host scratch, carved from one block (base NULL: only sizes it). */
+static size_t ml_ep_host_layout(const moelink_ep_config_t *cfg, int n, ml_ep_cpu *w, char *base) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  const size_t k = (size_t)c->top_k, T = (size_t)c->max_tokens, cap = (size_t)cfg->recv_capacity;
+  const size_t El = (size_t)(c->num_experts / n), nn = (size_t)n;
+  const size_t kl = k < El ? k : El, spread = k < nn ? k : nn;
+  size_t off = 0;
+#define ML_EP_TAKE(field, type, count)                                                         \
+  do {                                                                                         \
+    if (base) w->field = (type *)(void *)(base + off);                                        \
+    off = ml_ep_up(off + (size_t)(count) * sizeof(type));                                     \
+  } while (0)
+  ML_EP_TAKE(dest_off, int32_t, nn + 1);
+  ML_EP_TAKE(dest_tok, int32_t, T * spread);
+  ML_EP_TAKE(mat, int64_t, nn * (nn + 1));
+  ML_EP_TAKE(pre, int64_t, nn);
+  ML_EP_TAKE(lids, int32_t, cap * kl);
+  ML_EP_TAKE(lwts, float, cap * kl);
+  ML_EP_TAKE(lslot, int32_t, cap * kl);
+  ML_EP_TAKE(ident, int32_t, T * k);
+  ML_EP_TAKE(peer, unsigned char *, nn);
+#undef ML_EP_TAKE
+  return off;
+}
+
+/* The config of the layer that runs a rank's own experts on received rows:
+ * each row has at most min(k, El) of them, in slot order. */
+static moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int n) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  moelink_moe_config_t l = MOELINK_MOE_CONFIG_INIT;
+  const int El = c->num_experts / n;
+  l.hidden = c->hidden;
+  l.inter = c->inter;
+  l.num_experts = El;
+  l.top_k = c->top_k < El ? c->top_k : El;
+  l.dtype = c->dtype;
+  l.max_tokens = cfg->recv_capacity;
+  return l;
+}
+
+static moelink_status_t ml_ep_cpu_size(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                       size_t *bytes) {
+  ml_ep_cpu w;
+  memset(&w, 0, sizeof w);
+  size_t a = 0, b = 0;
+  moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks);
+  ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
+  ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
+  *bytes = a + b + ml_ep_symm_layout(cfg, comm->nranks, &w) +
+           ml_ep_host_layout(cfg, comm->nranks, &w, NULL);
+  return MOELINK_SUCCESS;
+}
+
+static uint64_t ml_ep_hash(const moelink_ep_config_t *cfg) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  uint32_t scaling;
+  memcpy(&scaling, &c->routed_scaling, 4);
+  const int64_t f[] = {c->hidden,     c->inter,        c->num_experts, c->top_k,
+                       c->router,     c->renormalize,  c->n_group,     c->topk_group,
+                       scaling,       c->correction_bias, c->shared_inter, c->shared_gate,
+                       c->dtype,      c->max_tokens,   cfg->recv_capacity};
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; ++i)
+    h = (h ^ (uint64_t)f[i]) * 1099511628211ull;
+  return h;
+}
+
+static void ml_ep_cpu_fini(moelink_ep_t ep) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  if (!w) return;
+  if (w->symm) ep->comm->ops->symm_free(ep->comm, w->symm);
+  moelink_moe_destroy(w->front);
+  moelink_moe_destroy(w->local);
+  free(w->host);
+  free(w);
+  ep->impl = NULL;
+}
+
+static moelink_status_t ml_ep_cpu_init(moelink_ep_t ep) {
+  moelink_comm_t comm = ep->comm;
+  const moelink_ep_config_t *cfg = &ep->cfg;
+  const moelink_moe_config_t *c = &cfg->moe;
+  ml_ep_cpu *w = (ml_ep_cpu *)calloc(1, sizeof *w);
+  if (!w) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep: cpu state allocation failed");
+  ep->impl = w;
+  w->n = comm->nranks;
+  w->me = comm->rank;
+  w->E = c->num_experts;
+  w->El = ep->local_experts;
+  w->k = c->top_k;
+  w->kl = w->k < w->El ? w->k : w->El;
+  w->H = c->hidden;
+  w->cap = cfg->recv_capacity;
+  w->max_tokens = c->max_tokens;
+  w->row_bytes = (size_t)c->hidden * moelink_dtype_size(c->dtype);
+  w->meta_ints = 2 + 2 * (size_t)w->k;
+  moelink_status_t s = MOELINK_SUCCESS;
+  /* Local failures still go through the collective allocation below, so the
+   * other ranks do not wait for a rank that gave up. */
+  const size_t host = ml_ep_host_layout(cfg, w->n, w, NULL);
+  w->host = malloc(host);
+  if (!w->host)
+    s = ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep: %zu bytes of host scratch could not be allocated",
+                host);
+  else
+    ml_ep_host_layout(cfg, w->n, w, (char *)w->host);
+  if (s == MOELINK_SUCCESS) s = moelink_moe_create(comm->ctx, c, &w->front);
+  moelink_moe_config_t lc = ml_ep_local_config(cfg, w->n);
+  if (s == MOELINK_SUCCESS) s = moelink_moe_create(comm->ctx, &lc, &w->local);
+  char why[400] = "";
+  if (s != MOELINK_SUCCESS) snprintf(why, sizeof why, "%s", moelink_last_error());
+
+  void *symm = NULL;
+  const size_t symm_bytes = ml_ep_symm_layout(cfg, w->n, w);
+  moelink_status_t a = comm->ops->symm_alloc(comm, symm_bytes, &symm);
+  if (a != MOELINK_SUCCESS) {
+    ml_ep_cpu_fini(ep);
+    return a;
+  }
+  w->symm = (unsigned char *)symm;
+  for (int p = 0; s == MOELINK_SUCCESS && p < w->n; ++p) {
+    w->peer[p] = (unsigned char *)ml_cpu_peer_ptr(comm, symm, p);
+    if (!w->peer[p]) {
+      s = ml_fail(MOELINK_ERR_INTERNAL, "ep: no address of rank %d's symmetric buffer", p);
+      snprintf(why, sizeof why, "%s", moelink_last_error());
+    }
+  }
+  if (s == MOELINK_SUCCESS)
+    for (int64_t i = 0; i < (int64_t)w->max_tokens * w->k; ++i) w->ident[i] = (int32_t)i;
+
+  /* Every rank posts its config's hash (0: it failed above) and reads all:
+   * ranks with different configs would mix data (sizes alone may agree), and
+   * a rank that failed alone must not leave the others waiting later. */
+  const uint64_t h = s == MOELINK_SUCCESS ? (ml_ep_hash(cfg) | 1) : 0;
+  memcpy(w->symm + w->off_hash, &h, 8);
+  moelink_status_t b = ml_cpu_barrier(comm);
+  if (b != MOELINK_SUCCESS) {
+    ml_ep_cpu_fini(ep);
+    return b;
+  }
+  for (int p = 0; s == MOELINK_SUCCESS && p < w->n; ++p) {
+    uint64_t hp;
+    memcpy(&hp, (unsigned char *)ml_cpu_peer_ptr(comm, symm, p) + w->off_hash, 8);
+    if (hp == 0)
+      s = ml_fail(MOELINK_ERR_INVALID_STATE, "ep_create: rank %d failed to create its part",
+                  p);
+    else if (hp != h)
+      s = ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                  "ep_create: rank %d's config differs from rank %d's: every rank must pass the "
+                  "same config",
+                  p, w->me);
+    if (s != MOELINK_SUCCESS) snprintf(why, sizeof why, "%s", moelink_last_error());
+  }
+  if (s != MOELINK_SUCCESS) {
+    ml_ep_cpu_fini(ep);
+    return ml_fail(s, "%s", why);
+  }
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ep_cpu_set_weights(moelink_ep_t ep) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  /* front never runs routed experts; it gets the local slices only because
+   * set_weights requires them. */
+  ML_TRY(moelink_moe_set_weights(w->front, &ep->w));
+  /* local has no router of its own (routing is done at the source): bind
+   * its expert slices directly, as set_weights would. */
+  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
+  lw.dtype = ep->w.dtype;
+  lw.router = ep->w.router;
+  lw.gate_up = ep->w.gate_up;
+  lw.down = ep->w.down;
+  w->local->w = lw;
+  w->local->has_weights = 1;
+  return MOELINK_SUCCESS;
+}
+
+static inline uint64_t *ml_ep_sig(const ml_ep_cpu *w, int rank, size_t off) {
+  return (uint64_t *)(void *)(w->peer[rank] + off);
+}
+
+/* Runs the local experts on the nrecv rows of this round and pushes each
+ * (row, slot) result into its source rank's ret. */
+static moelink_status_t ml_ep_serve(ml_ep_cpu *w, int nrecv) {
+  const int k = w->k, kl = w->kl, first = w->me * w->El;
+  const int32_t *meta = (const int32_t *)(const void *)(w->symm + w->off_meta);
+  for (int i = 0; i < nrecv; ++i) {
+    const int32_t *m = meta + (size_t)i * w->meta_ints;
+    int jj = 0;
+    for (int j = 0; j < k; ++j) {
+      const int id = m[2 + j];
+      if (id < 0) continue;
+      if (id < first || id >= first + w->El || jj == kl || m[0] < 0 || m[0] >= w->n ||
+          m[1] < 0 || m[1] >= w->max_tokens)
+        return ml_fail(MOELINK_ERR_INTERNAL,
+                       "ep: rank %d received row %d (source rank %d, token %d) with expert %d, "
+                       "not one of its experts [%d, %d)",
+                       w->me, i, (int)m[0], (int)m[1], id, first, first + w->El);
+      const size_t p = (size_t)i * kl + jj++;
+      w->lids[p] = id - first;
+      memcpy(&w->lwts[p], &m[2 + k + j], 4);
+      w->lslot[p] = j;
+    }
+    for (; jj < kl; ++jj) {
+      const size_t p = (size_t)i * kl + jj;
+      w->lids[p] = -1;
+      w->lwts[p] = 0.0f;
+      w->lslot[p] = -1;
+    }
+  }
+  moelink_moe_t local = w->local;
+  ml_cpu_moe *lws = ml_cpu_ws(local);
+  moelink_plan_t plan;
+  ML_TRY(moelink_plan_view(lws->plan, nrecv, kl, w->El, local->tile_rows, &plan));
+  ml_cpu_build_plan(w->lids, nrecv, kl, w->El, local->tile_rows, &plan);
+  ml_cpu_ffn job;
+  memset(&job, 0, sizeof job);
+  job.x = w->symm + w->off_rows;
+  job.x_dtype = local->cfg.dtype;
+  job.num_tokens = nrecv;
+  job.plan = &plan;
+  job.weights = w->lwts;
+  job.y32 = lws->xg;
+  ML_TRY(ml_cpu_run_ffn(local, &job));
+  const size_t hb = (size_t)w->H * sizeof(float);
+  for (size_t p = 0; p < (size_t)nrecv * kl; ++p) {
+    if (w->lslot[p] < 0) continue;
+    const int32_t *m = meta + (p / kl) * w->meta_ints;
+    float *dst = (float *)(void *)(w->peer[m[0]] + w->off_ret) +
+                 ((size_t)m[1] * k + (size_t)w->lslot[p]) * w->H;
+    memcpy(dst, lws->xg + (size_t)plan.pair_rows[p] * w->H, hb);
+  }
+  return MOELINK_SUCCESS;
+}
+
+/* Routes this step's tokens and lists them per destination rank. */
+static moelink_status_t ml_ep_route_step(ml_ep_cpu *w, const void *x, int ts, const float **x32) {
+  moelink_moe_t front = w->front;
+  ml_cpu_moe *fws = ml_cpu_ws(front);
+  const int n = w->n, k = w->k, El = w->El;
+  memset(w->dest_off, 0, sizeof(int32_t) * ((size_t)n + 1));
+  *x32 = NULL;
+  if (ts == 0) return MOELINK_SUCCESS;
+  *x32 = ml_cpu_x_f32(front, x, ts);
+  ML_TRY(ml_cpu_route_f32(front, *x32, ts, fws->ids, fws->wts));
+  /* Twice over the tokens: count per destination, then place. A token goes
+   * to d once, at its first slot whose expert d owns. */
+  for (int pass = 0; pass < 2; ++pass) {
+    int32_t cursor[ML_CPU_MAX_RANKS];
+    if (pass == 1) {
+      for (int d = 0; d < n; ++d) w->dest_off[d + 1] += w->dest_off[d];
+      memcpy(cursor, w->dest_off, sizeof(int32_t) * (size_t)n);
+    }
+    for (int t = 0; t < ts; ++t) {
+      const int32_t *ids = fws->ids + (size_t)t * k;
+      for (int j = 0; j < k; ++j) {
+        const int d = ids[j] / El;
+        int seen = 0;
+        for (int q = 0; q < j && !seen; ++q) seen = ids[q] / El == d;
+        if (seen) continue;
+        if (pass == 0)
+          ++w->dest_off[d + 1];
+        else
+          w->dest_tok[cursor[d]++] = t;
+      }
+    }
+  }
+  return MOELINK_SUCCESS;
+}
+
+/* Pushes this round's rows of every destination (rows [i0, i1) of its list). */
+static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, int64_t lo,
+                                         uint64_t re) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  ml_cpu_moe *fws = ml_cpu_ws(w->front);
+  const int n = w->n, k = w->k, El = w->El, me = w->me;
+  for (int d = 0; d < n; ++d) {
+    const int64_t p0 = w->pre[d], cnt = w->mat[(size_t)me * (n + 1) + d];
+    const int64_t i0 = lo - p0 > 0 ? lo - p0 : 0;
+    const int64_t i1 = lo + w->cap - p0 < cnt ? lo + w->cap - p0 : cnt;
+    if (i1 > i0) {
+      if (re > 1)
+        ML_TRY(ml_cpu_wait(ep->comm, ml_ep_sig(w, me, w->off_back) + d, re - 1, d,
+                           "ep: receive buffer free (previous round done)"));
+      unsigned char *rows = w->peer[d] + w->off_rows;
+      int32_t *meta = (int32_t *)(void *)(w->peer[d] + w->off_meta);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int t = w->dest_tok[w->dest_off[d] + i];
+        const size_t pos = (size_t)(p0 + i - lo);
+        memcpy(rows + pos * w->row_bytes, (const char *)x + (size_t)t * w->row_bytes,
+               w->row_bytes);
+        int32_t *m = meta + pos * w->meta_ints;
+        const int32_t *ids = fws->ids + (size_t)t * k;
+        m[0] = me;
+        m[1] = t;
+        for (int j = 0; j < k; ++j) {
+          m[2 + j] = ids[j] / El == d ? ids[j] : -1;
+          memcpy(&m[2 + k + j], &fws->wts[(size_t)t * k + j], 4);
+        }
+      }
+    }
+    ml_cpu_signal_set(ml_ep_sig(w, d, w->off_arrive) + me, re);
+  }
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int num_tokens,
+                                          void *out, void *stream) {
+  (void)stream;
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  moelink_comm_t comm = ep->comm;
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  const int n = w->n, me = w->me;
+  const size_t row = (size_t)n + 1;
+  ml_cpu_moe *fws = ml_cpu_ws(w->front);
+  int done = 0;
+  for (;;) {
+    const int left = num_tokens - done;
+    const int ts = left < w->max_tokens ? left : w->max_tokens;
+    const uint64_t st = ++w->steps;
+    const char *xs = ts ? (const char *)x + (size_t)done * w->row_bytes : NULL;
+    const float *x32 = NULL;
+    ML_TRY(ml_ep_route_step(w, xs, ts, &x32));
+
+    /* Counts: this rank's row into every rank's matrix. */
+    int64_t mine[ML_CPU_MAX_RANKS + 1];
+    for (int d = 0; d < n; ++d) mine[d] = w->dest_off[d + 1] - w->dest_off[d];
+    mine[n] = left > ts;
+    const size_t counts_at = w->off_counts + ((st & 1) * (size_t)n + (size_t)me) * row * 8;
+    for (int p = 0; p < n; ++p) {
+      memcpy(w->peer[p] + counts_at, mine, row * 8);
+      ml_cpu_signal_set(ml_ep_sig(w, p, w->off_count) + me, st);
+    }
+    for (int s = 0; s < n; ++s)
+      if (s != me)
+        ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_count) + s, st, s, "ep: token counts"));
+    memcpy(w->mat, w->symm + w->off_counts + (st & 1) * (size_t)n * row * 8,
+           (size_t)n * row * 8);
+
+    int64_t in_me = 0, rounds = 0;
+    int more = 0;
+    for (int d = 0; d < n; ++d) {
+      int64_t in = 0;
+      for (int s = 0; s < n; ++s) {
+        if (s == me) w->pre[d] = in;
+        in += w->mat[(size_t)s * row + d];
+      }
+      const int64_t r = (in + w->cap - 1) / w->cap;
+      if (r > rounds) rounds = r;
+      if (d == me) in_me = in;
+    }
+    for (int s = 0; s < n; ++s) more |= w->mat[(size_t)s * row + (size_t)n] != 0;
+
+    /* The shared expert of this rank's tokens (into front's sh_out). */
+    if (ts > 0 && c->shared_inter > 0) {
+      moelink_plan_t none;
+      ML_TRY(moelink_plan_view(fws->plan, 0, w->k, w->E, w->front->tile_rows, &none));
+      memset(none.expert_offsets, 0, sizeof(int32_t) * ((size_t)w->E + 1));
+      ml_cpu_ffn job;
+      memset(&job, 0, sizeof job);
+      job.x = x32;
+      job.x_dtype = MOELINK_DTYPE_F32;
+      job.num_tokens = ts;
+      job.plan = &none;
+      job.y32 = fws->xg;
+      job.x32 = x32;
+      ML_TRY(ml_cpu_run_ffn(w->front, &job));
+    }
+
+    for (int64_t j = 0; j < rounds; ++j) {
+      const uint64_t re = ++w->rounds;
+      const int64_t lo = j * w->cap;
+      ML_TRY(ml_ep_send_round(ep, xs, lo, re));
+      for (int s = 0; s < n; ++s)
+        if (s != me)
+          ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_arrive) + s, re, s,
+                             "ep: dispatched token rows"));
+      const int64_t nrecv = in_me - lo < w->cap ? in_me - lo : w->cap;
+      if (nrecv > 0) ML_TRY(ml_ep_serve(w, (int)nrecv));
+      for (int s = 0; s < n; ++s) ml_cpu_signal_set(ml_ep_sig(w, s, w->off_back) + me, re);
+    }
+    if (rounds > 0)
+      for (int d = 0; d < n; ++d)
+        if (d != me)
+          ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_back) + d, w->rounds, d,
+                             "ep: expert outputs returned"));
+
+    if (ts > 0) {
+      moelink_plan_t ident;
+      memset(&ident, 0, sizeof ident);
+      ident.pair_rows = w->ident;
+      ML_TRY(ml_cpu_combine_rows(w->front, w->symm + w->off_ret, MOELINK_DTYPE_F32, ts, &ident,
+                                 c->shared_inter > 0 ? fws->sh_out : NULL,
+                                 (char *)out + (size_t)done * w->row_bytes));
+    }
+    done += ts;
+    if (!more) break;
+  }
+  return MOELINK_SUCCESS;
+}
+
+static const ml_ep_ops ml_ep_cpu_table = {
+    "cpu", ml_ep_cpu_size, ml_ep_cpu_init, ml_ep_cpu_fini, ml_ep_cpu_set_weights,
+    ml_ep_cpu_forward,
+};
+
+const ml_ep_ops *ml_ep_cpu_ops(void) { return &ml_ep_cpu_table; }

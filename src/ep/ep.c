@@ -1,0 +1,189 @@
+/* Expert parallelism, front end: every public ep entry point checks its
+ * arguments here, so a backend (src/ep/cpu/, later src/ep/cuda/) only sees a
+ * valid config, bound weights and usable buffers. Nothing here knows how
+ * ranks talk. */
+#include "ep/ep.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* No CUDA implementation exists yet, with or without NCCL: a CUDA
+ * communicator gets UNSUPPORTED from ml_ep_table. When src/ep/cuda/ provides
+ * one, this definition moves under #ifndef MOELINK_HAVE_NCCL as in tp.c. */
+const ml_ep_ops *ml_ep_cuda_ops(void) { return NULL; }
+
+static moelink_status_t ml_ep_table(moelink_comm_t comm, const ml_ep_ops **ops) {
+  *ops = NULL;
+  switch (comm->ctx->backend) {
+  case MOELINK_BACKEND_CPU: *ops = ml_ep_cpu_ops(); break;
+  case MOELINK_BACKEND_CUDA: *ops = ml_ep_cuda_ops(); break;
+  }
+  if (!*ops)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep: expert parallelism is not implemented for the %s backend in this build "
+                   "(CPU ranks only for now)",
+                   comm->ctx->backend == MOELINK_BACKEND_CUDA ? "cuda" : "given");
+  return MOELINK_SUCCESS;
+}
+
+/* Checks cfg for comm and copies it into *out with recv_capacity resolved. */
+static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                           moelink_ep_config_t *out) {
+  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: communicator is NULL");
+  if (!cfg) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: config is NULL");
+  if (cfg->size != sizeof *cfg)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep: config size %zu != %zu: initialize with MOELINK_EP_CONFIG_INIT",
+                   cfg->size, sizeof *cfg);
+  moelink_status_t s = moelink_moe_config_check(&cfg->moe);
+  if (s != MOELINK_SUCCESS) {
+    char why[400];
+    snprintf(why, sizeof why, "%s", moelink_last_error());
+    return ml_fail(s, "ep: config.moe: %s", why);
+  }
+  const int n = comm->nranks, E = cfg->moe.num_experts;
+  if (E % n != 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep: num_experts %d is not a multiple of the %d ranks: experts are split "
+                   "evenly (E / ranks per rank)",
+                   E, n);
+  if (cfg->recv_capacity < 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: recv_capacity %d must be >= 0 (0: default)",
+                   cfg->recv_capacity);
+  *out = *cfg;
+  if (out->recv_capacity == 0) {
+    const int64_t spread = n < cfg->moe.top_k ? n : cfg->moe.top_k;
+    const int64_t cap = (int64_t)cfg->moe.max_tokens * spread;
+    out->recv_capacity = cap > INT32_MAX / 4 / cfg->moe.top_k
+                             ? (int)(INT32_MAX / 4 / cfg->moe.top_k)
+                             : (int)cap;
+  }
+  /* Received rows times slots index int32 plans on the expert side. */
+  if ((int64_t)out->recv_capacity * cfg->moe.top_k > INT32_MAX / 4)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: recv_capacity %d * top_k %d is too large",
+                   out->recv_capacity, cfg->moe.top_k);
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                           size_t *bytes) {
+  ml_clear_error();
+  if (!bytes) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_workspace_size: bytes is NULL");
+  *bytes = 0;
+  moelink_ep_config_t c;
+  ML_TRY(ml_ep_config_check(comm, cfg, &c));
+  const ml_ep_ops *ops;
+  ML_TRY(ml_ep_table(comm, &ops));
+  return ops->workspace_size(comm, &c, bytes);
+}
+
+moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                   moelink_ep_t *out) {
+  ml_clear_error();
+  if (!out) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_create: out is NULL");
+  *out = NULL;
+  moelink_ep_config_t c;
+  ML_TRY(ml_ep_config_check(comm, cfg, &c));
+  const ml_ep_ops *ops;
+  ML_TRY(ml_ep_table(comm, &ops));
+  moelink_ep_t ep = (moelink_ep_t)calloc(1, sizeof *ep);
+  if (!ep) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep_create: out of host memory");
+  ep->comm = comm;
+  ep->cfg = c;
+  ep->local_experts = c.moe.num_experts / comm->nranks;
+  ep->first_expert = comm->rank * ep->local_experts;
+  ep->ops = ops;
+  moelink_status_t s = ops->init(ep);
+  if (s != MOELINK_SUCCESS) {
+    free(ep);
+    return s;
+  }
+  *out = ep;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_destroy(moelink_ep_t ep) {
+  ml_clear_error();
+  if (!ep) return MOELINK_SUCCESS;
+  ep->ops->fini(ep);
+  free(ep);
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_get_config(moelink_ep_t ep, moelink_ep_config_t *cfg,
+                                       int *first_expert, int *local_experts) {
+  ml_clear_error();
+  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_get_config: ep is NULL");
+  if (cfg) *cfg = ep->cfg;
+  if (first_expert) *first_expert = ep->first_expert;
+  if (local_experts) *local_experts = ep->local_experts;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_set_weights(moelink_ep_t ep, const moelink_moe_weights_t *w) {
+  ml_clear_error();
+  const moelink_status_t bad = MOELINK_ERR_INVALID_ARGUMENT;
+  if (!ep) return ml_fail(bad, "ep_set_weights: ep is NULL");
+  if (!w) return ml_fail(bad, "ep_set_weights: weights is NULL");
+  if (w->size != sizeof *w)
+    return ml_fail(bad, "ep_set_weights: weights size %zu != %zu: initialize with "
+                        "MOELINK_MOE_WEIGHTS_INIT",
+                   w->size, sizeof *w);
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  if (w->dtype != c->dtype)
+    return ml_fail(MOELINK_ERR_DTYPE_MISMATCH, "ep_set_weights: weights dtype %s != layer dtype %s",
+                   moelink_dtype_name(w->dtype), moelink_dtype_name(c->dtype));
+  if (!w->router) return ml_fail(bad, "ep_set_weights: router [E, H] is NULL");
+  if (!w->gate_up)
+    return ml_fail(bad, "ep_set_weights: gate_up (this rank's %d experts) is NULL",
+                   ep->local_experts);
+  if (!w->down)
+    return ml_fail(bad, "ep_set_weights: down (this rank's %d experts) is NULL",
+                   ep->local_experts);
+  if (c->correction_bias != !!w->correction_bias)
+    return ml_fail(bad, "ep_set_weights: correction_bias %s but config.correction_bias is %d",
+                   w->correction_bias ? "given" : "is NULL", c->correction_bias);
+  const int has_shared = w->shared_gate_up || w->shared_down;
+  if (c->shared_inter > 0 && (!w->shared_gate_up || !w->shared_down))
+    return ml_fail(bad, "ep_set_weights: shared_gate_up/shared_down are NULL but shared_inter is %d",
+                   c->shared_inter);
+  if (c->shared_inter == 0 && has_shared)
+    return ml_fail(bad, "ep_set_weights: shared expert weights given but config.shared_inter is 0");
+  if (c->shared_gate != !!w->shared_gate)
+    return ml_fail(bad, "ep_set_weights: shared_gate %s but config.shared_gate is %d",
+                   w->shared_gate ? "given" : "is NULL", c->shared_gate);
+  ep->w = *w;
+  moelink_status_t s = ep->ops->set_weights(ep);
+  ep->has_weights = s == MOELINK_SUCCESS;
+  return s;
+}
+
+moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_tokens, void *out,
+                                    void *stream) {
+  ml_clear_error();
+  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_forward: ep is NULL");
+  if (!ep->has_weights)
+    return ml_fail(MOELINK_ERR_INVALID_STATE, "ep_forward before moelink_ep_set_weights on rank %d",
+                   ep->comm->rank);
+  /* A bad argument is this rank's alone: it still serves its experts with no
+   * tokens of its own, so the peers finish the call. */
+  char why[200] = "";
+  const size_t row = (size_t)ep->cfg.moe.hidden * moelink_dtype_size(ep->cfg.moe.dtype);
+  if (num_tokens < 0) {
+    snprintf(why, sizeof why, "num_tokens %d must be >= 0", num_tokens);
+  } else if (num_tokens > 0 && (!x || !out)) {
+    snprintf(why, sizeof why, "%s is NULL with num_tokens %d", !x ? "x" : "out", num_tokens);
+  } else if (num_tokens > 0) {
+    const uintptr_t xs = (uintptr_t)x, os = (uintptr_t)out, len = row * (size_t)num_tokens;
+    if (xs < os + len && os < xs + len) snprintf(why, sizeof why, "x and out overlap");
+  }
+  if (why[0]) {
+    moelink_status_t s = ep->ops->forward(ep, NULL, 0, NULL, stream);
+    if (s != MOELINK_SUCCESS) return s;
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep_forward on rank %d: %s (took part with no tokens)", ep->comm->rank, why);
+  }
+  return ep->ops->forward(ep, x, num_tokens, out, stream);
+}

@@ -1,0 +1,49 @@
+/* Expert parallelism, internals: the front end (src/ep/ep.c) checks every
+ * argument and calls one of these tables; the CPU table lives in src/ep/cpu/,
+ * a CUDA one will live in src/ep/cuda/ (built with the NCCL communicator). */
+#ifndef MOELINK_EP_H
+#define MOELINK_EP_H
+
+#include "comm/comm.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct moelink_ep {
+  moelink_comm_t comm;
+  moelink_ep_config_t cfg; /* checked; recv_capacity resolved (>= 1) */
+  int first_expert;        /* rank * local_experts */
+  int local_experts;       /* E / nranks */
+  moelink_moe_weights_t w; /* as bound by set_weights (checked) */
+  int has_weights;
+  const struct ml_ep_ops *ops;
+  void *impl;
+};
+
+typedef struct ml_ep_ops {
+  const char *name;
+  /* Per-rank bytes for a checked cfg on comm. */
+  moelink_status_t (*workspace_size)(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                     size_t *bytes);
+  /* Allocates ep->impl (collective). */
+  moelink_status_t (*init)(moelink_ep_t ep);
+  void (*fini)(moelink_ep_t ep);
+  /* Binds checked weights (ep->w is already set). */
+  moelink_status_t (*set_weights)(moelink_ep_t ep);
+  /* The layer; the front end guarantees weights are bound, num_tokens >= 0,
+   * x and out non-NULL and apart when num_tokens > 0. num_tokens may exceed
+   * moe.max_tokens (the backend steps through it). */
+  moelink_status_t (*forward)(moelink_ep_t ep, const void *x, int num_tokens, void *out,
+                              void *stream);
+} ml_ep_ops;
+
+const ml_ep_ops *ml_ep_cpu_ops(void);
+/* NULL while there is no CUDA implementation (or no NCCL communicator). */
+const ml_ep_ops *ml_ep_cuda_ops(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
