@@ -3,8 +3,8 @@
 
     python3 bench/perf_table.py bench/results/<run>/
 
-Reads bench_<preset>.json (moelink bench: time beside the floors measured in the same
-process) and torch_<preset>.json (bench/compare_torch.py: moelink and the two PyTorch
+Reads bench_<preset>.json and bench_graph_<preset>.json (moelink bench, eager and
+CUDA-graph replays: time beside the floors measured in the same process) and torch_<preset>.json (bench/compare_torch.py: moelink and the two PyTorch
 pipelines timed in one process; the speedups come from that file alone)."""
 import glob
 import json
@@ -14,9 +14,15 @@ import sys
 
 def main(folder):
     for path in sorted(glob.glob(os.path.join(folder, "bench_*.json"))):
-        preset = os.path.basename(path)[len("bench_"):-len(".json")]
+        preset = os.path.basename(path)[len("bench_"):-len(".json")].replace("graph_", "")
         b = json.load(open(path))
-        tpath = os.path.join(folder, "torch_%s.json" % preset)
+        if "floors" not in b:  # bench comm / bench tp: tables of their own
+            continue
+        if b.get("timing") == "cuda graph replay":
+            preset += ", CUDA-graph replay"
+        tpath = os.path.join(folder, "torch_%s.json" % preset.split(",")[0])
+        if "graph" in preset:
+            tpath = ""
         torch_rows = {}
         if os.path.exists(tpath):
             for r in json.load(open(tpath))["results"]:
