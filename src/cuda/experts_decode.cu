@@ -16,8 +16,12 @@
 MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
 /* Programmatic dependent launch of the decode GEMMs (0: plain launches). */
 MOELINK_PARAM(DECODE_PDL, 1)
-/* CTAs per SM the split policy aims for: two resident a SM, two waves. */
-MOELINK_PARAM(DECODE_CTAS_PER_SM, 4)
+/* CTAs per SM the split policy aims for. 1 (fewer, longer K splits: each
+ * CTA fills and drains its cp.async ring once) measured best on the H200
+ * (graph replay, commit 7e75c9f): qwen3-30b-a3b T = 1 70.5 -> 62.7 us,
+ * mixtral-8x7b T = 1 240.8 -> 225.2, deepseek-v3 T = 1 298.4 -> 289.1,
+ * T = 8..128 within 1% (4 before). */
+MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
 
 /* A split streams at least this many 64-wide k tiles (128 weight rows x 256
  * columns = 64 KiB), and there are at most this many splits. */
