@@ -542,8 +542,11 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * different configs all fail). Errors: INVALID_ARGUMENT (NULL, bad size
  * field, a bad moe config: the message names the field, num_experts not a
  * multiple of the rank count, recv_capacity < 0), UNSUPPORTED (no
- * expert-parallel ops for the communicator's backend in this build: the CUDA
- * backend has none yet; fp8), OUT_OF_MEMORY, TIMEOUT (a peer never came). */
+ * expert-parallel ops for the communicator's backend in this build: CUDA
+ * needs the NCCL communicator and all ranks in one NVLink domain; fp8),
+ * OUT_OF_MEMORY, TIMEOUT (a peer never came). On CUDA this version receives
+ * every rank's whole step at once (buffers for ranks * moe.max_tokens rows,
+ * still fixed by the config) and ignores recv_capacity. */
 MOELINK_API moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelink_ep_config_t *cfg,
                                                moelink_ep_t *out);
 
@@ -577,7 +580,9 @@ MOELINK_API moelink_status_t moelink_ep_set_weights(moelink_ep_t ep,
  * memory (steps of moe.max_tokens tokens, rounds of recv_capacity received
  * rows). x and out must not overlap. Deterministic: the same inputs on every
  * rank give bitwise the same output. On CUDA: stream-ordered, no host
- * synchronization. A rank whose own arguments are bad (NULL x or out with
+ * synchronization, graph-capturable, and (this version) num_tokens <=
+ * moe.max_tokens on every call (more: UNSUPPORTED; split the batch, every
+ * rank making the same number of calls). A rank whose own arguments are bad (NULL x or out with
  * T > 0, overlap, T < 0) still takes part with no tokens, so its peers finish,
  * and then reports INVALID_ARGUMENT. Errors: INVALID_ARGUMENT, INVALID_STATE
  * (no weights set on this rank: it does not take part and its peers report

@@ -1,5 +1,5 @@
 /* Expert parallelism, front end: every public ep entry point checks its
- * arguments here, so a backend (src/ep/cpu/, later src/ep/cuda/) only sees a
+ * arguments here, so a backend (src/ep/cpu/, src/ep/cuda/) only sees a
  * valid config, bound weights and usable buffers. Nothing here knows how
  * ranks talk. */
 #include "ep/ep.h"
@@ -9,10 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* No CUDA implementation exists yet, with or without NCCL: a CUDA
- * communicator gets UNSUPPORTED from ml_ep_table. When src/ep/cuda/ provides
- * one, this definition moves under #ifndef MOELINK_HAVE_NCCL as in tp.c. */
+/* The CUDA implementation (src/ep/cuda/) is built with the NCCL communicator. */
+#ifndef MOELINK_HAVE_NCCL
 const ml_ep_ops *ml_ep_cuda_ops(void) { return NULL; }
+#endif
 
 static moelink_status_t ml_ep_table(moelink_comm_t comm, const ml_ep_ops **ops) {
   *ops = NULL;
@@ -22,8 +22,8 @@ static moelink_status_t ml_ep_table(moelink_comm_t comm, const ml_ep_ops **ops) 
   }
   if (!*ops)
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "ep: expert parallelism is not implemented for the %s backend in this build "
-                   "(CPU ranks only for now)",
+                   "ep: expert parallelism is not available for the %s backend in this build "
+                   "(the cuda one needs the NCCL communicator)",
                    comm->ctx->backend == MOELINK_BACKEND_CUDA ? "cuda" : "given");
   return MOELINK_SUCCESS;
 }

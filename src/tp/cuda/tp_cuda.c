@@ -36,6 +36,7 @@
 
 #include <cublas_v2.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -216,10 +217,16 @@ static moelink_status_t ml_tpc_init(moelink_tp_t tp) {
   ml_tpc *t = (ml_tpc *)calloc(1, sizeof *t);
   moelink_status_t s = t ? ml_tpc_init_inner(tp, t)
                          : ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "tp_create: out of host memory");
-  if (s == MOELINK_SUCCESS)
+  if (s == MOELINK_SUCCESS) {
     tp->impl = t;
-  else if (t)
+  } else if (t) {
+    /* the cleanup frees symmetric memory through the public call, which
+     * clears the message */
+    char why[512];
+    snprintf(why, sizeof why, "%s", moelink_last_error());
     ml_tpc_release(tp, t);
+    s = ml_fail(s, "%s", why);
+  }
   return ml_cuda_leave(tp->comm->ctx, prev, s);
 }
 

@@ -1,0 +1,303 @@
+/* The expert-parallel layer on CUDA ranks (one GPU each, all in one NVLink
+ * domain): one stream-ordered sequence of launches per forward, no host
+ * synchronization, capturable in a CUDA graph.
+ *
+ * Each rank holds two CUDA layers of its own: `front`, the whole layer's
+ * config, used only for routing (its expert pointers are bound but never
+ * read), and `local`, its El = E / n experts with top_k kl = min(k, El) and
+ * max_tokens = cap = n * max_tokens, run on the rows it receives. And one
+ * symmetric buffer, laid out the same on every rank:
+ *   arrive[n]        8-byte cells: arrive[s] = call << 32 | rows s sent here
+ *   return[n]        return[d] = call: d has pushed back its outputs of the call
+ *   meta[cap][1+2k]  per received row: source token, the k expert ids as local
+ *                    ids (-1: another rank's), the k routing weights (fp32 bits)
+ *   rows[cap][H]     received token rows; source s owns rows
+ *                    [s * max_tokens, (s + 1) * max_tokens)
+ *   ret[max_tokens * k][H]  the output of slot j of token t (already times its
+ *                    routing weight, rounded to the dtype) at row t*k + j,
+ *                    written by the rank that owns that expert
+ *
+ * A forward (T <= max_tokens tokens on this rank; the call number counts
+ * forwards, in device memory):
+ *  1. route (front layer); per destination rank, in token order, the tokens
+ *     with at least one expert there (each token once per destination);
+ *  2. push those rows and their meta into each destination's rows of this
+ *     source; the last CTA signals each destination ARRIVE with the count;
+ *  3. wait for every source's ARRIVE; lay the received rows' local experts out
+ *     as a [cap, kl] id list (-1 for empty rows and slots);
+ *  4. plan + expert GEMMs of the local layer on the cap rows (empty ones cost
+ *     nothing: the plan drops them);
+ *  5. push each (row, slot) output into its source's ret at (token, slot);
+ *     the last CTA signals every source RETURN;
+ *  6. meanwhile this rank's shared expert; wait for every rank's RETURN;
+ *     combine out[t] = sum_j ret[t*k + j] in slot order (+ gated shared
+ *     expert), fp32, one rounding: the single-GPU layer's combine kernel.
+ * Reuse is safe without further handshakes: a source writes a destination's
+ * rows, meta and ARRIVE cell for call c + 1 only after it saw that
+ * destination's RETURN of call c, which the destination sends after it has
+ * read them; a destination writes a source's ret for call c + 1 only after
+ * that source's rows of call c + 1 arrived, which it sends after its combine
+ * of call c. Every wait gives up after MOELINK_COMM_TIMEOUT_MS.
+ *
+ * Memory: the two layers' workspaces, the symmetric buffer and the scratch
+ * below, all from the config (cap = n * max_tokens rows: every source's
+ * whole step fits, whatever the routing). This first CUDA version takes one
+ * step per call: T <= max_tokens (recv_capacity is not needed). */
+#include "ep/ep.h"
+
+#include "cuda/cuda.h"
+#include "cuda/pipeline.h"
+#include "ep/cuda/ep_cuda.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct ml_epc {
+  moelink_moe_t front, local;
+  ml_epc_args a;
+  char *symm;           /* this rank's symmetric buffer */
+  char *dev;            /* one cudaMalloc for the scratch below */
+  int32_t *ids;         /* [max_tokens * k] */
+  float *wts;           /* [max_tokens * k] */
+  int32_t *ident;       /* [max_tokens * k]: pair p's output is ret row p */
+  void *plan;           /* the local layer's plan for cap rows */
+  void *y;              /* [cap * kl][H] expert outputs, permuted */
+  void *sh_h;           /* [max_tokens][Is] */
+  float *sh_out;        /* [max_tokens][H] */
+  int cap;
+} ml_epc;
+
+static size_t ml_epc_up(size_t v) { return (v + 255) & ~(size_t)255; }
+
+static moelink_moe_config_t ml_epc_local_config(const moelink_ep_config_t *cfg, int n) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  moelink_moe_config_t l = MOELINK_MOE_CONFIG_INIT;
+  const int El = c->num_experts / n;
+  l.hidden = c->hidden;
+  l.inter = c->inter;
+  l.num_experts = El;
+  l.top_k = c->top_k < El ? c->top_k : El;
+  l.dtype = c->dtype;
+  l.max_tokens = n * c->max_tokens;
+  return l;
+}
+
+/* Symmetric layout (offsets into a) and its size. */
+static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  const size_t k = (size_t)c->top_k, H = (size_t)c->hidden, es = moelink_dtype_size(c->dtype);
+  const size_t cap = (size_t)n * (size_t)c->max_tokens;
+  size_t off = 0;
+  a->off_arrive = off;
+  off = ml_epc_up(off + (size_t)n * 8);
+  a->off_return = off;
+  off = ml_epc_up(off + (size_t)n * 8);
+  a->off_meta = off;
+  off = ml_epc_up(off + cap * (1 + 2 * k) * 4);
+  a->off_rows = off;
+  off = ml_epc_up(off + cap * H * es);
+  a->off_ret = off;
+  off = ml_epc_up(off + (size_t)c->max_tokens * k * H * es);
+  return off;
+}
+
+/* Device scratch layout (base NULL: only sizes it). */
+static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w, char *base) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  const moelink_moe_config_t l = ml_epc_local_config(cfg, n);
+  const size_t T = (size_t)c->max_tokens, k = (size_t)c->top_k, H = (size_t)c->hidden;
+  const size_t cap = (size_t)n * T, kl = (size_t)l.top_k, es = moelink_dtype_size(c->dtype);
+  const size_t Is = (size_t)c->shared_inter;
+  size_t off = 0;
+#define ML_EPC_TAKE(ptr, type, bytes)                                          \
+  do {                                                                         \
+    if (base) ptr = (type)(void *)(base + off);                                \
+    off = ml_epc_up(off + (size_t)(bytes));                                    \
+  } while (0)
+  ML_EPC_TAKE(w->a.epoch, uint64_t *, 64);
+  ML_EPC_TAKE(w->a.ticket, unsigned *, 64);
+  ML_EPC_TAKE(w->a.pos, int32_t *, T * (size_t)n * 4);
+  ML_EPC_TAKE(w->a.count, int32_t *, (size_t)n * 4);
+  ML_EPC_TAKE(w->a.lids, int32_t *, cap * kl * 4);
+  ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
+  ML_EPC_TAKE(w->a.lslot, int32_t *, cap * kl * 4);
+  ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
+  ML_EPC_TAKE(w->wts, float *, T * k * 4);
+  ML_EPC_TAKE(w->ident, int32_t *, T * k * 4);
+  ML_EPC_TAKE(w->plan, void *,
+              moelink_plan_bytes((int)cap, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
+  ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
+  ML_EPC_TAKE(w->sh_h, void *, T * Is * es);
+  ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
+#undef ML_EPC_TAKE
+  return off;
+}
+
+static moelink_status_t ml_epc_check(moelink_comm_t comm, const moelink_ep_config_t *cfg) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  if (comm->nranks > ML_EPC_MAX_RANKS)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "ep (cuda): %d ranks (at most %d, one NVLink domain)",
+                   comm->nranks, ML_EPC_MAX_RANKS);
+  if ((int64_t)comm->nranks * c->max_tokens * c->top_k > INT32_MAX / 4)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep (cuda): %d ranks x max_tokens %d x top_k %d received pairs is too many",
+                   comm->nranks, c->max_tokens, c->top_k);
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                    size_t *bytes) {
+  ML_TRY(ml_epc_check(comm, cfg));
+  ml_epc w;
+  memset(&w, 0, sizeof w);
+  size_t a = 0, b = 0;
+  const moelink_moe_config_t lc = ml_epc_local_config(cfg, comm->nranks);
+  ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
+  ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
+  *bytes = a + b + ml_epc_symm_layout(cfg, comm->nranks, &w.a) +
+           ml_epc_dev_layout(cfg, comm->nranks, &w, NULL);
+  return MOELINK_SUCCESS;
+}
+
+static void ml_epc_fini(moelink_ep_t ep) {
+  ml_epc *w = (ml_epc *)ep->impl;
+  if (!w) return;
+  int prev;
+  if (ml_cuda_enter(ep->comm->ctx, &prev) == MOELINK_SUCCESS) {
+    (void)cudaDeviceSynchronize();
+    if (w->dev) (void)cudaFree(w->dev);
+    (void)ml_cuda_leave(ep->comm->ctx, prev, MOELINK_SUCCESS);
+  }
+  if (w->symm) (void)moelink_symm_free(ep->comm, w->symm);
+  moelink_moe_destroy(w->front);
+  moelink_moe_destroy(w->local);
+  free(w);
+  ep->impl = NULL;
+}
+
+static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
+  moelink_comm_t comm = ep->comm;
+  const moelink_ep_config_t *cfg = &ep->cfg;
+  const moelink_moe_config_t *c = &cfg->moe;
+  ML_TRY(ml_epc_check(comm, cfg));
+  const moelink_moe_config_t lc = ml_epc_local_config(cfg, comm->nranks);
+  ML_TRY(moelink_moe_create(comm->ctx, c, &w->front));
+  ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
+  ml_epc_args *a = &w->a;
+  ML_TRY(moelink_comm_device(comm, &a->dc));
+  a->n = comm->nranks;
+  a->me = comm->rank;
+  a->k = c->top_k;
+  a->kl = lc.top_k;
+  a->El = ep->local_experts;
+  a->H = c->hidden;
+  a->es = (int)moelink_dtype_size(c->dtype);
+  a->max_tokens = c->max_tokens;
+  w->cap = comm->nranks * c->max_tokens;
+
+  const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
+  ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));
+  moelink_symm_view_t v;
+  ML_TRY(moelink_symm_view(comm, w->symm, &v));
+  for (int r = 0; r < comm->nranks; ++r) a->base[r] = v.base[r];
+
+  int prev;
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  const size_t dev_bytes = ml_epc_dev_layout(cfg, comm->nranks, w, NULL);
+  cudaError_t e = cudaMalloc((void **)&w->dev, dev_bytes);
+  if (e == cudaSuccess) e = cudaMemset(w->dev, 0, dev_bytes);
+  moelink_status_t s = MOELINK_SUCCESS;
+  if (e != cudaSuccess)
+    s = ml_fail(e == cudaErrorMemoryAllocation ? MOELINK_ERR_OUT_OF_MEMORY : MOELINK_ERR_CUDA,
+                "ep (cuda): %zu bytes of scratch: %s", dev_bytes, cudaGetErrorString(e));
+  if (s == MOELINK_SUCCESS) {
+    (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
+    s = ml_epc_iota(w->ident, c->max_tokens * c->top_k, NULL);
+  }
+  if (s == MOELINK_SUCCESS && cudaDeviceSynchronize() != cudaSuccess)
+    s = ml_fail(MOELINK_ERR_CUDA, "ep (cuda): setting up the scratch failed");
+  return ml_cuda_leave(comm->ctx, prev, s);
+}
+
+static moelink_status_t ml_epc_init(moelink_ep_t ep) {
+  ml_epc *w = (ml_epc *)calloc(1, sizeof *w);
+  if (!w) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep (cuda): state allocation failed");
+  ep->impl = w;
+  moelink_status_t s = ml_epc_init_inner(ep, w);
+  if (s != MOELINK_SUCCESS) {
+    /* the cleanup goes through public calls, which clear the message */
+    char why[512];
+    snprintf(why, sizeof why, "%s", moelink_last_error());
+    ml_epc_fini(ep);
+    return ml_fail(s, "%s", why);
+  }
+  return s;
+}
+
+static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
+  ml_epc *w = (ml_epc *)ep->impl;
+  /* The front layer routes and nothing else: its expert pointers (this
+   * rank's slices) are bound because a layer needs them, never read. */
+  ML_TRY(moelink_moe_set_weights(w->front, &ep->w));
+  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
+  lw.dtype = ep->w.dtype;
+  lw.router = ep->w.router; /* the local layer never routes */
+  lw.gate_up = ep->w.gate_up;
+  lw.down = ep->w.down;
+  return moelink_moe_set_weights(w->local, &lw);
+}
+
+static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
+                                             void *out, cudaStream_t st) {
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  const moelink_moe_weights_t *wt = &ep->w;
+  const ml_epc_args *a = &w->a;
+  ML_TRY(ml_epc_begin(a, st));
+  if (T > 0) ML_TRY(moelink_moe_route(w->front, x, T, w->ids, w->wts, st));
+  ML_TRY(ml_epc_destinations(a, w->ids, T, st));
+  ML_TRY(ml_epc_send(a, x, w->ids, w->wts, T, st));
+  if (T > 0 && c->shared_inter > 0) {
+    /* the shared expert of this rank's tokens, while the peers send */
+    ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up,
+                               c->shared_inter, c->hidden, NULL, NULL, 0, T, w->sh_h, st));
+    ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
+                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, st));
+  }
+  ML_TRY(ml_epc_receive(a, st));
+  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+  ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
+                             w->y, st));
+  moelink_plan_t lp;
+  ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
+  ML_TRY(ml_epc_return(a, w->y, lp.pair_rows, st));
+  ML_TRY(ml_epc_wait_returns(a, st));
+  if (T == 0) return MOELINK_SUCCESS;
+  return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, w->ident, T, c->top_k, c->hidden,
+                         c->shared_inter > 0 ? w->sh_out : NULL, x,
+                         c->shared_gate ? wt->shared_gate : NULL, out, st);
+}
+
+static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_tokens, void *out,
+                                       void *stream) {
+  ml_epc *w = (ml_epc *)ep->impl;
+  if (num_tokens > ep->cfg.moe.max_tokens)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep_forward (cuda): %d tokens on rank %d; this version takes at most "
+                   "max_tokens %d per call (split the batch; every rank must make the same "
+                   "number of calls)",
+                   num_tokens, ep->comm->rank, ep->cfg.moe.max_tokens);
+  if (num_tokens > 0 && ((((uintptr_t)x) | ((uintptr_t)out)) & 15))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep_forward (cuda): x %p and out %p must be 16-byte aligned", x, out);
+  int prev;
+  ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
+  moelink_status_t s = ml_epc_forward_inner(ep, w, x, num_tokens, out, (cudaStream_t)stream);
+  return ml_cuda_leave(ep->comm->ctx, prev, s);
+}
+
+static const ml_ep_ops ml_epc_ops = {"cuda", ml_epc_size, ml_epc_init, ml_epc_fini,
+                                     ml_epc_set_weights, ml_epc_forward};
+
+const ml_ep_ops *ml_ep_cuda_ops(void) { return &ml_epc_ops; }

@@ -1,0 +1,72 @@
+/* The CUDA expert-parallel layer: declarations shared by its host side
+ * (ep_cuda.c) and its kernels (ep_kernels.cu). Protocol and layout are in
+ * ep_cuda.c's header comment. */
+#ifndef MOELINK_EP_CUDA_H
+#define MOELINK_EP_CUDA_H
+
+#include "moelink_device.cuh"
+
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define ML_EPC_MAX_RANKS MOELINK_DEVICE_MAX_RANKS
+
+/* Primitive ids of the waits, for timeout messages. */
+#define ML_EPC_PRIM_ARRIVE 48
+#define ML_EPC_PRIM_RETURN 49
+
+/* Everything a kernel needs about the layer and this rank. */
+typedef struct ml_epc_args {
+  moelink_device_comm_t dc;
+  int n, me, k, kl, El, H, es, max_tokens;
+  /* Each rank's symmetric buffer, as this rank addresses it, and the offsets
+   * of its parts (the same on every rank). */
+  char *base[ML_EPC_MAX_RANKS];
+  size_t off_arrive, off_return, off_meta, off_rows, off_ret;
+  uint64_t *epoch;   /* this rank's call count */
+  unsigned *ticket;  /* zero between kernels */
+  /* this rank's device scratch */
+  int32_t *pos;      /* [max_tokens][n]: row of token t at rank d (-1: not sent) */
+  int32_t *count;    /* [n]: rows sent to each rank */
+  int32_t *lids;     /* [cap][kl] local expert ids of the received rows (-1: none) */
+  float *lwts;       /* [cap][kl] */
+  int32_t *lslot;    /* [cap][kl] slot j at the source */
+} ml_epc_args;
+
+/* epoch += 1 (one thread). */
+moelink_status_t ml_epc_begin(const ml_epc_args *a, cudaStream_t stream);
+
+/* Which ranks each of the T tokens goes to and its row there: pos, count. */
+moelink_status_t ml_epc_destinations(const ml_epc_args *a, const int32_t *ids, int T,
+                                     cudaStream_t stream);
+
+/* Pushes the tokens' rows and meta into the destinations' buffers, then
+ * signals each destination the count (ARRIVE). */
+moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t *ids,
+                             const float *weights, int T, cudaStream_t stream);
+
+/* Waits for every source's ARRIVE, then builds lids / lwts / lslot for the
+ * cap = n * max_tokens received rows. */
+moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
+
+/* Pushes each valid (row, local slot) output y[pair_rows[p]] into its source's
+ * return rows, then signals every source (RETURN). */
+moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y, const int32_t *pair_rows,
+                               cudaStream_t stream);
+
+/* Waits until every rank has signalled RETURN for this call. */
+moelink_status_t ml_epc_wait_returns(const ml_epc_args *a, cudaStream_t stream);
+
+/* ids[i] = i for i < n (device). */
+moelink_status_t ml_epc_iota(int32_t *ids, int n, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

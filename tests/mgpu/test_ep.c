@@ -1,0 +1,731 @@
+/* Expert parallelism (moelink_ep_*) on GPU ranks, against the single-GPU
+ * layer. Every rank builds the whole layer on its own GPU from the
+ * counter-based generator (the same seeds everywhere, so the same weights),
+ * binds its slice of the experts to the EP layer, and runs
+ * moelink_moe_forward of a single-GPU layer with all E experts over the
+ * concatenation of all ranks' tokens in rank order (it regenerates the other
+ * ranks' x from their seeds): its own rows of that output are the reference
+ * for its EP output.
+ *
+ * The EP combine adds the same terms in the same order as the single-GPU
+ * layer, but its GEMMs see other batches (a rank's own tokens, what arrived
+ * from the peers), so the last bits may differ: outputs must agree to a
+ * relative L2 of 1e-2 (a wrong routing decision, a lost or doubled
+ * contribution, a wrong expert's weights are all O(1)); the test reports how
+ * many elements match bitwise and the largest absolute difference. One config
+ * is also checked row by row against the fp64 host reference (tests/ref), so
+ * the two GPU paths cannot share a bug unseen.
+ *
+ * Cases: reduced Mixtral (softmax top-2), DeepSeek (sigmoid, correction bias,
+ * groups, scaling, ungated shared expert), Qwen2 (gated shared expert, no
+ * renormalization; also in f16), Qwen3 (k = 8), top-k-then-softmax; token
+ * counts per rank 0 / max_tokens / 1 / odd / random, different on each rank;
+ * every token routed to rank 0's experts (skew); two calls bitwise equal;
+ * outputs poisoned with 0xff bytes and guard rows past the end; 100
+ * back-to-back calls; one call captured in a CUDA graph and replayed with new
+ * x; argument errors (rank-symmetric where a rank might not take part).
+ *
+ *   moelink launch -n 2 -- mgpu_test_ep */
+#include "mgpu.h"
+#include "ref.h"
+
+static mg_world W;
+
+/* Rows past the largest call, poisoned and checked untouched. */
+#define GUARD_ROWS 3
+
+static size_t bitwise_equal, compared;
+static double worst_rel, worst_abs;
+
+/* One layer: the full weights on this GPU, the single-GPU reference layer,
+ * the EP layer with this rank's experts, and the buffers of a call. */
+typedef struct layer {
+  const char *name;
+  moelink_moe_config_t cfg; /* max_tokens = M, the most tokens per rank per call */
+  uint64_t seed;
+  void *router, *gate_up, *down, *sh_gu, *sh_down, *sh_gate;
+  float *bias;
+  moelink_moe_weights_t full;
+  moelink_moe_t ref;
+  moelink_ep_t ep;
+  int first, El;
+  size_t row;          /* bytes of one token row */
+  void *x_all, *ref_out; /* [ranks * (M + GUARD_ROWS), H] */
+  void *x, *out, *out2;  /* [M + GUARD_ROWS, H] */
+  int32_t *ids;          /* [ranks * M, k] (device) */
+  float *wts;
+  unsigned char *h_out, *h_out2, *h_ref;
+} layer;
+
+static void fill(moelink_dtype_t dt, void *p, size_t n, uint64_t seed, float scale,
+                 float offset) {
+  if (n == 0) return;
+  MG_MUST(moelink_fill_random(W.ctx, dt, p, n, seed, scale, offset, W.stream),
+          "moelink_fill_random");
+}
+
+static void poison(void *p, size_t bytes) { MG_CUDA(cudaMemsetAsync(p, 0xff, bytes, W.stream)); }
+
+static void sync_stream(void) { MG_CUDA(cudaStreamSynchronize(W.stream)); }
+
+static void to_host(void *h, const void *dev, size_t bytes) {
+  if (bytes) MG_CUDA(cudaMemcpy(h, dev, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* Seed of rank r's x in call `it` of case c: every rank can regenerate any
+ * rank's tokens. */
+static uint64_t x_seed(int c, int it, int r) {
+  return ref_tensor_seed(mg_seed(r, 1000 * c + it), REF_T_X);
+}
+
+static void fill_x(const layer *L, void *x, int num_tokens, uint64_t seed) {
+  fill(L->cfg.dtype, x, (size_t)num_tokens * (size_t)L->cfg.hidden, seed,
+       ref_tensor_scale(&L->cfg, REF_T_X), 0.0f);
+}
+
+static moelink_moe_config_t make_config(const char *preset, moelink_dtype_t dt, int H, int I,
+                                        int E, int k, int shared_inter, int M) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  if (preset) MG_MUST(moelink_moe_preset(preset, &c), preset);
+  c.hidden = H;
+  c.inter = I;
+  c.num_experts = E;
+  c.top_k = k;
+  if (c.n_group > 1) {
+    c.n_group = 4;
+    c.topk_group = 2;
+  }
+  c.shared_inter = shared_inter;
+  if (shared_inter == 0) c.shared_gate = 0;
+  c.dtype = dt;
+  c.max_tokens = M;
+  return c;
+}
+
+/* skew: the correction bias of rank 0's experts is +10, so every token
+ * selects only them (sigmoid scores are in (0, 1)). */
+static void layer_make(layer *L, const char *name, const moelink_moe_config_t *cfg,
+                       uint64_t seed, int skew) {
+  memset(L, 0, sizeof *L);
+  L->name = name;
+  L->cfg = *cfg;
+  L->seed = seed;
+  const moelink_moe_config_t *c = &L->cfg;
+  const moelink_dtype_t dt = c->dtype;
+  const size_t es = moelink_dtype_size(dt), H = (size_t)c->hidden, I = (size_t)c->inter;
+  const size_t E = (size_t)c->num_experts, Is = (size_t)c->shared_inter, M = (size_t)c->max_tokens;
+  const size_t n_router = E * H, n_gu = E * 2 * I * H, n_down = E * H * I;
+  L->row = H * es;
+  L->router = mg_dev(n_router * es);
+  L->gate_up = mg_dev(n_gu * es);
+  L->down = mg_dev(n_down * es);
+  fill(dt, L->router, n_router, ref_tensor_seed(seed, REF_T_ROUTER),
+       ref_tensor_scale(c, REF_T_ROUTER), 0.0f);
+  fill(dt, L->gate_up, n_gu, ref_tensor_seed(seed, REF_T_GATE_UP),
+       ref_tensor_scale(c, REF_T_GATE_UP), 0.0f);
+  fill(dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN), ref_tensor_scale(c, REF_T_DOWN),
+       0.0f);
+  moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
+  w.dtype = dt;
+  w.router = L->router;
+  w.gate_up = L->gate_up;
+  w.down = L->down;
+  if (Is > 0) {
+    L->sh_gu = mg_dev(2 * Is * H * es);
+    L->sh_down = mg_dev(H * Is * es);
+    fill(dt, L->sh_gu, 2 * Is * H, ref_tensor_seed(seed, REF_T_SH_GATE_UP),
+         ref_tensor_scale(c, REF_T_SH_GATE_UP), 0.0f);
+    fill(dt, L->sh_down, H * Is, ref_tensor_seed(seed, REF_T_SH_DOWN),
+         ref_tensor_scale(c, REF_T_SH_DOWN), 0.0f);
+    w.shared_gate_up = L->sh_gu;
+    w.shared_down = L->sh_down;
+  }
+  if (c->shared_gate) {
+    L->sh_gate = mg_dev(H * es);
+    fill(dt, L->sh_gate, H, ref_tensor_seed(seed, REF_T_SH_GATE),
+         ref_tensor_scale(c, REF_T_SH_GATE), 0.0f);
+    w.shared_gate = L->sh_gate;
+  }
+  if (c->correction_bias) {
+    L->bias = (float *)mg_dev(E * sizeof(float));
+    const uint64_t bs = ref_tensor_seed(seed, REF_T_BIAS);
+    const float bscale = ref_tensor_scale(c, REF_T_BIAS);
+    fill(MOELINK_DTYPE_F32, L->bias, E, bs, bscale, 0.0f);
+    if (skew) fill(MOELINK_DTYPE_F32, L->bias, E / (size_t)W.size, bs, bscale, 10.0f);
+    w.correction_bias = L->bias;
+  }
+  L->full = w;
+
+  /* The single-GPU layer: all ranks' tokens in one chunk. */
+  moelink_moe_config_t rc = *c;
+  rc.max_tokens = W.size * c->max_tokens;
+  MG_MUST(moelink_moe_create(W.ctx, &rc, &L->ref), "single-GPU layer (reference)");
+  MG_MUST(moelink_moe_set_weights(L->ref, &L->full), "single-GPU layer weights");
+
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = *c;
+  size_t ws = 0;
+  CHECK_OK(moelink_ep_workspace_size(W.comm, &ecfg, &ws), "ep_workspace_size");
+  const double t0 = mg_now();
+  MG_MUST(moelink_ep_create(W.comm, &ecfg, &L->ep), "moelink_ep_create");
+  moelink_ep_config_t got;
+  memset(&got, 0, sizeof got);
+  L->first = -1;
+  CHECK_OK(moelink_ep_get_config(L->ep, &got, &L->first, &L->El), "ep_get_config");
+  CHECK(L->first == W.rank * c->num_experts / W.size && L->El == c->num_experts / W.size &&
+            got.moe.hidden == c->hidden && got.moe.num_experts == c->num_experts &&
+            got.moe.max_tokens == c->max_tokens && got.recv_capacity >= 1,
+        "%s: ep created (%.2f s, %zu bytes of workspace): rank %d owns experts [%d, %d), "
+        "recv_capacity %d",
+        name, mg_now() - t0, ws, W.rank, L->first, L->first + L->El, got.recv_capacity);
+  if (L->first < 0 || L->El != c->num_experts / W.size) mg_bail("ep_get_config disagrees");
+  moelink_moe_weights_t lw = w;
+  lw.gate_up = (const char *)L->gate_up + (size_t)L->first * 2 * I * H * es;
+  lw.down = (const char *)L->down + (size_t)L->first * H * I * es;
+  MG_MUST(moelink_ep_set_weights(L->ep, &lw), "moelink_ep_set_weights");
+
+  const size_t rows = M + GUARD_ROWS, all_rows = (size_t)W.size * rows;
+  L->x_all = mg_dev(all_rows * L->row);
+  L->ref_out = mg_dev(all_rows * L->row);
+  L->x = mg_dev(rows * L->row);
+  L->out = mg_dev(rows * L->row);
+  L->out2 = mg_dev(rows * L->row);
+  L->ids = (int32_t *)mg_dev(all_rows * (size_t)c->top_k * sizeof(int32_t));
+  L->wts = (float *)mg_dev(all_rows * (size_t)c->top_k * sizeof(float));
+  L->h_out = (unsigned char *)mg_host(rows * L->row);
+  L->h_out2 = (unsigned char *)mg_host(rows * L->row);
+  L->h_ref = (unsigned char *)mg_host(rows * L->row);
+}
+
+static void layer_free(layer *L) {
+  sync_stream();
+  CHECK_OK(moelink_ep_destroy(L->ep), "ep_destroy");
+  CHECK_OK(moelink_moe_destroy(L->ref), "moe_destroy (reference)");
+  void *bufs[] = {L->router, L->gate_up, L->down,  L->sh_gu, L->sh_down, L->sh_gate,
+                  L->bias,   L->x_all,   L->ref_out, L->x,   L->out,     L->out2,
+                  L->ids,    L->wts};
+  for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i)
+    if (bufs[i]) cudaFree(bufs[i]);
+  free(L->h_out);
+  free(L->h_out2);
+  free(L->h_ref);
+}
+
+/* The single-GPU layer over every rank's tokens of call (c, it), on the
+ * stream; returns the row where this rank's tokens start. */
+static int reference(layer *L, const int *counts, int c, int it) {
+  int total = 0, mine = 0;
+  for (int r = 0; r < W.size; ++r) {
+    if (r == W.rank) mine = total;
+    fill_x(L, (char *)L->x_all + (size_t)total * L->row, counts[r], x_seed(c, it, r));
+    total += counts[r];
+  }
+  if (total > 0)
+    MG_MUST(moelink_moe_forward(L->ref, L->x_all, total, L->ref_out, W.stream),
+            "single-GPU forward (reference)");
+  return mine;
+}
+
+/* This rank's output (host, max_tokens + GUARD_ROWS rows) against the
+ * reference rows (host); quiet: print only a failure. Returns 1 when good. */
+static int compare(const layer *L, const char *what, const unsigned char *got,
+                   const unsigned char *ref, int T, int quiet) {
+  const moelink_dtype_t dt = L->cfg.dtype;
+  const size_t n = (size_t)T * (size_t)L->cfg.hidden, es = moelink_dtype_size(dt);
+  double ss = 0.0, sd = 0.0, mx = 0.0;
+  size_t nonfinite = 0, same = 0, first_bad = (size_t)-1;
+  for (size_t i = 0; i < n; ++i) {
+    const double g = mg_get(dt, got, i), r = mg_get(dt, ref, i);
+    if (!isfinite(g)) {
+      if (!nonfinite++) first_bad = i;
+      continue;
+    }
+    same += memcmp(got + i * es, ref + i * es, es) == 0;
+    ss += r * r;
+    sd += (g - r) * (g - r);
+    if (fabs(g - r) > mx) mx = fabs(g - r);
+  }
+  const double rel = ss > 0 ? sqrt(sd / ss) : sqrt(sd);
+  /* Every row past the T written ones stays poisoned (got holds
+   * max_tokens + GUARD_ROWS rows). */
+  size_t guard_bad = 0;
+  const size_t end = (size_t)(L->cfg.max_tokens + GUARD_ROWS) * L->row;
+  for (size_t i = n * es; i < end; ++i) guard_bad += got[i] != 0xff;
+  const int ok = nonfinite == 0 && rel <= mg_tol(dt) && guard_bad == 0;
+  bitwise_equal += same;
+  compared += n;
+  if (rel > worst_rel) worst_rel = rel;
+  if (mx > worst_abs) worst_abs = mx;
+  if (!ok || !quiet) {
+    if (nonfinite) {
+      const size_t t = first_bad / (size_t)L->cfg.hidden, j = first_bad % (size_t)L->cfg.hidden;
+      printf("# %s: %zu non-finite outputs, first at token %zu column %zu (reference %g)\n", what,
+             nonfinite, t, j, mg_get(dt, ref, first_bad));
+    }
+    CHECK(ok, "%s: rel L2 %.3g, max |d| %.3g, %zu of %zu bitwise equal, %zu bytes past row T changed",
+          what, rel, mx, same, n, guard_bad);
+  }
+  return ok;
+}
+
+/* One EP call with these per-rank counts, checked against the reference and
+ * (twice) against itself. Returns 1 when good. */
+static int run_call(layer *L, const int *counts, int c, int it, int quiet) {
+  const int T = counts[W.rank], M = L->cfg.max_tokens;
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L->row, own = (size_t)T * L->row;
+  char what[200];
+  snprintf(what, sizeof what, "%s %s: call %d, tokens", L->name, moelink_dtype_name(L->cfg.dtype),
+           it);
+  for (int r = 0; r < W.size; ++r)
+    snprintf(what + strlen(what), sizeof what - strlen(what), "%s%d%s", r ? " " : " [",
+             counts[r], r == W.size - 1 ? "]" : "");
+  fill_x(L, L->x, T, x_seed(c, it, W.rank));
+  poison(L->out, bytes);
+  poison(L->out2, bytes);
+  /* NULL x and out are fine with no tokens. */
+  const void *x = T ? L->x : NULL;
+  void *out = T ? L->out : NULL;
+  const moelink_status_t s1 = moelink_ep_forward(L->ep, x, T, out, W.stream);
+  const moelink_status_t s2 = moelink_ep_forward(L->ep, L->x, T, L->out2, W.stream);
+  if (s1 != MOELINK_SUCCESS || s2 != MOELINK_SUCCESS) {
+    CHECK(0, "%s: ep_forward twice: %s: %s", what, moelink_status_string(s1 ? s1 : s2),
+          moelink_last_error());
+    return 0;
+  }
+  const int mine = reference(L, counts, c, it);
+  sync_stream();
+  to_host(L->h_out, L->out, bytes);
+  to_host(L->h_out2, L->out2, bytes);
+  memset(L->h_ref, 0, own);
+  to_host(L->h_ref, (const char *)L->ref_out + (size_t)mine * L->row, own);
+  int ok = compare(L, what, L->h_out, L->h_ref, T, quiet);
+  const int same = memcmp(L->h_out, L->h_out2, bytes) == 0;
+  if (!same || !quiet) CHECK(same, "%s: a second call gives the same bits", what);
+  return ok && same;
+}
+
+/* Per-rank token counts of call pattern p (the same on every rank). */
+static void counts_of(int p, int M, uint64_t *st, int *counts) {
+  const int odd = (M - 1) | 1;
+  for (int r = 0; r < W.size; ++r) {
+    switch (p) {
+    case 0: counts[r] = r == 0 ? 0 : M; break;       /* none here, all there */
+    case 1: counts[r] = r == 0 ? M : 1; break;       /* all here, one there */
+    case 2: counts[r] = odd - 10 * r > 0 ? odd - 10 * r : 1; break; /* odd, different */
+    case 3: counts[r] = 0; break;                    /* nobody has tokens */
+    default: counts[r] = (int)(mg_next(st) % (uint64_t)(M + 1)); break;
+    }
+  }
+}
+
+/* fp64 host reference (tests/ref) on this rank's rows of one call: up to 16
+ * tokens, relative L2 per token. */
+static void host_check(layer *L, const int *counts, int c, int it) {
+  const moelink_moe_config_t *cfg = &L->cfg;
+  const moelink_dtype_t dt = cfg->dtype;
+  const size_t es = moelink_dtype_size(dt), H = (size_t)cfg->hidden, I = (size_t)cfg->inter;
+  const size_t E = (size_t)cfg->num_experts, Is = (size_t)cfg->shared_inter;
+  const int T = counts[W.rank];
+  if (T == 0) return;
+  moelink_moe_weights_t hw = L->full;
+  void *router = mg_host(E * H * es), *gu = mg_host(E * 2 * I * H * es), *dn = mg_host(E * H * I * es);
+  void *sgu = NULL, *sdn = NULL, *sg = NULL;
+  float *bias = NULL;
+  to_host(router, L->router, E * H * es);
+  to_host(gu, L->gate_up, E * 2 * I * H * es);
+  to_host(dn, L->down, E * H * I * es);
+  hw.router = router;
+  hw.gate_up = gu;
+  hw.down = dn;
+  if (Is) {
+    sgu = mg_host(2 * Is * H * es);
+    sdn = mg_host(H * Is * es);
+    to_host(sgu, L->sh_gu, 2 * Is * H * es);
+    to_host(sdn, L->sh_down, H * Is * es);
+    hw.shared_gate_up = sgu;
+    hw.shared_down = sdn;
+  }
+  if (cfg->shared_gate) {
+    sg = mg_host(H * es);
+    to_host(sg, L->sh_gate, H * es);
+    hw.shared_gate = sg;
+  }
+  if (cfg->correction_bias) {
+    bias = (float *)mg_host(E * sizeof(float));
+    to_host(bias, L->bias, E * sizeof(float));
+    hw.correction_bias = bias;
+  }
+  /* The EP output of this call (run_call left it in h_out) and x. */
+  unsigned char *hx = (unsigned char *)mg_host((size_t)T * L->row);
+  fill_x(L, L->x, T, x_seed(c, it, W.rank));
+  sync_stream();
+  to_host(hx, L->x, (size_t)T * L->row);
+  double *want = (double *)mg_host(H * sizeof(double));
+  const int n = T < 16 ? T : 16;
+  double worst = 0.0;
+  int bad = -1;
+  for (int i = 0; i < n; ++i) {
+    const int t = (int)((size_t)i * (size_t)T / (size_t)n);
+    if (ref_forward_token(cfg, &hw, hx + (size_t)t * L->row, want) != 0) {
+      bad = t;
+      break;
+    }
+    const double e = ref_rel_l2(dt, L->h_out + (size_t)t * L->row, want, H);
+    if (!(e <= worst)) worst = e;
+    if (!(e <= 3e-2) && bad < 0) bad = t;
+  }
+  CHECK(bad < 0, "%s: %d of this rank's %d tokens against the fp64 host reference: worst "
+                 "rel L2 %.3g (bound 3e-2 per token), first bad token %d",
+        L->name, n, T, worst, bad);
+  free(want);
+  free(hx);
+  free(router);
+  free(gu);
+  free(dn);
+  free(sgu);
+  free(sdn);
+  free(sg);
+  free(bias);
+}
+
+static int g_case = 1;
+
+/* A layer through the fixed count patterns and a few random ones. */
+static void run_layer(const char *name, const moelink_moe_config_t *cfg, int host_ref) {
+  const int c = g_case++;
+  layer L;
+  const double t0 = mg_now();
+  layer_make(&L, name, cfg, 0x1a7e0000ull + (uint64_t)c, 0);
+  uint64_t st = 77 + (uint64_t)c; /* the same on every rank */
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  int good = 0, calls = 7;
+  for (int p = 0; p < calls; ++p) {
+    counts_of(p, cfg->max_tokens, &st, counts);
+    good += run_call(&L, counts, c, p, 0);
+    if (p == 2 && host_ref) host_check(&L, counts, c, p);
+  }
+  CHECK(good == calls, "%s: %d of %d calls good (%.2f s)", name, good, calls, mg_now() - t0);
+  layer_free(&L);
+}
+
+/* Every token of every rank selects only rank 0's experts: rank 0 receives
+ * all ranks' tokens (up to ranks * max_tokens rows), the others none. */
+static void run_skew(void) {
+  const int c = g_case++;
+  moelink_moe_config_t cfg =
+      make_config("deepseek-v3", MOELINK_DTYPE_BF16, 512, 256, 16, 4, 128, 96);
+  layer L;
+  layer_make(&L, "skew to rank 0", &cfg, 0x5e30000ull, 1);
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  uint64_t st = 5;
+  const int pats[] = {-1, 0, 1, 4};
+  for (size_t i = 0; i < sizeof pats / sizeof pats[0]; ++i) {
+    if (pats[i] < 0)
+      for (int r = 0; r < W.size; ++r) counts[r] = cfg.max_tokens; /* all full */
+    else
+      counts_of(pats[i], cfg.max_tokens, &st, counts);
+    int total = 0;
+    for (int r = 0; r < W.size; ++r) total += counts[r];
+    if (i == 0) {
+      /* The setup, not the code under test: the single-GPU router sends
+       * every slot of every token to rank 0's experts. */
+      (void)reference(&L, counts, c, (int)i);
+      MG_MUST(moelink_moe_route(L.ref, L.x_all, total, L.ids, L.wts, W.stream), "route (skew)");
+      const size_t n = (size_t)total * (size_t)cfg.top_k;
+      int32_t *ids = (int32_t *)mg_host(n * sizeof(int32_t));
+      sync_stream();
+      to_host(ids, L.ids, n * sizeof(int32_t));
+      size_t off = 0;
+      for (size_t q = 0; q < n; ++q) off += ids[q] < 0 || ids[q] >= L.El;
+      CHECK(off == 0, "skew: all %zu slots of %d tokens select rank 0's experts [0, %d) (%zu "
+                      "elsewhere)",
+            n, total, L.El, off);
+      free(ids);
+    }
+    run_call(&L, counts, c, (int)i, 0);
+  }
+  layer_free(&L);
+}
+
+/* One layer, 100 calls with new counts and inputs enqueued back to back, each
+ * into its own output; then all of them against the reference. */
+static void run_stress(void) {
+  const int c = g_case++, iters = 100;
+  moelink_moe_config_t cfg =
+      make_config("qwen3-30b-a3b", MOELINK_DTYPE_BF16, 256, 128, 32, 8, 0, 64);
+  layer L;
+  layer_make(&L, "100 calls", &cfg, 0x57e55ull, 0);
+  const int M = cfg.max_tokens;
+  const size_t slot = (size_t)(M + GUARD_ROWS) * L.row;
+  char *xs = (char *)mg_dev((size_t)iters * slot), *outs = (char *)mg_dev((size_t)iters * slot);
+  int *counts = (int *)mg_host(sizeof(int) * (size_t)iters * (size_t)W.size);
+  uint64_t st = 100;
+  for (int it = 0; it < iters; ++it)
+    for (int r = 0; r < W.size; ++r) {
+      const uint64_t z = mg_next(&st);
+      counts[it * W.size + r] = z % 6 == 0 ? 0 : (int)((z >> 8) % (uint64_t)(M + 1));
+    }
+  for (int it = 0; it < iters; ++it)
+    fill_x(&L, xs + (size_t)it * slot, counts[it * W.size + W.rank], x_seed(c, it, W.rank));
+  poison(outs, (size_t)iters * slot);
+  sync_stream();
+  const double t0 = mg_now();
+  int fails = 0;
+  for (int it = 0; it < iters; ++it) {
+    const moelink_status_t s = moelink_ep_forward(L.ep, xs + (size_t)it * slot,
+                                                  counts[it * W.size + W.rank],
+                                                  outs + (size_t)it * slot, W.stream);
+    if (s != MOELINK_SUCCESS && !fails++)
+      CHECK(0, "stress call %d: %s: %s", it, moelink_status_string(s), moelink_last_error());
+  }
+  sync_stream();
+  CHECK(fails == 0, "stress: %d calls enqueued back to back, all SUCCESS (%.3f s)", iters,
+        mg_now() - t0);
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "stress: moelink_comm_check");
+  int good = 0;
+  for (int it = 0; it < iters; ++it) {
+    const int *cn = counts + it * W.size, T = cn[W.rank];
+    const int mine = reference(&L, cn, c, it);
+    sync_stream();
+    to_host(L.h_out, outs + (size_t)it * slot, slot);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    char what[96];
+    snprintf(what, sizeof what, "stress call %d (%d tokens here)", it, T);
+    good += compare(&L, what, L.h_out, L.h_ref, T, 1);
+  }
+  CHECK(good == iters, "stress: %d of %d calls match the single-GPU layer", good, iters);
+  free(counts);
+  cudaFree(xs);
+  cudaFree(outs);
+  layer_free(&L);
+}
+
+/* Whether every rank says yes (NCCL all-reduce of the flag, min). */
+static int all_agree(int yes) {
+  int32_t *d = (int32_t *)mg_dev(2 * sizeof(int32_t)), h = yes ? 1 : 0;
+  MG_CUDA(cudaMemcpy(d, &h, sizeof h, cudaMemcpyHostToDevice));
+  MG_NCCL(W.nccl, ncclAllReduce(d, d + 1, 1, ncclInt32, ncclMin, W.nccl, W.stream));
+  sync_stream();
+  MG_CUDA(cudaMemcpy(&h, d + 1, sizeof h, cudaMemcpyDeviceToHost));
+  cudaFree(d);
+  return h == 1;
+}
+
+/* One call captured in a CUDA graph, replayed three times with new x written
+ * into the same buffer (outside the graph), an eager call after each. */
+static void run_graph(void) {
+  const int c = g_case++;
+  moelink_moe_config_t cfg =
+      make_config("deepseek-v3", MOELINK_DTYPE_BF16, 384, 256, 16, 4, 128, 77);
+  layer L;
+  layer_make(&L, "graph", &cfg, 0x6a9b0ull, 0);
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  for (int r = 0; r < W.size; ++r) counts[r] = 37 + 13 * r < cfg.max_tokens ? 37 + 13 * r : 1;
+  const int T = counts[W.rank];
+  const size_t bytes = (size_t)(cfg.max_tokens + GUARD_ROWS) * L.row;
+  fill_x(&L, L.x, T, x_seed(c, 0, W.rank));
+  sync_stream();
+  cudaGraph_t g = NULL;
+  cudaGraphExec_t ge = NULL;
+  MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeGlobal));
+  const moelink_status_t s = moelink_ep_forward(L.ep, L.x, T, L.out, W.stream);
+  char why[300];
+  snprintf(why, sizeof why, "%s", s ? moelink_last_error() : "");
+  const cudaError_t ce = cudaStreamEndCapture(W.stream, &g);
+  cudaError_t ie = cudaErrorUnknown;
+  if (s == MOELINK_SUCCESS && ce == cudaSuccess) ie = cudaGraphInstantiate(&ge, g, 0);
+  (void)cudaGetLastError();
+  CHECK(s == MOELINK_SUCCESS && ce == cudaSuccess && ie == cudaSuccess,
+        "graph: ep_forward of %d tokens captured (%s%s%s; end capture: %s; instantiate: %s)", T,
+        moelink_status_string(s), s ? ": " : "", why, cudaGetErrorString(ce),
+        cudaGetErrorString(ie));
+  /* Replays only where every rank has a graph: a lone replay would wait for
+   * its peers forever. */
+  if (all_agree(s == MOELINK_SUCCESS && ce == cudaSuccess && ie == cudaSuccess)) {
+    for (int rep = 1; rep <= 3; ++rep) {
+      fill_x(&L, L.x, T, x_seed(c, rep, W.rank));
+      poison(L.out, bytes);
+      poison(L.out2, bytes);
+      MG_CUDA(cudaGraphLaunch(ge, W.stream));
+      CHECK_OK(moelink_ep_forward(L.ep, L.x, T, L.out2, W.stream), "graph: eager call after it");
+      const int mine = reference(&L, counts, c, rep);
+      sync_stream();
+      to_host(L.h_out, L.out, bytes);
+      to_host(L.h_out2, L.out2, bytes);
+      to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+      char what[96];
+      snprintf(what, sizeof what, "graph replay %d (new x, %d tokens here)", rep, T);
+      compare(&L, what, L.h_out, L.h_ref, T, 0);
+      CHECK(memcmp(L.h_out, L.h_out2, bytes) == 0, "%s: the eager call gives the same bits",
+            what);
+    }
+  } else {
+    CHECK(0, "graph: not replayed (a rank failed to capture)");
+  }
+  if (ge) cudaGraphExecDestroy(ge);
+  if (g) cudaGraphDestroy(g);
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "graphs: moelink_comm_check");
+  layer_free(&L);
+}
+
+/* Argument errors. Only cases where either every rank or no rank fails
+ * before taking part: a rank that skips a call would leave its peers
+ * waiting. */
+static void run_errors(void) {
+  /* Create-time limits of the CUDA layer (every rank gets the same cfg). */
+  moelink_ep_config_t e = MOELINK_EP_CONFIG_INIT;
+  e.moe = make_config("mixtral-8x7b", MOELINK_DTYPE_F32, 256, 128, 8, 2, 0, 16);
+  moelink_ep_t bad = (moelink_ep_t)(uintptr_t)1;
+  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_UNSUPPORTED, "ep_create f32 on cuda");
+  CHECK(bad == NULL, "a failed create leaves *out NULL");
+  e.moe.dtype = MOELINK_DTYPE_BF16;
+  e.moe.hidden = 44;
+  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_UNSUPPORTED,
+               "ep_create hidden 44 (not a multiple of 8) on cuda");
+  e.moe.hidden = 256;
+  e.moe.num_experts = 2 * W.size + 1;
+  e.moe.top_k = 2;
+  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_INVALID_ARGUMENT,
+               "ep_create with num_experts not a multiple of the ranks");
+  CHECK_OK(moelink_ep_destroy(NULL), "ep_destroy(NULL)");
+
+  const int c = g_case++;
+  moelink_moe_config_t cfg =
+      make_config("mixtral-8x7b", MOELINK_DTYPE_BF16, 256, 128, 8, 2, 0, 40);
+  layer L;
+  layer_make(&L, "errors", &cfg, 0xe770ull, 0);
+  const int M = cfg.max_tokens;
+
+  /* Before set_weights, on every rank: the front end refuses it. */
+  moelink_ep_t fresh = NULL;
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = cfg;
+  CHECK_OK(moelink_ep_create(W.comm, &ecfg, &fresh), "ep_create (no weights yet)");
+  if (fresh) {
+    CHECK_STATUS(moelink_ep_forward(fresh, L.x, 4, L.out, W.stream), MOELINK_ERR_INVALID_STATE,
+                 "ep_forward before set_weights (every rank)");
+    sync_stream();
+    CHECK_OK(moelink_ep_destroy(fresh), "ep_destroy (no weights)");
+  }
+
+  /* More than max_tokens on every rank: v1 of the CUDA layer refuses it
+   * (UNSUPPORTED or INVALID_ARGUMENT); a version that steps through it must
+   * give the right rows. */
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  for (int r = 0; r < W.size; ++r) counts[r] = M + 1;
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L.row;
+  fill_x(&L, L.x, M + 1, x_seed(c, 0, W.rank));
+  poison(L.out, bytes);
+  const double t0 = mg_now();
+  const moelink_status_t s = moelink_ep_forward(L.ep, L.x, M + 1, L.out, W.stream);
+  char why[300];
+  snprintf(why, sizeof why, "%s", moelink_last_error());
+  sync_stream();
+  if (s == MOELINK_SUCCESS) {
+    const int mine = reference(&L, counts, c, 0);
+    sync_stream();
+    to_host(L.h_out, L.out, bytes);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)(M + 1) * L.row);
+    ml_t_diag("ep_forward of max_tokens + 1 on every rank succeeded: checking its rows");
+    /* compare() checks the guard after T rows: only GUARD_ROWS - 1 remain. */
+    int ok = 1;
+    {
+      const size_t n = (size_t)(M + 1) * (size_t)cfg.hidden;
+      double ss = 0, sd = 0;
+      for (size_t i = 0; i < n; ++i) {
+        const double g = mg_get(cfg.dtype, L.h_out, i), r = mg_get(cfg.dtype, L.h_ref, i);
+        ss += r * r;
+        sd += (g - r) * (g - r);
+      }
+      ok = sqrt(sd / (ss > 0 ? ss : 1)) <= mg_tol(cfg.dtype);
+    }
+    CHECK(ok, "ep_forward of max_tokens + 1 = %d tokens on every rank: matches the reference",
+          M + 1);
+  } else {
+    CHECK((s == MOELINK_ERR_UNSUPPORTED || s == MOELINK_ERR_INVALID_ARGUMENT) && why[0],
+          "ep_forward of max_tokens + 1 = %d tokens on every rank -> %s (%s) in %.3f s", M + 1,
+          moelink_status_string(s), why, mg_now() - t0);
+  }
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "comm_check after the refused call");
+
+  /* x NULL with tokens on every rank: each takes part with none. */
+  CHECK(moelink_ep_forward(L.ep, NULL, 5, L.out, W.stream) == MOELINK_ERR_INVALID_ARGUMENT &&
+            strstr(moelink_last_error(), "took part"),
+        "ep_forward with x NULL on every rank -> INVALID_ARGUMENT (%s)", moelink_last_error());
+
+  /* One rank's x overlaps its out: it takes part with no tokens, the others
+   * get their rows as if it had none. */
+  const int badr = W.size - 1;
+  for (int r = 0; r < W.size; ++r) counts[r] = r == badr ? 0 : 11 + 6 * r;
+  if (W.rank == badr) {
+    const moelink_status_t sb = moelink_ep_forward(L.ep, L.out, 9, L.out, W.stream);
+    CHECK(sb == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part"),
+          "ep_forward with x overlapping out on rank %d -> %s (%s)", W.rank,
+          moelink_status_string(sb), moelink_last_error());
+    (void)reference(&L, counts, c, 1); /* same calls on every rank: none here */
+    sync_stream();
+  } else {
+    const int T = counts[W.rank];
+    fill_x(&L, L.x, T, x_seed(c, 1, W.rank));
+    poison(L.out, bytes);
+    CHECK_OK(moelink_ep_forward(L.ep, L.x, T, L.out, W.stream), "ep_forward beside a bad rank");
+    const int mine = reference(&L, counts, c, 1);
+    sync_stream();
+    to_host(L.h_out, L.out, bytes);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    compare(&L, "beside a rank with a bad argument", L.h_out, L.h_ref, T, 0);
+  }
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "comm_check after the bad arguments");
+
+  /* And the layer still works for everyone. */
+  for (int r = 0; r < W.size; ++r) counts[r] = 17 + 4 * r;
+  run_call(&L, counts, c, 2, 0);
+  layer_free(&L);
+}
+
+int main(void) {
+  mg_init(&W);
+  const double t0 = mg_now();
+  const moelink_dtype_t bf = MOELINK_DTYPE_BF16, f16 = MOELINK_DTYPE_F16;
+  run_errors();
+  ml_t_diag("errors done in %.1f s", mg_now() - t0);
+
+  /* Mixtral-like: softmax, renormalized, top-2 of 8. Also checked against
+   * the fp64 host reference. */
+  moelink_moe_config_t mx = make_config("mixtral-8x7b", bf, 512, 256, 8, 2, 0, 96);
+  run_layer("mixtral-like E=8 k=2", &mx, 1);
+  /* DeepSeek-like: sigmoid + bias + 4 groups keep 2 + scaling 2.5 +
+   * ungated shared expert; E = 32, k = 8, the widest shapes. */
+  moelink_moe_config_t ds = make_config("deepseek-v3", bf, 1024, 512, 32, 8, 256, 64);
+  run_layer("deepseek-like E=32 k=8", &ds, 0);
+  /* The same family smaller, odd max_tokens. */
+  moelink_moe_config_t ds2 = make_config("deepseek-v3", bf, 256, 128, 16, 4, 128, 77);
+  run_layer("deepseek-like E=16 k=4", &ds2, 1);
+  /* Qwen2-like: softmax, not renormalized, gated shared expert. */
+  moelink_moe_config_t q2 = make_config("qwen2-57b-a14b", bf, 768, 384, 16, 4, 512, 128);
+  run_layer("qwen2-like E=16 k=4", &q2, 0);
+  moelink_moe_config_t q2h = make_config("qwen2-57b-a14b", f16, 256, 128, 8, 2, 256, 50);
+  run_layer("qwen2-like E=8 k=2", &q2h, 1);
+  /* Top-k of the logits, then softmax over the k. */
+  moelink_moe_config_t ts = make_config(NULL, bf, 384, 256, 16, 4, 0, 100);
+  ts.router = MOELINK_ROUTER_TOPK_SOFTMAX;
+  run_layer("topk-softmax E=16 k=4", &ts, 0);
+  /* Qwen3-like: k = 8 of 32 (16 local experts, more than k). */
+  moelink_moe_config_t q3 = make_config("qwen3-30b-a3b", bf, 512, 128, 32, 8, 0, 72);
+  run_layer("qwen3-like E=32 k=8", &q3, 0);
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "layers: moelink_comm_check");
+  ml_t_diag("layers done in %.1f s", mg_now() - t0);
+
+  run_skew();
+  ml_t_diag("skew done in %.1f s", mg_now() - t0);
+  run_stress();
+  ml_t_diag("stress done in %.1f s", mg_now() - t0);
+  run_graph();
+  ml_t_diag("graph done in %.1f s", mg_now() - t0);
+
+  ml_t_diag("%zu of %zu compared elements bitwise equal to the single-GPU layer; worst rel L2 "
+            "%.3g, worst |d| %.3g; all done in %.1f s",
+            bitwise_equal, compared, worst_rel, worst_abs, mg_now() - t0);
+  mg_fini(&W);
+  return ml_test_done();
+}
