@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh [PART...]   (default all)
 # PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
-# 2+ GPUs); test = gpu mgpu; all = every part. Parts that need 2 GPUs are skipped on one.
+# 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs); test = gpu mgpu;
+# all = every part. Parts that need 2 GPUs are skipped on one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -89,6 +90,13 @@ if want comm && [ "$NGPU" -ge 2 ]; then
   ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench comm --backend cuda \
     --ops allgather --allgather ce --json "$OUT/json/bench_comm_ce.json" 2>&1 |
     tee -a "$OUT/comm.log" || rc=1
+fi
+# The expert-parallel layer (issue 6) on 2 GPUs: beside the single-GPU layer and NCCL moving
+# the same rows.
+if want ep && [ "$NGPU" -ge 2 ]; then
+  log "bench ep (2 ranks)"
+  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
+    --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
 fi
 # Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
 # (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.

@@ -129,6 +129,10 @@ int cli_cmd_launch(int argc, char **argv);
 /* `moelink bench comm` (tools/bench_comm.c): collectives beside NCCL's. */
 int cli_cmd_bench_comm(int argc, char **argv);
 void cli_help_bench_comm(void);
+/* `moelink bench ep` (tools/bench_ep.c): the expert-parallel layer beside the
+ * single-device layer and NCCL moving the same rows. */
+int cli_cmd_bench_ep(int argc, char **argv);
+void cli_help_bench_ep(void);
 void cli_help_run(void);
 void cli_help_bench(void);
 void cli_help_launch(void);

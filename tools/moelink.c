@@ -11,6 +11,7 @@ static const char cli_usage_text[] =
     "  run       run one MoE layer on generated weights, time it, optionally verify it\n"
     "  bench     median times over token counts beside this machine's floors\n"
     "  bench comm  collectives' latency and bus bandwidth beside NCCL's (under launch)\n"
+    "  bench ep  the expert-parallel layer beside one device and NCCL (under launch)\n"
     "  presets   list the built-in model presets\n"
     "  launch    start N ranks of a command on this machine (one per GPU)\n"
     "\n"
@@ -88,7 +89,9 @@ static void cli_bench_text(void) {
          "moelink bench tp [options]   tensor-parallel GEMMs fused with their collective,\n"
          "  under moelink launch -n N (moelink bench tp --help)\n"
          "moelink bench comm [options]   collectives beside NCCL's, per size, under moelink\n"
-         "  launch -n N (moelink bench comm --help)\n");
+         "  launch -n N (moelink bench comm --help)\n"
+         "moelink bench ep [options]   the expert-parallel layer beside the single-device\n"
+         "  layer and NCCL, under moelink launch -n N (moelink bench ep --help)\n");
 }
 
 void cli_help_bench(void) {
@@ -152,6 +155,8 @@ int main(int argc, char **argv) {
       cli_help_bench_tp();
     else if (argc > 3 && strcmp(argv[2], "bench") == 0 && strcmp(argv[3], "comm") == 0)
       cli_help_bench_comm();
+    else if (argc > 3 && strcmp(argv[2], "bench") == 0 && strcmp(argv[3], "ep") == 0)
+      cli_help_bench_ep();
     else if (argc > 2 && strcmp(argv[2], "bench") == 0)
       cli_help_bench();
     else if (argc > 2 && strcmp(argv[2], "launch") == 0)
@@ -167,6 +172,8 @@ int main(int argc, char **argv) {
     return cli_cmd_bench_tp(argc - 3, argv + 3);
   if (strcmp(cmd, "bench") == 0 && argc > 2 && strcmp(argv[2], "comm") == 0)
     return cli_cmd_bench_comm(argc - 3, argv + 3);
+  if (strcmp(cmd, "bench") == 0 && argc > 2 && strcmp(argv[2], "ep") == 0)
+    return cli_cmd_bench_ep(argc - 3, argv + 3);
   if (strcmp(cmd, "bench") == 0) return cli_cmd_bench(argc - 2, argv + 2);
   if (strcmp(cmd, "launch") == 0) return cli_cmd_launch(argc - 2, argv + 2);
   cli_usage_error("unknown command '%s' (commands: run, bench, presets, launch; see moelink "

@@ -1,0 +1,55 @@
+"""`moelink bench ep` on CPU ranks: it must exit 0 and write JSON that parses
+and holds one row per token count with positive times, no NCCL column on the
+cpu backend, row counts inside what T tokens of top-k routing allow, and
+bytes and rates that follow from them. Also: outside the launcher it fails
+(exit 1) and a bad option is a usage error (exit 2).
+
+usage: bench_ep_smoke.py MOELINK_EXE JSON_PATH"""
+import json
+import os
+import subprocess
+import sys
+
+exe, path = sys.argv[1], sys.argv[2]
+if os.path.exists(path):
+    os.remove(path)
+tokens = [16, 37]
+cmd = [exe, "launch", "-n", "2", "--timeout", "120", "--", exe, "bench", "ep",
+       "--backend", "cpu", "--tokens", ",".join(map(str, tokens)), "--iters", "2",
+       "--json", path]
+p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=180)
+sys.stdout.write(p.stdout)
+sys.stderr.write(p.stderr)
+assert p.returncode == 0, f"exit code {p.returncode}"
+assert "[rank 1]" not in p.stdout, "only rank 0 prints the table"
+with open(path) as f:
+    d = json.load(f)
+assert d["tool"] == "moelink bench ep" and d["backend"] == "cpu" and d["nranks"] == 2
+c = d["config"]
+H, k, E = c["hidden"], c["top_k"], c["experts"]
+assert d["experts_per_rank"] * 2 == E
+assert [r["tokens"] for r in d["rows"]] == tokens
+for r in d["rows"]:
+    T = r["tokens"]
+    assert r["single_tokens"] == 2 * T, r
+    assert r["ep_us"] > 0 and r["single_us"] > 0, r
+    assert r["nccl_us"] is None and r["nccl_GBps_per_rank"] is None, r
+    # a token goes to the peer at most once, and has at most k slots there
+    assert 0 <= r["dispatch_rows"] <= T, r
+    assert r["dispatch_rows"] <= r["combine_rows"] <= T * k, r
+    # bytes: the busiest rank's rows; the row counts are each the most over ranks
+    assert 0 < r["bytes_sent_per_rank"] <= (r["dispatch_rows"] + r["combine_rows"]) * H * 2, r
+    assert r["bytes_sent_per_rank"] % (H * 2) == 0, r
+    assert r["bytes_sent_per_rank"] <= r["bytes_sent_total"] <= 2 * r["bytes_sent_per_rank"], r
+    assert r["flops_per_rank"] >= 2 * T * k * 3 * H * c["inter"], r
+    tf = r["flops_per_rank"] / (r["ep_us"] * 1e-6) / 1e12
+    assert abs(tf - r["ep_TFLOPs"]) <= 1e-3 * tf + 1e-12, (r, tf)
+
+p = subprocess.run([exe, "bench", "ep", "--backend", "cpu"], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True, timeout=60,
+                   env={k: v for k, v in os.environ.items() if not k.startswith("MOELINK_")})
+assert p.returncode == 1 and "launch" in p.stderr, (p.returncode, p.stderr)
+p = subprocess.run([exe, "bench", "ep", "--tokens", "0"], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True, timeout=60)
+assert p.returncode == 2 and "--tokens" in p.stderr, (p.returncode, p.stderr)
+print(f"ok: {len(d['rows'])} rows")

@@ -1,0 +1,833 @@
+/* moelink bench ep: the expert-parallel layer (moelink_ep_forward), one
+ * process per rank under `moelink launch -n N`, per token count T (tokens
+ * per rank; the layer is created with moe.max_tokens = T) beside what the
+ * same ranks do in the same run without it:
+ *   single  the single-device layer (moelink_moe_forward) with all E experts
+ *           on every rank's own device, over the n*T tokens of all ranks:
+ *           the EP layer's whole work on one device, n times a rank's share;
+ *   nccl    (cuda) the rows the EP layer moves, as NCCL grouped send/recv:
+ *           dispatch (each token once to every peer that owns one of its
+ *           experts) then combine (one row per (token, slot) whose expert is
+ *           on the peer: what the CUDA layer pushes back), counted from this
+ *           run's routing of the same tokens.
+ * Each rank times its own calls with CUDA events (host clock on the CPU
+ * backend), each after a 256 MiB L2-evicting write and a 1-element NCCL
+ * all-reduce that lines the ranks up; a T's time is the slowest rank's
+ * median. The weights come from the counter-based generator, the same on
+ * every rank: each rank binds the full tensors to the single layer and its
+ * expert slices to the EP layer. No verification here (tests/mgpu/test_ep.c
+ * checks the EP layer against the single-device one). */
+#include "cli.h"
+#include "gpu.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(MOELINK_HAVE_CUDA) && defined(MOELINK_HAVE_NCCL)
+#define BE_GPU 1
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#else
+#define BE_GPU 0
+#endif
+
+#define BE_L2_FLUSH_BYTES ((size_t)256 << 20)
+#define BE_MAX_T 64
+
+typedef struct be_opts {
+  moelink_backend_t backend;
+  const char *preset; /* NULL: the small cpu shape */
+  int hidden, inter, experts, topk, shared_inter; /* -1: the preset's */
+  moelink_dtype_t dtype;
+  int tokens[BE_MAX_T];
+  int ntokens;
+  int iters, warmup, threads;
+  uint64_t seed;
+  const char *json;
+} be_opts;
+
+/* One T. Times are the slowest rank's median, us. */
+typedef struct be_row {
+  int tokens;
+  double ep_us, single_us, nccl_us;
+  double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
+  double dispatch_rows;   /* sent per rank, the most over ranks */
+  double combine_rows;
+  double bytes_rank;      /* (dispatch + combine rows) * H * dtype size, the most over ranks */
+  double bytes_total;     /* summed over ranks */
+} be_row;
+
+static const char be_help_text[] =
+    "moelink bench ep [options]   (run under: moelink launch -n N -- moelink bench ep)\n"
+    "  The expert-parallel MoE layer, every rank of the launch one EP rank owning E/N\n"
+    "  experts. Per T (tokens per rank; the layer is created with max_tokens = T): the\n"
+    "  median time of moelink_ep_forward with T random tokens on every rank; of the\n"
+    "  single-device layer (moelink_moe_forward, all experts) on the N*T tokens of all\n"
+    "  ranks on each rank's own device (the whole EP work on one device: N times a\n"
+    "  rank's share); and (cuda) of NCCL grouped send/recv moving the rows the EP layer\n"
+    "  moves (dispatch: each token once to every peer owning one of its experts; combine:\n"
+    "  one row per (token, slot) whose expert is on the peer), counted from the routing of\n"
+    "  the same tokens. TFLOP/s of the EP layer: moelink_moe_flops(T) per rank / time.\n"
+    "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
+    "  --preset NAME          (default cuda: deepseek-v3 (H 7168, I 2048, E 256, k 8,\n"
+    "                         sigmoid, 4 of 8 groups, shared expert 2048); cpu: a small\n"
+    "                         DeepSeek-like shape H 256, I 128, E 16, k 4, 2 of 4 groups,\n"
+    "                         shared 128)\n"
+    "  --hidden H --inter I --experts E --topk K --shared-inter IS   override the preset's\n"
+    "                         (--shared-inter 0: no shared expert)\n"
+    "  --dtype bf16|f16       (default bf16)\n"
+    "  --tokens T1,T2,...     tokens per rank (default cuda 128,512,2048,4096; cpu 16,64)\n"
+    "  --iters N              timed iterations per variant (default cuda 20, cpu 3)\n"
+    "  --warmup N             untimed iterations first (default cuda 3, cpu 1)\n"
+    "  --threads N            CPU threads per rank (cpu; default cores / ranks)\n"
+    "  --seed S               weights and inputs generator seed (default 1)\n"
+    "  --json FILE            rank 0 writes everything as JSON\n";
+
+void cli_help_bench_ep(void) { fputs(be_help_text, stdout); }
+
+/* ---- options --------------------------------------------------------------- */
+
+static int be_int(const char *opt, const char *s, long long lo) {
+  char *end = NULL;
+  errno = 0;
+  long long v = s && *s ? strtoll(s, &end, 10) : 0;
+  if (!s || !*s || errno || *end || v < lo || v > INT_MAX)
+    cli_usage_error("%s: expected an integer in [%lld, %d], got '%s'", opt, lo, INT_MAX,
+                    s ? s : "");
+  return (int)v;
+}
+
+static void be_parse_tokens(const char *s, be_opts *o) {
+  o->ntokens = 0;
+  const char *p = s;
+  while (*p) {
+    char item[32];
+    size_t len = strcspn(p, ",");
+    if (len == 0 || len >= sizeof item) cli_usage_error("--tokens: expected T1,T2,...; got '%s'", s);
+    memcpy(item, p, len);
+    item[len] = '\0';
+    if (o->ntokens == BE_MAX_T) cli_usage_error("--tokens: at most %d values", BE_MAX_T);
+    o->tokens[o->ntokens++] = be_int("--tokens", item, 1);
+    p += len;
+    if (*p == ',') ++p;
+  }
+  if (o->ntokens == 0) cli_usage_error("--tokens: empty list");
+}
+
+static void be_parse(int argc, char **argv, be_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->backend = moelink_backend_available(MOELINK_BACKEND_CUDA) ? MOELINK_BACKEND_CUDA
+                                                               : MOELINK_BACKEND_CPU;
+  o->hidden = o->inter = o->experts = o->topk = o->shared_inter = -1;
+  o->dtype = MOELINK_DTYPE_BF16;
+  o->iters = o->warmup = -1;
+  o->seed = 1;
+  for (int i = 0; i < argc; ++i) {
+    const char *a = argv[i];
+    if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+      cli_help_bench_ep();
+      exit(0);
+    }
+    if (strncmp(a, "--", 2) != 0) cli_usage_error("bench ep: unexpected argument '%s'", a);
+    char name[64];
+    const char *val = NULL;
+    const char *eq = strchr(a, '=');
+    if (eq) {
+      size_t len = (size_t)(eq - a);
+      if (len >= sizeof name) cli_usage_error("bench ep: unknown option '%s'", a);
+      memcpy(name, a, len);
+      name[len] = '\0';
+      val = eq + 1;
+    } else {
+      snprintf(name, sizeof name, "%s", a);
+      if (i + 1 >= argc) cli_usage_error("%s: missing value", a);
+      val = argv[++i];
+    }
+#define IS(s) (strcmp(name, (s)) == 0)
+    if (IS("--backend")) {
+      if (strcmp(val, "cuda") == 0)
+        o->backend = MOELINK_BACKEND_CUDA;
+      else if (strcmp(val, "cpu") == 0)
+        o->backend = MOELINK_BACKEND_CPU;
+      else
+        cli_usage_error("--backend: expected cpu or cuda, got '%s'", val);
+    } else if (IS("--preset")) {
+      o->preset = val;
+    } else if (IS("--hidden")) {
+      o->hidden = be_int(name, val, 1);
+    } else if (IS("--inter")) {
+      o->inter = be_int(name, val, 1);
+    } else if (IS("--experts")) {
+      o->experts = be_int(name, val, 1);
+    } else if (IS("--topk")) {
+      o->topk = be_int(name, val, 1);
+    } else if (IS("--shared-inter")) {
+      o->shared_inter = be_int(name, val, 0);
+    } else if (IS("--dtype")) {
+      if (strcmp(val, "bf16") == 0)
+        o->dtype = MOELINK_DTYPE_BF16;
+      else if (strcmp(val, "f16") == 0)
+        o->dtype = MOELINK_DTYPE_F16;
+      else
+        cli_usage_error("--dtype: expected bf16 or f16, got '%s'", val);
+    } else if (IS("--tokens")) {
+      be_parse_tokens(val, o);
+    } else if (IS("--iters")) {
+      o->iters = be_int(name, val, 1);
+    } else if (IS("--warmup")) {
+      o->warmup = be_int(name, val, 0);
+    } else if (IS("--threads")) {
+      o->threads = be_int(name, val, 0);
+    } else if (IS("--seed")) {
+      o->seed = (uint64_t)be_int(name, val, 0);
+    } else if (IS("--json")) {
+      o->json = val;
+    } else {
+      cli_usage_error("bench ep: unknown option '%s' (moelink bench ep --help)", name);
+    }
+#undef IS
+  }
+  const int cuda = o->backend == MOELINK_BACKEND_CUDA;
+  if (o->iters < 0) o->iters = cuda ? 20 : 3;
+  if (o->warmup < 0) o->warmup = cuda ? 3 : 1;
+  if (o->ntokens == 0) {
+    static const int tc[] = {128, 512, 2048, 4096}, tp[] = {16, 64};
+    o->ntokens = cuda ? 4 : 2;
+    memcpy(o->tokens, cuda ? tc : tp, sizeof(int) * (size_t)o->ntokens);
+  }
+  if (!o->preset && cuda) o->preset = "deepseek-v3";
+}
+
+/* The layer of the options (max_tokens left for the caller); *custom is set
+ * when a flag or the cpu default changed the preset's shape. */
+static moelink_moe_config_t be_config(const be_opts *o, int *custom) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  CLI_CALL("moelink_moe_preset", moelink_moe_preset(o->preset ? o->preset : "deepseek-v3", &c));
+  *custom = 0;
+  if (!o->preset) {
+    /* Small enough for a 2-core machine in seconds, DeepSeek's routing. */
+    c.hidden = 256;
+    c.inter = 128;
+    c.num_experts = 16;
+    c.top_k = 4;
+    c.n_group = 4;
+    c.topk_group = 2;
+    c.shared_inter = 128;
+    *custom = 1;
+  }
+  if (o->hidden >= 0) c.hidden = o->hidden, *custom = 1;
+  if (o->inter >= 0) c.inter = o->inter, *custom = 1;
+  if (o->experts >= 0) c.num_experts = o->experts, *custom = 1;
+  if (o->topk >= 0) c.top_k = o->topk, *custom = 1;
+  if (o->shared_inter >= 0) {
+    c.shared_inter = o->shared_inter;
+    if (c.shared_inter == 0) c.shared_gate = 0;
+    *custom = 1;
+  }
+  c.dtype = o->dtype;
+  return c;
+}
+
+/* ---- the world: context, communicators, stream ----------------------------- */
+
+typedef struct be_world {
+  int rank, nranks, local_rank;
+  moelink_backend_t backend;
+  moelink_context_t ctx;
+  moelink_comm_t comm;
+  void *stream;
+#if BE_GPU
+  ncclComm_t nccl;
+  void *flush;    /* BE_L2_FLUSH_BYTES */
+  float *barrier; /* 1 element */
+  gpu_timer timer;
+#endif
+} be_world;
+
+static int be_env_int(const char *name, int dflt) {
+  const char *v = getenv(name);
+  return v && *v ? atoi(v) : dflt;
+}
+
+/* Every rank's n floats, rank-major into all[nranks * n] (a collective). */
+static void be_allgather_f32(be_world *w, const float *mine, int n, float *all) {
+  if (w->backend == MOELINK_BACKEND_CPU) {
+    CLI_CALL("moelink_allgather", moelink_allgather(w->comm, mine, all, (size_t)n,
+                                                    MOELINK_DTYPE_F32, NULL));
+    return;
+  }
+  void *d = NULL;
+  const size_t b = sizeof(float) * (size_t)n;
+  if (gpu_malloc(&d, b * (size_t)(w->nranks + 1), "gather") || gpu_h2d(d, mine, b))
+    cli_fail("%s", gpu_error());
+  CLI_CALL("moelink_allgather", moelink_allgather(w->comm, d, (char *)d + b, (size_t)n,
+                                                  MOELINK_DTYPE_F32, w->stream));
+  if (gpu_stream_sync(w->stream) || gpu_d2h(all, (char *)d + b, b * (size_t)w->nranks))
+    cli_fail("%s", gpu_error());
+  gpu_free(d);
+}
+
+#if BE_GPU
+#define BE_CUDA(call)                                                          \
+  do {                                                                         \
+    cudaError_t be_e_ = (call);                                                \
+    if (be_e_ != cudaSuccess) cli_fail("%s: %s", #call, cudaGetErrorString(be_e_)); \
+  } while (0)
+#define BE_NCCL(call)                                                          \
+  do {                                                                         \
+    ncclResult_t be_r_ = (call);                                               \
+    if (be_r_ != ncclSuccess) cli_fail("%s: %s", #call, ncclGetErrorString(be_r_)); \
+  } while (0)
+
+/* An NCCL id from rank 0 to all ranks over a moelink communicator (host
+ * buffers on cpu, device buffers on cuda). */
+static void be_share_nccl_id(moelink_comm_t comm, int rank, int nranks, int on_device,
+                             void *stream, ncclUniqueId *id) {
+  const size_t b = sizeof *id;
+  unsigned char *all = (unsigned char *)cli_malloc(b * (size_t)nranks, "ids");
+  ncclUniqueId mine;
+  memset(&mine, 0, sizeof mine);
+  if (rank == 0) BE_NCCL(ncclGetUniqueId(&mine));
+  if (!on_device) {
+    CLI_CALL("moelink_allgather (nccl id)",
+             moelink_allgather(comm, &mine, all, b / 4, MOELINK_DTYPE_F32, NULL));
+  } else {
+    void *d = NULL;
+    if (gpu_malloc(&d, b * (size_t)(nranks + 1), "id") || gpu_h2d(d, &mine, b))
+      cli_fail("%s", gpu_error());
+    CLI_CALL("moelink_allgather (nccl id)",
+             moelink_allgather(comm, d, (char *)d + b, b / 4, MOELINK_DTYPE_F32, stream));
+    if (gpu_stream_sync(stream) || gpu_d2h(all, (char *)d + b, b * (size_t)nranks))
+      cli_fail("%s", gpu_error());
+    gpu_free(d);
+  }
+  memcpy(id, all, b);
+  free(all);
+}
+
+/* The EP layer on CUDA needs the moelink communicator made on NCCL's: with the
+ * launcher's default (cpu) id, meet on the CPU, share an NCCL id and wrap the
+ * NCCL communicator; with a cuda id (`launch --backend cuda`) the moelink
+ * communicator comes from the id and the baseline gets an NCCL one of its own
+ * (then moelink_ep_create may answer UNSUPPORTED). */
+static void be_open_gpu(be_world *w) {
+  /* NVLink multicast stays off (DESIGN.md, section 5). */
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  BE_CUDA(cudaSetDevice(w->local_rank));
+  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
+  cc.backend = MOELINK_BACKEND_CUDA;
+  cc.device = w->local_rank;
+  CLI_CALL("moelink_context_create (cuda)", moelink_context_create(&cc, &w->ctx));
+  if (gpu_stream_create(&w->stream)) cli_fail("%s", gpu_error());
+
+  moelink_context_config_t hc = MOELINK_CONTEXT_CONFIG_INIT;
+  hc.num_threads = 1;
+  moelink_context_t hctx = NULL;
+  moelink_comm_t hcomm = NULL;
+  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&hc, &hctx));
+  ncclUniqueId id;
+  moelink_status_t s = moelink_comm_init_from_env(hctx, &hcomm);
+  if (s == MOELINK_SUCCESS) {
+    be_share_nccl_id(hcomm, w->rank, w->nranks, 0, NULL, &id);
+    CLI_CALL("moelink_comm_destroy (cpu)", moelink_comm_destroy(hcomm));
+    moelink_context_destroy(hctx);
+    BE_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
+    CLI_CALL("moelink_comm_init_from_nccl", moelink_comm_init_from_nccl(w->ctx, w->nccl, &w->comm));
+  } else if (s == MOELINK_ERR_INVALID_ARGUMENT) {
+    moelink_context_destroy(hctx);
+    CLI_CALL("moelink_comm_init_from_env (cuda)", moelink_comm_init_from_env(w->ctx, &w->comm));
+    be_share_nccl_id(w->comm, w->rank, w->nranks, 1, w->stream, &id);
+    BE_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
+  } else {
+    cli_lib_fail("moelink_comm_init_from_env (cpu, to share an NCCL id)", s);
+  }
+  if (gpu_malloc(&w->flush, BE_L2_FLUSH_BYTES, "L2 flush") ||
+      gpu_malloc((void **)&w->barrier, sizeof(float), "barrier") || gpu_timer_create(&w->timer))
+    cli_fail("%s", gpu_error());
+  BE_CUDA(cudaMemset(w->barrier, 0, sizeof(float)));
+}
+#endif
+
+static void be_open(be_world *w, const be_opts *o) {
+  memset(w, 0, sizeof *w);
+  w->rank = be_env_int("MOELINK_RANK", -1);
+  w->nranks = be_env_int("MOELINK_WORLD_SIZE", 0);
+  w->local_rank = be_env_int("MOELINK_LOCAL_RANK", w->rank);
+  w->backend = o->backend;
+  if (w->rank < 0 || w->nranks < 1 || !getenv("MOELINK_UNIQUE_ID"))
+    cli_fail("bench ep: run me under the launcher: moelink launch -n 2 -- moelink bench ep");
+  if (o->backend == MOELINK_BACKEND_CUDA) {
+#if BE_GPU
+    be_open_gpu(w);
+    return;
+#else
+    cli_fail("bench ep --backend cuda: this moelink CLI was built without CUDA and NCCL");
+#endif
+  }
+  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
+  cc.backend = MOELINK_BACKEND_CPU;
+  int threads = o->threads;
+#ifdef _OPENMP
+  if (threads <= 0) threads = omp_get_num_procs() / w->nranks;
+#endif
+  cc.num_threads = threads > 0 ? threads : 1;
+  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&cc, &w->ctx));
+  CLI_CALL("moelink_comm_init_from_env", moelink_comm_init_from_env(w->ctx, &w->comm));
+}
+
+static void be_close(be_world *w) {
+  CLI_CALL("moelink_comm_destroy", moelink_comm_destroy(w->comm));
+#if BE_GPU
+  if (w->backend == MOELINK_BACKEND_CUDA) {
+    gpu_timer_destroy(&w->timer);
+    gpu_free(w->flush);
+    gpu_free(w->barrier);
+    ncclCommDestroy(w->nccl);
+  }
+#endif
+  gpu_stream_destroy(w->stream);
+  moelink_context_destroy(w->ctx);
+}
+
+/* Lines the ranks up: every rank leaves it at about the same moment. */
+static void be_barrier(be_world *w) {
+#if BE_GPU
+  if (w->backend == MOELINK_BACKEND_CUDA) {
+    BE_NCCL(ncclAllReduce(w->barrier, w->barrier, 1, ncclFloat32, ncclSum, w->nccl,
+                          (cudaStream_t)w->stream));
+    return;
+  }
+#endif
+  float x = 0.0f, y = 0.0f;
+  CLI_CALL("moelink_allreduce (barrier)",
+           moelink_allreduce(w->comm, &x, &y, 1, MOELINK_DTYPE_F32, NULL));
+}
+
+static void *be_alloc(be_world *w, size_t bytes, const char *what) {
+  if (w->backend == MOELINK_BACKEND_CPU) return cli_malloc(bytes ? bytes : 1, what);
+  void *p = NULL;
+  if (gpu_malloc(&p, bytes ? bytes : 1, what)) cli_fail("%s", gpu_error());
+  return p;
+}
+
+static void be_free(be_world *w, void *p) {
+  if (w->backend == MOELINK_BACKEND_CPU)
+    free(p);
+  else
+    gpu_free(p);
+}
+
+/* ---- one T ------------------------------------------------------------------- */
+
+enum { BE_V_EP = 0, BE_V_SINGLE = 1, BE_V_NCCL = 2, BE_NV = 3 };
+
+typedef struct be_case {
+  int T, n, me;
+  size_t row;             /* bytes of a token row */
+  moelink_ep_t ep;
+  moelink_moe_t single;
+  void *x_all, *out_all;  /* [n*T, H]; this rank's EP x is its slice of x_all */
+  void *out;              /* [T, H] */
+  /* NCCL: rows per peer, rank-major cnt[src * n + dst] */
+  int *disp, *comb;       /* dispatch: tokens src sends dst; combine: (token, slot)
+                             pairs of src's tokens on dst's experts (dst sends back) */
+  void *sbuf, *rbuf;
+} be_case;
+
+static void be_call(be_world *w, be_case *c, int variant) {
+  if (variant == BE_V_EP) {
+    CLI_CALL("moelink_ep_forward",
+             moelink_ep_forward(c->ep, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
+                                c->T, c->out, w->stream));
+  } else if (variant == BE_V_SINGLE) {
+    CLI_CALL("moelink_moe_forward",
+             moelink_moe_forward(c->single, c->x_all, c->n * c->T, c->out_all, w->stream));
+  }
+#if BE_GPU
+  else {
+    /* Dispatch there, then combine back: two grouped exchanges, each row a
+     * contiguous run of bytes (ncclChar: the dtype does not matter). */
+    cudaStream_t st = (cudaStream_t)w->stream;
+    for (int phase = 0; phase < 2; ++phase) {
+      size_t so = 0, ro = 0;
+      BE_NCCL(ncclGroupStart());
+      for (int p = 0; p < c->n; ++p) {
+        if (p == c->me) continue;
+        /* dispatch: me -> p disp[me][p], p -> me disp[p][me];
+         * combine: me -> p comb[p][me], p -> me comb[me][p] */
+        const size_t sr = (size_t)(phase == 0 ? c->disp[c->me * c->n + p] : c->comb[p * c->n + c->me]);
+        const size_t rr = (size_t)(phase == 0 ? c->disp[p * c->n + c->me] : c->comb[c->me * c->n + p]);
+        if (sr)
+          BE_NCCL(ncclSend((char *)c->sbuf + so * c->row, sr * c->row, ncclChar, p, w->nccl, st));
+        if (rr)
+          BE_NCCL(ncclRecv((char *)c->rbuf + ro * c->row, rr * c->row, ncclChar, p, w->nccl, st));
+        so += sr;
+        ro += rr;
+      }
+      BE_NCCL(ncclGroupEnd());
+    }
+  }
+#endif
+}
+
+/* Median of iters timed calls of one variant, in us (this rank's). */
+static double be_time(be_world *w, be_case *c, int variant, const be_opts *o) {
+  double *t = (double *)cli_malloc(sizeof(double) * (size_t)o->iters, "times");
+  for (int it = -o->warmup; it < o->iters; ++it) {
+#if BE_GPU
+    if (w->backend == MOELINK_BACKEND_CUDA) {
+      double ms = 0.0;
+      if (gpu_memset_async(w->flush, it & 0xff, BE_L2_FLUSH_BYTES, w->stream))
+        cli_fail("%s", gpu_error());
+      be_barrier(w);
+      if (gpu_timer_start(&w->timer, w->stream)) cli_fail("%s", gpu_error());
+      be_call(w, c, variant);
+      if (gpu_timer_stop(&w->timer, w->stream, &ms)) cli_fail("%s", gpu_error());
+      if (it >= 0) t[it] = ms * 1e3;
+      continue;
+    }
+#endif
+    be_barrier(w);
+    double t0 = cli_now();
+    be_call(w, c, variant);
+    if (it >= 0) t[it] = (cli_now() - t0) * 1e6;
+  }
+  double med = cli_median(t, o->iters);
+  free(t);
+  return med;
+}
+
+/* Per destination rank, this rank's tokens with an expert there and its
+ * (token, slot) pairs there, from the single layer's routing of the same x;
+ * then every rank's counts (disp, comb: [n * n], rank-major by source). */
+static void be_count(be_world *w, be_case *c, const moelink_moe_config_t *cfg) {
+  const int T = c->T, k = cfg->top_k, n = c->n, per = cfg->num_experts / n;
+  const size_t pairs = (size_t)T * (size_t)k;
+  int32_t *ids = (int32_t *)be_alloc(w, pairs * sizeof(int32_t), "topk ids");
+  float *wts = (float *)be_alloc(w, pairs * sizeof(float), "topk weights");
+  CLI_CALL("moelink_moe_route",
+           moelink_moe_route(c->single, (const char *)c->x_all + (size_t)c->me * T * c->row, T,
+                             ids, wts, w->stream));
+  int32_t *h = ids;
+  if (w->backend == MOELINK_BACKEND_CUDA) {
+    h = (int32_t *)cli_malloc(pairs * sizeof(int32_t), "topk ids (host)");
+    if (gpu_stream_sync(w->stream) || gpu_d2h(h, ids, pairs * sizeof(int32_t)))
+      cli_fail("%s", gpu_error());
+  }
+  float *mine = (float *)cli_malloc(sizeof(float) * 2 * (size_t)n, "counts");
+  int *hit = (int *)cli_malloc(sizeof(int) * (size_t)n, "hit");
+  memset(mine, 0, sizeof(float) * 2 * (size_t)n);
+  for (int t = 0; t < T; ++t) {
+    memset(hit, 0, sizeof(int) * (size_t)n);
+    for (int j = 0; j < k; ++j) {
+      const int e = h[(size_t)t * k + j];
+      if (e < 0 || e >= cfg->num_experts) continue;
+      hit[e / per] = 1;
+      mine[2 * (e / per) + 1] += 1.0f;
+    }
+    for (int d = 0; d < n; ++d) mine[2 * d] += (float)hit[d];
+  }
+  float *all = (float *)cli_malloc(sizeof(float) * 2 * (size_t)n * (size_t)n, "all counts");
+  be_allgather_f32(w, mine, 2 * n, all);
+  for (int s = 0; s < n; ++s)
+    for (int d = 0; d < n; ++d) {
+      c->disp[s * n + d] = (int)all[2 * (s * n + d)];
+      c->comb[s * n + d] = (int)all[2 * (s * n + d) + 1];
+    }
+  free(all);
+  free(hit);
+  free(mine);
+  if (h != ids) free(h);
+  be_free(w, ids);
+  be_free(w, wts);
+}
+
+static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_t *base,
+                        const cli_layer *L, int T, be_row *row) {
+  be_case c;
+  memset(&c, 0, sizeof c);
+  c.T = T;
+  c.n = w->nranks;
+  c.me = w->rank;
+  const size_t es = moelink_dtype_size(base->dtype);
+  const size_t H = (size_t)base->hidden, I = (size_t)base->inter;
+  c.row = H * es;
+  const int cuda = w->backend == MOELINK_BACKEND_CUDA;
+
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = *base;
+  ecfg.moe.max_tokens = T;
+  CLI_CALL("moelink_ep_create", moelink_ep_create(w->comm, &ecfg, &c.ep));
+  int first = 0, El = 0;
+  CLI_CALL("moelink_ep_get_config", moelink_ep_get_config(c.ep, NULL, &first, &El));
+  moelink_moe_weights_t lw = L->w;
+  lw.gate_up = (const char *)L->w.gate_up + (size_t)first * 2 * I * H * es;
+  lw.down = (const char *)L->w.down + (size_t)first * H * I * es;
+  CLI_CALL("moelink_ep_set_weights", moelink_ep_set_weights(c.ep, &lw));
+
+  moelink_moe_config_t scfg = *base;
+  scfg.max_tokens = c.n * T;
+  CLI_CALL("moelink_moe_create (single-device layer)", moelink_moe_create(w->ctx, &scfg, &c.single));
+  CLI_CALL("moelink_moe_set_weights", moelink_moe_set_weights(c.single, &L->w));
+
+  const size_t all_rows = (size_t)c.n * (size_t)T;
+  c.x_all = be_alloc(w, all_rows * c.row, "x (all ranks)");
+  c.out_all = be_alloc(w, all_rows * c.row, "single-device out");
+  c.out = be_alloc(w, (size_t)T * c.row, "ep out");
+  /* The same tokens on every rank: rank r's EP tokens are rows [r*T, (r+1)*T). */
+  CLI_CALL("moelink_fill_random x",
+           moelink_fill_random(w->ctx, base->dtype, c.x_all, all_rows * H,
+                               ref_tensor_seed(o->seed + 1000003ull * (uint64_t)T, REF_T_X),
+                               ref_tensor_scale(base, REF_T_X), 0.0f, w->stream));
+
+  c.disp = (int *)cli_malloc(sizeof(int) * (size_t)c.n * (size_t)c.n, "dispatch counts");
+  c.comb = (int *)cli_malloc(sizeof(int) * (size_t)c.n * (size_t)c.n, "combine counts");
+  be_count(w, &c, base);
+  /* Rows each rank sends over the wire (its own ranks' rows stay local). */
+  double drows_max = 0, crows_max = 0, bytes_max = 0, bytes_total = 0;
+  size_t s_need = 0, r_need = 0;
+  for (int r = 0; r < c.n; ++r) {
+    double dr = 0, cr = 0, dr_in = 0, cr_in = 0;
+    for (int p = 0; p < c.n; ++p) {
+      if (p == r) continue;
+      dr += c.disp[r * c.n + p];
+      cr += c.comb[p * c.n + r];
+      dr_in += c.disp[p * c.n + r];
+      cr_in += c.comb[r * c.n + p];
+    }
+    if (dr > drows_max) drows_max = dr;
+    if (cr > crows_max) crows_max = cr;
+    const double b = (dr + cr) * (double)c.row;
+    if (b > bytes_max) bytes_max = b;
+    bytes_total += b;
+    if (r == c.me) {
+      s_need = (size_t)(dr > cr ? dr : cr);
+      r_need = (size_t)(dr_in > cr_in ? dr_in : cr_in);
+    }
+  }
+
+  memset(row, 0, sizeof *row);
+  row->tokens = T;
+  row->flops_rank = moelink_moe_flops(base, T);
+  row->dispatch_rows = drows_max;
+  row->combine_rows = crows_max;
+  row->bytes_rank = bytes_max;
+  row->bytes_total = bytes_total;
+
+  double t[BE_NV] = {NAN, NAN, NAN};
+  t[BE_V_EP] = be_time(w, &c, BE_V_EP, o);
+  CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
+  t[BE_V_SINGLE] = be_time(w, &c, BE_V_SINGLE, o);
+#if BE_GPU
+  if (cuda) {
+    c.sbuf = be_alloc(w, s_need * c.row, "nccl send rows");
+    c.rbuf = be_alloc(w, r_need * c.row, "nccl recv rows");
+    t[BE_V_NCCL] = be_time(w, &c, BE_V_NCCL, o);
+    be_free(w, c.sbuf);
+    be_free(w, c.rbuf);
+  }
+#else
+  (void)s_need;
+  (void)r_need;
+#endif
+  if (cuda && gpu_stream_sync(w->stream)) cli_fail("%s", gpu_error());
+
+  /* The slowest rank's median: a layer waits for its slowest rank. */
+  float tm[BE_NV] = {(float)t[0], (float)t[1], (float)t[2]};
+  float *tall = (float *)cli_malloc(sizeof(float) * BE_NV * (size_t)c.n, "times");
+  be_allgather_f32(w, tm, BE_NV, tall);
+  double *dst[BE_NV] = {&row->ep_us, &row->single_us, &row->nccl_us};
+  for (int v = 0; v < BE_NV; ++v) {
+    double worst = -1.0;
+    for (int r = 0; r < c.n; ++r) {
+      const double x = tall[BE_NV * r + v];
+      if (isnan(x)) {
+        worst = NAN;
+        break;
+      }
+      if (x > worst) worst = x;
+    }
+    *dst[v] = worst;
+  }
+  free(tall);
+
+  free(c.disp);
+  free(c.comb);
+  be_free(w, c.x_all);
+  be_free(w, c.out_all);
+  be_free(w, c.out);
+  CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
+  CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
+}
+
+/* ---- output ------------------------------------------------------------------ */
+
+static double be_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
+
+static void be_json_num(FILE *f, const char *key, double v) {
+  fprintf(f, ", \"%s\": ", key);
+  cli_json_num(f, v);
+}
+
+static void be_write_json(const char *path, const be_opts *o, const be_world *w,
+                          const char *device, const moelink_moe_config_t *c, const char *shape,
+                          const be_row *rows, int nrows) {
+  const int cuda = o->backend == MOELINK_BACKEND_CUDA;
+  FILE *f = fopen(path, "w");
+  if (!f) cli_fail("--json: cannot open '%s' for writing", path);
+  char date[64], commit[64];
+  time_t now = time(NULL);
+  struct tm tmv;
+  gmtime_r(&now, &tmv);
+  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
+  cli_commit(commit, sizeof commit);
+  fprintf(f, "{\n  \"tool\": \"moelink bench ep\",\n  \"version\": ");
+  cli_json_str(f, moelink_version());
+  fprintf(f, ",\n  \"date\": ");
+  cli_json_str(f, date);
+  fprintf(f, ",\n  \"git_commit\": ");
+  if (commit[0])
+    cli_json_str(f, commit);
+  else
+    fputs("null", f);
+  fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
+  cli_json_str(f, device);
+  fprintf(f, ",\n  \"nranks\": %d,\n  \"shape\": ", w->nranks);
+  cli_json_str(f, shape);
+  fprintf(f, ",\n  \"config\": {\"hidden\": %d, \"inter\": %d, \"experts\": %d, \"top_k\": %d, "
+             "\"router\": \"%s\", \"renormalize\": %s, \"n_group\": %d, \"topk_group\": %d, "
+             "\"routed_scaling\": %g, \"correction_bias\": %s, \"shared_inter\": %d, "
+             "\"shared_gate\": %s, \"dtype\": \"%s\"}",
+          c->hidden, c->inter, c->num_experts, c->top_k, cli_router_name(c->router),
+          c->renormalize ? "true" : "false", c->n_group, c->topk_group, (double)c->routed_scaling,
+          c->correction_bias ? "true" : "false", c->shared_inter,
+          c->shared_gate ? "true" : "false", moelink_dtype_name(c->dtype));
+  fprintf(f, ",\n  \"experts_per_rank\": %d,\n  \"iters\": %d,\n  \"warmup\": %d,\n"
+             "  \"seed\": %llu,\n  \"timing\": ",
+          c->num_experts / w->nranks, o->iters, o->warmup, (unsigned long long)o->seed);
+  cli_json_str(f, cuda ? "per rank: median of iters CUDA-event-timed calls after warmup, each "
+                        "after a 256 MiB L2 flush and a 1-element NCCL all-reduce that lines "
+                        "the ranks up; a row's time is the slowest rank's median"
+                      : "per rank: median of iters host-clock-timed calls after warmup, each "
+                        "after a barrier; a row's time is the slowest rank's median");
+  fprintf(f, ",\n  \"variants\": ");
+  cli_json_str(f, "ep: moelink_ep_forward, tokens random on every rank, the layer created with "
+                 "max_tokens = tokens; single: moelink_moe_forward with all experts on "
+                 "nranks * tokens tokens on each rank's own device (the EP layer's total work "
+                 "on one device, nranks times a rank's share); nccl (cuda only): ncclSend/"
+                 "ncclRecv in two groups, dispatch then combine, of the rows the EP layer "
+                 "moves between ranks for the same tokens (dispatch: a token once to each peer "
+                 "owning one of its experts; combine: one row per (token, slot) whose expert "
+                 "is on the peer, as the CUDA layer returns them), rows only (not the EP "
+                 "layer's per-row routing metadata of (1 + 2k) * 4 bytes)");
+  fprintf(f, ",\n  \"bytes\": ");
+  cli_json_str(f, "bytes_sent_per_rank: (dispatch_rows + combine_rows) * hidden * dtype size "
+                 "sent by a rank to its peers, the most over ranks; dispatch_rows / "
+                 "combine_rows likewise (most over ranks); bytes_sent_total: summed over ranks");
+  fprintf(f, ",\n  \"flops\": ");
+  cli_json_str(f, "flops_per_rank = moelink_moe_flops(cfg, tokens); ep_TFLOPs = flops_per_rank "
+                 "/ ep time; single_TFLOPs = moelink_moe_flops(cfg, nranks * tokens) / single "
+                 "time");
+  fprintf(f, ",\n  \"rows\": [\n");
+  for (int i = 0; i < nrows; ++i) {
+    const be_row *r = &rows[i];
+    fprintf(f, "    {\"tokens\": %d, \"single_tokens\": %d", r->tokens, r->tokens * w->nranks);
+    be_json_num(f, "ep_us", r->ep_us);
+    be_json_num(f, "ep_TFLOPs", be_tflops(r->flops_rank, r->ep_us));
+    be_json_num(f, "single_us", r->single_us);
+    be_json_num(f, "single_TFLOPs", be_tflops(moelink_moe_flops(c, r->tokens * w->nranks),
+                                              r->single_us));
+    be_json_num(f, "nccl_us", cuda ? r->nccl_us : NAN);
+    be_json_num(f, "flops_per_rank", r->flops_rank);
+    be_json_num(f, "dispatch_rows", r->dispatch_rows);
+    be_json_num(f, "combine_rows", r->combine_rows);
+    be_json_num(f, "bytes_sent_per_rank", r->bytes_rank);
+    be_json_num(f, "bytes_sent_total", r->bytes_total);
+    be_json_num(f, "nccl_GBps_per_rank", cuda ? r->bytes_rank / (r->nccl_us * 1e-6) / 1e9 : NAN);
+    fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
+  }
+  fprintf(f, "  ]\n}\n");
+  if (fclose(f) != 0) cli_fail("--json: error writing '%s'", path);
+}
+
+int cli_cmd_bench_ep(int argc, char **argv) {
+  be_opts o;
+  be_parse(argc, argv, &o);
+  int custom = 0;
+  const moelink_moe_config_t cfg = be_config(&o, &custom);
+  be_world w;
+  be_open(&w, &o);
+  const int cuda = o.backend == MOELINK_BACKEND_CUDA;
+  if (cfg.num_experts % w.nranks)
+    cli_usage_error("bench ep: %d experts do not split over %d ranks", cfg.num_experts, w.nranks);
+  char device[256] = "cpu";
+  if (cuda && gpu_device_name(device, sizeof device)) cli_fail("%s", gpu_error());
+  if (!cuda) cli_cpu_model(device, sizeof device);
+  char shape[96];
+  snprintf(shape, sizeof shape, "%s%s", o.preset ? o.preset : "small",
+           custom ? (o.preset ? " (custom: flags changed the preset)" : " (custom, DeepSeek-like)")
+                  : " (preset)");
+  char groups[16] = "-";
+  if (cfg.n_group > 1) snprintf(groups, sizeof groups, "%d/%d", cfg.topk_group, cfg.n_group);
+
+  if (w.rank == 0) {
+    printf("moelink bench ep: %d ranks (EP = %d, %d experts each), %s\n", w.nranks, w.nranks,
+           cfg.num_experts / w.nranks, device);
+    char shared[32] = "none";
+    if (cfg.shared_inter > 0)
+      snprintf(shared, sizeof shared, "inter %d%s", cfg.shared_inter,
+               cfg.shared_gate ? " gated" : "");
+    printf("layer %s: H %d, I %d, E %d, k %d, %s router, groups %s, shared expert %s, %s\n",
+           shape, cfg.hidden, cfg.inter, cfg.num_experts, cfg.top_k, cli_router_name(cfg.router),
+           groups, shared, moelink_dtype_name(cfg.dtype));
+    printf("timing: median of %d after %d warm-up, %s; the slowest rank's median\n", o.iters,
+           o.warmup, cuda ? "CUDA events, L2 flushed and ranks lined up before each"
+                          : "host clock, ranks lined up before each");
+    printf("T = tokens per rank; single = one device, all experts, %d*T tokens (%dx a rank's "
+           "work)%s\n",
+           w.nranks, w.nranks,
+           cuda ? "; nccl = send/recv of the same rows (dispatch there + combine back)" : "");
+    printf("%7s %11s %9s %12s %9s", "T", "ep_us", cuda ? "TFLOP/s" : "GFLOP/s", "single_us",
+           cuda ? "TFLOP/s" : "GFLOP/s");
+    if (cuda) printf(" %11s", "nccl_us");
+    printf(" %14s %10s %10s\n", "sent/rank", "disp_rows", "comb_rows");
+    fflush(stdout);
+  }
+
+  cli_layer L;
+  cli_layer_make(&L, w.ctx, &cfg, o.seed, 0.0, w.stream);
+  if (cuda && gpu_stream_sync(w.stream)) cli_fail("%s", gpu_error());
+  be_row *rows = (be_row *)cli_malloc(sizeof(be_row) * (size_t)o.ntokens, "rows");
+  const double unit = cuda ? 1.0 : 1e3;
+  for (int i = 0; i < o.ntokens; ++i) {
+    be_row *r = &rows[i];
+    be_run_case(&w, &o, &cfg, &L, o.tokens[i], r);
+    if (w.rank == 0) {
+      char b[32];
+      cli_fmt_bytes(r->bytes_rank, b, sizeof b);
+      printf("%7d %11.1f %9.2f %12.1f %9.2f", r->tokens, r->ep_us,
+             be_tflops(r->flops_rank, r->ep_us) * unit, r->single_us,
+             be_tflops(moelink_moe_flops(&cfg, r->tokens * w.nranks), r->single_us) * unit);
+      if (cuda) printf(" %11.1f", r->nccl_us);
+      printf(" %14s %10.0f %10.0f\n", b, r->dispatch_rows, r->combine_rows);
+      fflush(stdout);
+    }
+  }
+  if (w.rank == 0 && o.json) {
+    be_write_json(o.json, &o, &w, device, &cfg, shape, rows, o.ntokens);
+    printf("wrote %s\n", o.json);
+  }
+  free(rows);
+  if (cuda && gpu_stream_sync(w.stream)) cli_fail("%s", gpu_error());
+  cli_layer_free(&L);
+  be_close(&w);
+  return 0;
+}
