@@ -97,6 +97,10 @@ if want ep && [ "$NGPU" -ge 2 ]; then
   log "bench ep (2 ranks)"
   ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
+  log "bench ep without the expert GEMMs (routing, exchanges and combine alone)"
+  MOELINK_EP_PROBE_NO_EXPERTS=1 ./"$BUILD"/moelink launch -n 2 --timeout 600 -- \
+    ./"$BUILD"/moelink bench ep --json "$OUT/json/bench_ep_noexperts.json" 2>&1 |
+    tee -a "$OUT/ep.log" || rc=1
 fi
 # Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
 # (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.

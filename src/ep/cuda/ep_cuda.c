@@ -54,6 +54,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Benchmarks only: 1 skips the local experts' plan and GEMMs (the outputs
+ * sent back are then meaningless), so that a forward's time is routing, the
+ * two exchanges and the combine alone. */
+MOELINK_PARAM(EP_PROBE_NO_EXPERTS, 0)
+
 typedef struct ml_epc {
   moelink_moe_t front, local;
   ml_epc_args a;
@@ -266,9 +271,11 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
                                c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, st));
   }
   ML_TRY(ml_epc_receive(a, st));
-  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
-  ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
-                             w->y, st));
+  if (!ml_param_EP_PROBE_NO_EXPERTS()) {
+    ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+    ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
+                               w->y, st));
+  }
   moelink_plan_t lp;
   ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
   ML_TRY(ml_epc_return(a, w->y, lp.pair_rows, st));
