@@ -114,24 +114,56 @@ static void ml_ccu_nccl_env(void) { setenv("NCCL_NVLS_ENABLE", "0", 1); }
 /* Collective: every rank allocates the same size in the same order. The
  * buffer is zeroed before the registration, whose barrier guarantees no peer
  * writes into it before that. */
+/* Every rank says whether its local part worked (1) or not (0); returns the
+ * minimum over ranks in *ok (host round trip: setup calls only). So a rank
+ * that failed alone does not leave its peers inside NCCL's collective window
+ * registration, which has no time limit. */
+static moelink_status_t ml_ccu_agree(ml_ccu_comm *c, int *ok) {
+  int32_t v = *ok ? 1 : 0;
+  int32_t *d = (int32_t *)c->scratch;
+  cudaError_t e = cudaMemcpyAsync(d, &v, sizeof v, cudaMemcpyHostToDevice, c->setup);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "agreeing on a symmetric allocation");
+  ncclResult_t r = ncclAllReduce(d, d, 1, ncclInt32, ncclMin, c->nccl, c->setup);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(c->nccl, r, "ncclAllReduce (agreement)");
+  e = cudaMemcpyAsync(&v, d, sizeof v, cudaMemcpyDeviceToHost, c->setup);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "agreeing on a symmetric allocation");
+  *ok = v == 1;
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_ccu_symm_make(moelink_comm_t comm, ml_ccu_comm *c, size_t bytes,
                                          ml_ccu_symm *m) {
   memset(m, 0, sizeof *m);
   void *p = NULL;
+  moelink_status_t own = MOELINK_SUCCESS;
   ncclResult_t r = ncclMemAlloc(&p, bytes);
   if (r != ncclSuccess || !p) {
     size_t free_b = 0, total_b = 0;
+    p = NULL;
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && bytes > free_b)
-      return ml_fail(MOELINK_ERR_OUT_OF_MEMORY,
-                     "symmetric buffer of %zu bytes: only %zu bytes of device memory free", bytes,
-                     free_b);
-    return ml_ccu_nccl_fail(c->nccl, r, "ncclMemAlloc");
+      own = ml_fail(MOELINK_ERR_OUT_OF_MEMORY,
+                    "symmetric buffer of %zu bytes: only %zu bytes of device memory free", bytes,
+                    free_b);
+    else
+      own = ml_ccu_nccl_fail(c->nccl, r, "ncclMemAlloc");
+  } else {
+    cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->setup);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+    if (e != cudaSuccess) own = ml_ccu_cuda_fail(e, "zeroing a symmetric buffer");
   }
-  cudaError_t e = cudaMemsetAsync(p, 0, bytes, c->setup);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
-  if (e != cudaSuccess) {
-    (void)ncclMemFree(p);
-    return ml_ccu_cuda_fail(e, "zeroing a symmetric buffer");
+  char why[400] = "";
+  if (own != MOELINK_SUCCESS) snprintf(why, sizeof why, "%s", moelink_last_error());
+  int ok = own == MOELINK_SUCCESS;
+  const moelink_status_t agreed = ml_ccu_agree(c, &ok);
+  if (agreed != MOELINK_SUCCESS || !ok) {
+    if (p) (void)ncclMemFree(p);
+    if (agreed != MOELINK_SUCCESS) return agreed;
+    if (own != MOELINK_SUCCESS) return ml_fail(own, "%s", why);
+    return ml_fail(MOELINK_ERR_INVALID_STATE,
+                   "symmetric buffer of %zu bytes: another rank could not allocate its part "
+                   "(its own call says why)",
+                   bytes);
   }
   ncclWindow_t win = NULL;
   r = ncclCommWindowRegister(c->nccl, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC);
