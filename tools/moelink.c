@@ -12,6 +12,7 @@ static const char cli_usage_text[] =
     "  bench     median times over token counts beside this machine's floors\n"
     "  bench comm  collectives' latency and bus bandwidth beside NCCL's (under launch)\n"
     "  bench ep  the expert-parallel layer beside one device and NCCL (under launch)\n"
+    "  bench tp  tensor-parallel GEMMs fused with their collective, beside cuBLAS + NCCL\n"
     "  presets   list the built-in model presets\n"
     "  launch    start N ranks of a command on this machine (one per GPU)\n"
     "\n"
