@@ -25,6 +25,11 @@ and the library's own message.
         moe.set_weights(router=wr, gate_up=wgu, down=wd)
         y = moe.forward(x)            # x [T, 64] float32
         ids, w = moe.route(x)         # [T, 2] int32, [T, 2] float32
+
+Under ``moelink launch -n N -- python3 prog.py`` each process joins its
+group with ``moelink.Comm.from_env(ctx)``: collectives (allreduce,
+allgather, reduce_scatter, alltoallv), ``moelink.TP`` (GEMMs fused with
+their collective) and ``moelink.EP`` (the expert-parallel layer).
 """
 
 from ._arrays import BF16_NUMPY, from_bf16, to_bf16
@@ -33,12 +38,13 @@ from ._capi import (HEADER_VERSION, Backend, ContextConfig, Dtype, MoeConfig, Mo
 from ._capi import Plan as PlanStruct
 from ._core import (Context, MoE, Plan, backend_available, dtype_size, preset_config, presets,
                     random_values, version, version_code)
+from ._comm import EP, TP, Comm, unique_id
 
 __version__ = "%d.%d.%d" % HEADER_VERSION
 
 __all__ = [
-    "BF16_NUMPY", "Backend", "Context", "ContextConfig", "Dtype", "MoE", "MoeConfig",
-    "MoeWeights", "MoelinkError", "Plan", "PlanStruct", "Router", "Status", "backend_available",
-    "dtype_size", "from_bf16", "library_path", "load", "preset_config", "presets",
-    "random_values", "to_bf16", "version", "version_code",
+    "BF16_NUMPY", "Backend", "Comm", "Context", "ContextConfig", "Dtype", "EP", "MoE",
+    "MoeConfig", "MoeWeights", "MoelinkError", "Plan", "PlanStruct", "Router", "Status", "TP",
+    "backend_available", "dtype_size", "from_bf16", "library_path", "load", "preset_config",
+    "presets", "random_values", "to_bf16", "unique_id", "version", "version_code",
 ]

@@ -4,7 +4,7 @@ backend). Nothing is copied: the C side gets the data pointer, so every
 array must be C-contiguous, of the element type the layer expects, and in
 the memory the context's backend reads.
 
-Element types are named "f32", "f16", "bf16" and "i32". numpy has no
+Element types are named "f32", "f16", "bf16", "i32" and "i64". numpy has no
 bfloat16 of its own: a bf16 array is either a uint16 array holding the bf16
 bit patterns (see to_bf16 / from_bf16) or, when the ml_dtypes package is
 installed, an array of ml_dtypes.bfloat16.
@@ -27,12 +27,14 @@ _NP_CODES = {
     np.dtype(np.float16): "f16",
     np.dtype(np.uint16): "bf16",
     np.dtype(np.int32): "i32",
+    np.dtype(np.int64): "i64",
 }
 if BF16_NUMPY is not None:
     _NP_CODES[BF16_NUMPY] = "bf16"
 
 _CODE_NP = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
-            "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32)}
+            "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32),
+            "i64": np.dtype(np.int64)}
 
 _TORCH_CODES = None
 
@@ -46,13 +48,13 @@ def _torch_codes(torch):
     global _TORCH_CODES
     if _TORCH_CODES is None:
         _TORCH_CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-                        torch.int32: "i32"}
+                        torch.int32: "i32", torch.int64: "i64"}
     return _TORCH_CODES
 
 
 def _torch_dtype(torch, code):
     return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-            "i32": torch.int32}[code]
+            "i32": torch.int32, "i64": torch.int64}[code]
 
 
 class Buf:

@@ -162,6 +162,48 @@ class Plan(ctypes.Structure):
     ]
 
 
+UNIQUE_ID_BYTES = 128  # MOELINK_UNIQUE_ID_BYTES
+
+
+class UniqueId(ctypes.Structure):
+    """moelink_unique_id_t"""
+
+    _fields_ = [("bytes", ctypes.c_ubyte * UNIQUE_ID_BYTES)]
+
+
+class TpConfig(ctypes.Structure):
+    """moelink_tp_config_t"""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("dtype", c_enum),
+        ("max_m", ctypes.c_int),
+        ("max_n", ctypes.c_int),
+        ("max_k", ctypes.c_int),
+        ("comm_ctas", ctypes.c_int),
+    ]
+
+    @classmethod
+    def init(cls):
+        """MOELINK_TP_CONFIG_INIT"""
+        return cls(ctypes.sizeof(cls), Dtype.BF16, 0, 0, 0, 0)
+
+
+class EpConfig(ctypes.Structure):
+    """moelink_ep_config_t"""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("moe", MoeConfig),
+        ("recv_capacity", ctypes.c_int),
+    ]
+
+    @classmethod
+    def init(cls):
+        """MOELINK_EP_CONFIG_INIT"""
+        return cls(ctypes.sizeof(cls), MoeConfig.init(), 0)
+
+
 def address_of(ptr):
     """The address a ctypes pointer holds, as an int (0 for NULL)."""
     return ctypes.cast(ptr, ctypes.c_void_p).value or 0
@@ -202,6 +244,36 @@ _PROTOTYPES = {
     "moelink_moe_plan": (_st, [_vp, _vp, _int, _vp, _vp]),
     "moelink_moe_experts": (_st, [_vp, _vp, _int, _vp, _vp, _vp, _vp]),
     "moelink_moe_combine": (_st, [_vp, _vp, _int, _vp, _vp, _vp]),
+    "moelink_get_unique_id": (_st, [_vp, ctypes.POINTER(UniqueId)]),
+    "moelink_unique_id_to_hex": (_st, [ctypes.POINTER(UniqueId), ctypes.c_char_p,
+                                       ctypes.c_size_t]),
+    "moelink_unique_id_from_hex": (_st, [ctypes.c_char_p, ctypes.POINTER(UniqueId)]),
+    "moelink_comm_init": (_st, [_vp, _int, _int, ctypes.POINTER(UniqueId), ctypes.POINTER(_vp)]),
+    "moelink_comm_init_from_env": (_st, [_vp, ctypes.POINTER(_vp)]),
+    "moelink_comm_destroy": (_st, [_vp]),
+    "moelink_comm_rank": (_int, [_vp]),
+    "moelink_comm_size": (_int, [_vp]),
+    "moelink_comm_check": (_st, [_vp, _vp]),
+    "moelink_allreduce": (_st, [_vp, _vp, _vp, ctypes.c_size_t, c_enum, _vp]),
+    "moelink_allgather": (_st, [_vp, _vp, _vp, ctypes.c_size_t, c_enum, _vp]),
+    "moelink_reduce_scatter": (_st, [_vp, _vp, _vp, ctypes.c_size_t, c_enum, _vp]),
+    "moelink_alltoallv": (_st, [_vp, _vp, _vp, _vp, _vp, ctypes.c_size_t, _vp, _vp, c_enum,
+                                _vp]),
+    "moelink_tp_workspace_size": (_st, [_vp, ctypes.POINTER(TpConfig),
+                                        ctypes.POINTER(ctypes.c_size_t)]),
+    "moelink_tp_create": (_st, [_vp, ctypes.POINTER(TpConfig), ctypes.POINTER(_vp)]),
+    "moelink_tp_destroy": (_st, [_vp]),
+    "moelink_ag_gemm": (_st, [_vp, _vp, _vp, _vp, _int, _int, _int, _vp]),
+    "moelink_gemm_rs": (_st, [_vp, _vp, _vp, _vp, _int, _int, _int, _vp]),
+    "moelink_gemm_ar": (_st, [_vp, _vp, _vp, _vp, _int, _int, _int, _vp]),
+    "moelink_ep_workspace_size": (_st, [_vp, ctypes.POINTER(EpConfig),
+                                        ctypes.POINTER(ctypes.c_size_t)]),
+    "moelink_ep_create": (_st, [_vp, ctypes.POINTER(EpConfig), ctypes.POINTER(_vp)]),
+    "moelink_ep_destroy": (_st, [_vp]),
+    "moelink_ep_get_config": (_st, [_vp, ctypes.POINTER(EpConfig), ctypes.POINTER(_int),
+                                    ctypes.POINTER(_int)]),
+    "moelink_ep_set_weights": (_st, [_vp, ctypes.POINTER(MoeWeights)]),
+    "moelink_ep_forward": (_st, [_vp, _vp, _int, _vp, _vp]),
     "moelink_fill_random": (_st, [_vp, c_enum, _vp, ctypes.c_size_t, ctypes.c_uint64,
                                   ctypes.c_float, ctypes.c_float, _vp]),
     "moelink_random_value": (ctypes.c_float, [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_float,

@@ -288,6 +288,88 @@ def _need_code(b, name, code):
     raise TypeError("%s has dtype %s; %s %s%s" % (name, b.dtype_name, what, code, extra))
 
 
+def moe_config(preset=None, *, hidden=None, inter=None, experts=None, top_k=None, router=None,
+               renormalize=None, n_group=None, topk_group=None, routed_scaling=None,
+               correction_bias=None, shared_inter=None, shared_gate=None, dtype="bf16",
+               max_tokens=1024):
+    """A MoeConfig from a preset (or MOELINK_MOE_CONFIG_INIT) and the keywords
+    given; the library checks it when a layer is created from it."""
+    c = MoeConfig.init()
+    if preset is not None:
+        check(load().moelink_moe_preset(str(preset).encode(), ctypes.byref(c)))
+    for field, value in (("hidden", hidden), ("inter", inter), ("num_experts", experts),
+                         ("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group),
+                         ("shared_inter", shared_inter)):
+        if value is not None:
+            setattr(c, field, int(value))
+    for field, value in (("renormalize", renormalize), ("correction_bias", correction_bias),
+                         ("shared_gate", shared_gate)):
+        if value is not None:
+            setattr(c, field, int(value))
+    if router is not None:
+        c.router = _router_enum(router)
+    if routed_scaling is not None:
+        c.routed_scaling = float(routed_scaling)
+    c.dtype = _dtype_enum(dtype)
+    c.max_tokens = int(max_tokens)
+    return c
+
+
+def weights_struct(ctx, shapes, given, correction_bias, num_experts, default_dtype):
+    """(MoeWeights, {name: array}) for the arrays in `given` (None: not given),
+    each checked against ctx's memory, one shared f32/f16/bf16 dtype, the
+    shape in `shapes` and C layout; correction_bias is [num_experts] float32.
+    Which ones are required is the library's to say."""
+    w = MoeWeights.init()
+    keep = {}
+    wcode = None
+    for name in ("router", "gate_up", "down", "shared_gate_up", "shared_down", "shared_gate"):
+        a = given[name]
+        if a is None:
+            continue
+        b = _arrays.describe(a, name)
+        ctx._check_location(b, name)
+        if b.code not in ("f32", "f16", "bf16"):
+            raise TypeError("%s has dtype %s; weights are f32, f16 or bf16" %
+                            (name, b.dtype_name))
+        if wcode is None:
+            wcode = b.code
+        elif b.code != wcode:
+            raise TypeError("%s has dtype %s but router has %s: all weights share one dtype"
+                            % (name, b.dtype_name, wcode))
+        if tuple(b.shape) != shapes[name]:
+            raise ValueError("%s has shape %s; expected %s" %
+                             (name, list(b.shape), list(shapes[name])))
+        if not b.contiguous:
+            raise ValueError("%s is not C-contiguous" % name)
+        setattr(w, name, b.ptr)
+        keep[name] = a
+    if correction_bias is not None:
+        b = check_arg(ctx, correction_bias, "correction_bias", (num_experts,), "f32")
+        w.correction_bias = ctypes.cast(ctypes.c_void_p(b.ptr), ctypes.POINTER(ctypes.c_float))
+        keep["correction_bias"] = correction_bias
+    w.dtype = _dtype_enum(wcode) if wcode is not None else default_dtype
+    return w, keep
+
+
+def check_arg(ctx, a, name, shape, code, out=False):
+    """A Buf for argument `a`, after checking kind, place (ctx's memory), dtype,
+    shape and layout; shape entries of None match any size."""
+    b = _arrays.describe(a, name)
+    ctx._check_location(b, name)
+    _need_code(b, name, code)
+    if len(b.shape) != len(shape) or any(w is not None and w != s
+                                         for s, w in zip(b.shape, shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise ValueError("%s has shape %s; expected %s" % (name, list(b.shape), want))
+    if not b.contiguous:
+        raise ValueError("%s is not C-contiguous (moelink reads it in place: pass "
+                         "a contiguous array, e.g. .copy() / .contiguous())" % name)
+    if out and not b.writeable:
+        raise ValueError("%s is read-only" % name)
+    return b
+
+
 class MoE:
     """A routed-expert layer (see moelink_moe_config_t in include/moelink.h).
 
@@ -310,24 +392,11 @@ class MoE:
         self._h = None
         self._weights = {}
         self.ctx = ctx
-        c = MoeConfig.init()
-        if preset is not None:
-            check(self._lib.moelink_moe_preset(str(preset).encode(), ctypes.byref(c)))
-        for field, value in (("hidden", hidden), ("inter", inter), ("num_experts", experts),
-                             ("top_k", top_k), ("n_group", n_group), ("topk_group", topk_group),
-                             ("shared_inter", shared_inter)):
-            if value is not None:
-                setattr(c, field, int(value))
-        for field, value in (("renormalize", renormalize), ("correction_bias", correction_bias),
-                             ("shared_gate", shared_gate)):
-            if value is not None:
-                setattr(c, field, int(value))
-        if router is not None:
-            c.router = _router_enum(router)
-        if routed_scaling is not None:
-            c.routed_scaling = float(routed_scaling)
-        c.dtype = _dtype_enum(dtype)
-        c.max_tokens = int(max_tokens)
+        c = moe_config(preset, hidden=hidden, inter=inter, experts=experts, top_k=top_k,
+                       router=router, renormalize=renormalize, n_group=n_group,
+                       topk_group=topk_group, routed_scaling=routed_scaling,
+                       correction_bias=correction_bias, shared_inter=shared_inter,
+                       shared_gate=shared_gate, dtype=dtype, max_tokens=max_tokens)
         h = ctypes.c_void_p()
         check(self._lib.moelink_moe_create(ctx._h, ctypes.byref(c), ctypes.byref(h)))
         self._h = h
@@ -404,21 +473,8 @@ class MoE:
     # -- argument checks -------------------------------------------------
 
     def _arg(self, a, name, shape, code, out=False):
-        """A Buf for argument `a`, after checking kind, place, dtype, shape and
-        layout; shape entries of None match any size."""
-        b = _arrays.describe(a, name)
-        self.ctx._check_location(b, name)
-        _need_code(b, name, code)
-        if len(b.shape) != len(shape) or any(w is not None and w != s
-                                             for s, w in zip(b.shape, shape)):
-            want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
-            raise ValueError("%s has shape %s; expected %s" % (name, list(b.shape), want))
-        if not b.contiguous:
-            raise ValueError("%s is not C-contiguous (moelink reads it in place: pass "
-                             "a contiguous array, e.g. .copy() / .contiguous())" % name)
-        if out and not b.writeable:
-            raise ValueError("%s is read-only" % name)
-        return b
+        """check_arg against this layer's context."""
+        return check_arg(self.ctx, a, name, shape, code, out)
 
     def _plan_arg(self, plan, num_tokens):
         if not isinstance(plan, Plan):
@@ -455,36 +511,7 @@ class MoE:
         given = {"router": router, "gate_up": gate_up, "down": down,
                  "shared_gate_up": shared_gate_up, "shared_down": shared_down,
                  "shared_gate": shared_gate}
-        w = MoeWeights.init()
-        keep = {}
-        wcode = None
-        for name in ("router", "gate_up", "down", "shared_gate_up", "shared_down",
-                     "shared_gate"):
-            a = given[name]
-            if a is None:
-                continue
-            b = _arrays.describe(a, name)
-            self.ctx._check_location(b, name)
-            if b.code not in ("f32", "f16", "bf16"):
-                raise TypeError("%s has dtype %s; weights are f32, f16 or bf16" %
-                                (name, b.dtype_name))
-            if wcode is None:
-                wcode = b.code
-            elif b.code != wcode:
-                raise TypeError("%s has dtype %s but router has %s: all weights share one dtype"
-                                % (name, b.dtype_name, wcode))
-            if tuple(b.shape) != shapes[name]:
-                raise ValueError("%s has shape %s; expected %s" %
-                                 (name, list(b.shape), list(shapes[name])))
-            if not b.contiguous:
-                raise ValueError("%s is not C-contiguous" % name)
-            setattr(w, name, b.ptr)
-            keep[name] = a
-        if correction_bias is not None:
-            b = self._arg(correction_bias, "correction_bias", (E,), "f32")
-            w.correction_bias = ctypes.cast(ctypes.c_void_p(b.ptr), ctypes.POINTER(ctypes.c_float))
-            keep["correction_bias"] = correction_bias
-        w.dtype = _dtype_enum(wcode) if wcode is not None else self._cfg.dtype
+        w, keep = weights_struct(self.ctx, shapes, given, correction_bias, E, self._cfg.dtype)
         check(self._lib.moelink_moe_set_weights(self._h, ctypes.byref(w)))
         self._weights = keep
 
