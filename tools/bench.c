@@ -18,7 +18,6 @@
 
 /* A buffer larger than the H200's 50 MB L2, written before each timed
  * iteration so the weights come from HBM as they would between layers. */
-#define CLI_L2_FLUSH_BYTES ((size_t)256 << 20)
 /* Floor measurements: >= 2 GiB streamed, 8192^3 bf16 GEMM, median of 10. */
 #define CLI_READ_BYTES ((size_t)2 << 30)
 #define CLI_MATMUL_N 8192

@@ -7,6 +7,7 @@
  * columns run on one NCCL communicator, the same streams and buffers. */
 #include "cli.h"
 #include "gpu.h"
+#include "world.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -17,13 +18,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#ifdef MOELINK_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#if defined(MOELINK_HAVE_NCCL)
-#include <nccl.h>
-#define BC_NCCL 1
-#endif
-#endif
 
 enum { BC_AR = 0, BC_AG = 1, BC_RS = 2, BC_A2A = 3, BC_NOPS = 4 };
 static const char *const bc_op_names[BC_NOPS] = {"allreduce", "allgather", "reduce_scatter",
@@ -60,15 +54,7 @@ typedef struct bc_row {
 } bc_row;
 
 typedef struct bc_world {
-  moelink_backend_t backend;
-  int rank, n, device;
-  moelink_context_t ctx;
-  moelink_comm_t comm;
-  void *stream;
-  int have_nccl;
-#ifdef BC_NCCL
-  ncclComm_t nccl;
-#endif
+  cli_world cw;               /* ranks, context, communicators, stream */
   char *send, *recv;          /* device (CUDA) or host (CPU) */
   int64_t *a2a_counts;        /* [3n] send counts, recv counts, recv offsets (device or host) */
   int64_t a2a_count;          /* what a2a_counts' send counts hold now */
@@ -162,7 +148,7 @@ static void bc_ops(const char *opt, const char *s, bc_opts *o) {
 static void bc_parse(int argc, char **argv, bc_opts *o) {
   memset(o, 0, sizeof *o);
   o->backend = MOELINK_BACKEND_CPU;
-#ifdef BC_NCCL
+#if CLI_WORLD_GPU
   if (moelink_backend_available(MOELINK_BACKEND_CUDA)) o->backend = MOELINK_BACKEND_CUDA;
 #endif
   o->dtype = MOELINK_DTYPE_BF16;
@@ -248,14 +234,6 @@ static void bc_parse(int argc, char **argv, bc_opts *o) {
 
 /* ---- small helpers ---------------------------------------------------------- */
 
-static int bc_env_int(const char *name, int dflt) {
-  const char *v = getenv(name);
-  if (!v || !*v) return dflt;
-  char *end = NULL;
-  long x = strtol(v, &end, 10);
-  return *end ? dflt : (int)x;
-}
-
 static void bc_fmt_size(size_t b, char *buf, size_t n) {
   static const char *const unit[] = {"B", "KiB", "MiB", "GiB"};
   double v = (double)b;
@@ -305,136 +283,37 @@ static int bc_sizes(const bc_opts *o, size_t *out) {
 
 /* ---- the world: context, communicators, buffers ----------------------------- */
 
-#ifdef BC_NCCL
-#define BC_NCCL_TRY(what, call)                                                \
-  do {                                                                         \
-    ncclResult_t bc_r_ = (call);                                               \
-    if (bc_r_ != ncclSuccess)                                                  \
-      cli_fail("%s: %s (%s)", (what), ncclGetErrorString(bc_r_),               \
-               ncclGetLastError(NULL));                                        \
-  } while (0)
-
-/* The NCCL id for this run. A cuda id from `moelink launch --backend cuda` is
- * NCCL's id tagged in its last 16 bytes (src/comm/cuda/comm_cuda.c); the
- * launcher's default cpu id is used to meet on the CPU instead, where rank 0
- * hands out a fresh NCCL id. */
-static void bc_nccl_id(bc_world *w, ncclUniqueId *out) {
-  static const char tag[16] = "moelink:nccl-id";
-  const char *hex = getenv("MOELINK_UNIQUE_ID");
-  if (!hex) cli_fail("MOELINK_UNIQUE_ID is not set: run me under `moelink launch -n N --`");
-  moelink_unique_id_t id;
-  CLI_CALL("MOELINK_UNIQUE_ID", moelink_unique_id_from_hex(hex, &id));
-  _Static_assert(sizeof(ncclUniqueId) == MOELINK_UNIQUE_ID_BYTES, "unique id sizes differ");
-  if (memcmp(id.bytes + MOELINK_UNIQUE_ID_BYTES - 16, tag, 16) == 0) {
-    memcpy(out->internal, id.bytes, MOELINK_UNIQUE_ID_BYTES - 16);
-    memset(out->internal + MOELINK_UNIQUE_ID_BYTES - 16, 0, 16);
-    return;
-  }
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.num_threads = 1;
-  moelink_context_t cctx = NULL;
-  moelink_comm_t cpu = NULL;
-  CLI_CALL("moelink_context_create (cpu, for the NCCL id)", moelink_context_create(&cc, &cctx));
-  CLI_CALL("moelink_comm_init_from_env (cpu, for the NCCL id)",
-           moelink_comm_init_from_env(cctx, &cpu));
-  unsigned char mine[MOELINK_UNIQUE_ID_BYTES];
-  memset(mine, 0, sizeof mine);
-  if (w->rank == 0) BC_NCCL_TRY("ncclGetUniqueId", ncclGetUniqueId((ncclUniqueId *)mine));
-  unsigned char *all = (unsigned char *)cli_malloc((size_t)w->n * MOELINK_UNIQUE_ID_BYTES, "ids");
-  CLI_CALL("handing out the NCCL id",
-           moelink_allgather(cpu, mine, all, MOELINK_UNIQUE_ID_BYTES / 4, MOELINK_DTYPE_F32, NULL));
-  memcpy(out->internal, all, MOELINK_UNIQUE_ID_BYTES);
-  free(all);
-  moelink_comm_destroy(cpu);
-  moelink_context_destroy(cctx);
-}
-#endif
-
 static void bc_open(const bc_opts *o, bc_world *w, size_t buf_bytes) {
   memset(w, 0, sizeof *w);
-#ifndef BC_NCCL
-  if (o->backend == MOELINK_BACKEND_CUDA)
-    cli_fail("bench comm --backend cuda: unsupported, this moelink was built without %s (the "
-             "cpu backend works: --backend cpu)",
-#ifdef MOELINK_HAVE_CUDA
-             "NCCL"
-#else
-             "CUDA"
-#endif
-    );
-#endif
-  w->backend = o->backend;
-  w->rank = bc_env_int("MOELINK_RANK", -1);
-  w->n = bc_env_int("MOELINK_WORLD_SIZE", 0);
-  w->device = bc_env_int("MOELINK_LOCAL_RANK", 0);
-  if (w->rank < 0 || w->n < 1)
-    cli_fail("bench comm: MOELINK_RANK / MOELINK_WORLD_SIZE not set: run it as `moelink launch "
-             "-n N -- moelink bench comm ...`");
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = o->backend;
+  /* CPU collectives run on the calling thread: no pool per rank. */
+  cli_world_open(&w->cw, "bench comm", o->backend, 1);
+  const size_t counts_bytes = sizeof(int64_t) * 3 * (size_t)w->cw.nranks;
+  w->send = (char *)cli_world_alloc(&w->cw, buf_bytes, "send buffer");
+  w->recv = (char *)cli_world_alloc(&w->cw, buf_bytes, "recv buffer");
+  w->a2a_counts = (int64_t *)cli_world_alloc(&w->cw, counts_bytes, "counts");
+  int64_t *h = (int64_t *)cli_malloc(counts_bytes, "counts");
+  memset(h, 0, counts_bytes);
   if (o->backend == MOELINK_BACKEND_CPU) {
-    /* CPU collectives run on the calling thread: no pool per rank. */
-    cc.num_threads = 1;
-    CLI_CALL("moelink_context_create", moelink_context_create(&cc, &w->ctx));
-    CLI_CALL("moelink_comm_init_from_env", moelink_comm_init_from_env(w->ctx, &w->comm));
-    w->send = (char *)cli_malloc(buf_bytes, "send buffer");
-    w->recv = (char *)cli_malloc(buf_bytes, "recv buffer");
-    w->a2a_counts = (int64_t *)cli_malloc(sizeof(int64_t) * 3 * (size_t)w->n, "counts");
+    memcpy(w->a2a_counts, h, counts_bytes);
     memset(w->recv, 0, buf_bytes);
-    CLI_CALL("moelink_fill_random", moelink_fill_random(w->ctx, o->dtype, w->send,
-                                                        buf_bytes / moelink_dtype_size(o->dtype),
-                                                        (uint64_t)w->rank + 1, 1.0f, 0.0f, NULL));
-    return;
-  }
-#ifdef BC_NCCL
-  cc.device = w->device;
-  CLI_CALL("moelink_context_create (cuda)", moelink_context_create(&cc, &w->ctx));
-  if (cudaSetDevice(w->device) != cudaSuccess)
-    cli_fail("rank %d: cudaSetDevice(%d) failed (one GPU per rank: MOELINK_LOCAL_RANK)", w->rank,
-             w->device);
-  if (gpu_stream_create(&w->stream) != 0) cli_fail("%s", gpu_error());
-  /* moelink never uses NVLink multicast and the targets compare with NCCL
-   * without it; an explicit NCCL_NVLS_ENABLE stays as the user set it. */
-  setenv("NCCL_NVLS_ENABLE", "0", 0);
-  ncclUniqueId uid;
-  bc_nccl_id(w, &uid);
-  BC_NCCL_TRY("ncclCommInitRank", ncclCommInitRank(&w->nccl, w->n, uid, w->rank));
-  w->have_nccl = 1;
-  CLI_CALL("moelink_comm_init_from_nccl", moelink_comm_init_from_nccl(w->ctx, w->nccl, &w->comm));
-  int64_t *h = (int64_t *)cli_malloc(sizeof(int64_t) * 3 * (size_t)w->n, "counts");
-  memset(h, 0, sizeof(int64_t) * 3 * (size_t)w->n);
-  if (gpu_malloc((void **)&w->send, buf_bytes, "send buffer") ||
-      gpu_malloc((void **)&w->recv, buf_bytes, "recv buffer") ||
-      gpu_malloc((void **)&w->a2a_counts, sizeof(int64_t) * 3 * (size_t)w->n, "counts") ||
-      gpu_h2d(w->a2a_counts, h, sizeof(int64_t) * 3 * (size_t)w->n) ||
-      gpu_memset_async(w->recv, 0, buf_bytes, w->stream))
+  } else if (gpu_h2d(w->a2a_counts, h, counts_bytes) ||
+             gpu_memset_async(w->recv, 0, buf_bytes, w->cw.stream)) {
     cli_fail("%s", gpu_error());
+  }
   free(h);
-  CLI_CALL("moelink_fill_random", moelink_fill_random(w->ctx, o->dtype, w->send,
+  CLI_CALL("moelink_fill_random", moelink_fill_random(w->cw.ctx, o->dtype, w->send,
                                                       buf_bytes / moelink_dtype_size(o->dtype),
-                                                      (uint64_t)w->rank + 1, 1.0f, 0.0f,
-                                                      w->stream));
-  if (gpu_stream_sync(w->stream) != 0) cli_fail("%s", gpu_error());
-#endif
+                                                      (uint64_t)w->cw.rank + 1, 1.0f, 0.0f,
+                                                      w->cw.stream));
+  if (w->cw.stream && gpu_stream_sync(w->cw.stream) != 0) cli_fail("%s", gpu_error());
 }
 
 static void bc_close(bc_world *w) {
-  CLI_CALL("moelink_comm_check", moelink_comm_check(w->comm, w->stream));
-  CLI_CALL("moelink_comm_destroy", moelink_comm_destroy(w->comm));
-  if (w->backend == MOELINK_BACKEND_CPU) {
-    free(w->send);
-    free(w->recv);
-    free(w->a2a_counts);
-  } else {
-    gpu_free(w->send);
-    gpu_free(w->recv);
-    gpu_free(w->a2a_counts);
-#ifdef BC_NCCL
-    if (w->nccl) (void)ncclCommDestroy(w->nccl);
-#endif
-    gpu_stream_destroy(w->stream);
-  }
-  moelink_context_destroy(w->ctx);
+  CLI_CALL("moelink_comm_check", moelink_comm_check(w->cw.comm, w->cw.stream));
+  cli_world_free(&w->cw, w->send);
+  cli_world_free(&w->cw, w->recv);
+  cli_world_free(&w->cw, w->a2a_counts);
+  cli_world_close(&w->cw);
 }
 
 /* ---- one call ---------------------------------------------------------------- */
@@ -442,11 +321,11 @@ static void bc_close(bc_world *w) {
 /* The all-to-all's counts: `count` elements to every rank, packed. */
 static void bc_a2a_counts(bc_world *w, int64_t count) {
   if (w->a2a_count == count) return;
-  int64_t *h = (int64_t *)cli_malloc(sizeof(int64_t) * (size_t)w->n, "counts");
-  for (int p = 0; p < w->n; ++p) h[p] = count;
-  if (w->backend == MOELINK_BACKEND_CPU) {
-    memcpy(w->a2a_counts, h, sizeof(int64_t) * (size_t)w->n);
-  } else if (gpu_h2d(w->a2a_counts, h, sizeof(int64_t) * (size_t)w->n) != 0) {
+  int64_t *h = (int64_t *)cli_malloc(sizeof(int64_t) * (size_t)w->cw.nranks, "counts");
+  for (int p = 0; p < w->cw.nranks; ++p) h[p] = count;
+  if (w->cw.backend == MOELINK_BACKEND_CPU) {
+    memcpy(w->a2a_counts, h, sizeof(int64_t) * (size_t)w->cw.nranks);
+  } else if (gpu_h2d(w->a2a_counts, h, sizeof(int64_t) * (size_t)w->cw.nranks) != 0) {
     cli_fail("%s", gpu_error());
   }
   free(h);
@@ -460,39 +339,38 @@ static moelink_status_t bc_issue(bc_world *w, int op, int nccl, size_t count,
   const size_t es = moelink_dtype_size(dt);
   if (!nccl) {
     switch (op) {
-    case BC_AR: return moelink_allreduce(w->comm, w->send, w->recv, count, dt, w->stream);
-    case BC_AG: return moelink_allgather(w->comm, w->send, w->recv, count, dt, w->stream);
-    case BC_RS: return moelink_reduce_scatter(w->comm, w->send, w->recv, count, dt, w->stream);
+    case BC_AR: return moelink_allreduce(w->cw.comm, w->send, w->recv, count, dt, w->cw.stream);
+    case BC_AG: return moelink_allgather(w->cw.comm, w->send, w->recv, count, dt, w->cw.stream);
+    case BC_RS: return moelink_reduce_scatter(w->cw.comm, w->send, w->recv, count, dt, w->cw.stream);
     default: {
       int64_t *c = w->a2a_counts;
-      return moelink_alltoallv(w->comm, w->send, c, NULL, w->recv, count * (size_t)w->n, c + w->n,
-                               c + 2 * w->n, dt, w->stream);
+      return moelink_alltoallv(w->cw.comm, w->send, c, NULL, w->recv, count * (size_t)w->cw.nranks, c + w->cw.nranks,
+                               c + 2 * w->cw.nranks, dt, w->cw.stream);
     }
     }
   }
-#ifdef BC_NCCL
+#if CLI_WORLD_GPU
   const ncclDataType_t t = dt == MOELINK_DTYPE_F32 ? ncclFloat32
                            : dt == MOELINK_DTYPE_BF16 ? ncclBfloat16
                                                       : ncclFloat16;
-  cudaStream_t s = (cudaStream_t)w->stream;
+  cudaStream_t s = (cudaStream_t)w->cw.stream;
   switch (op) {
   case BC_AR:
-    BC_NCCL_TRY("ncclAllReduce", ncclAllReduce(w->send, w->recv, count, t, ncclSum, w->nccl, s));
+    CLI_NCCL(ncclAllReduce(w->send, w->recv, count, t, ncclSum, w->cw.nccl, s));
     break;
   case BC_AG:
-    BC_NCCL_TRY("ncclAllGather", ncclAllGather(w->send, w->recv, count, t, w->nccl, s));
+    CLI_NCCL(ncclAllGather(w->send, w->recv, count, t, w->cw.nccl, s));
     break;
   case BC_RS:
-    BC_NCCL_TRY("ncclReduceScatter",
-                ncclReduceScatter(w->send, w->recv, count, t, ncclSum, w->nccl, s));
+    CLI_NCCL(ncclReduceScatter(w->send, w->recv, count, t, ncclSum, w->cw.nccl, s));
     break;
   default:
-    BC_NCCL_TRY("ncclGroupStart", ncclGroupStart());
-    for (int p = 0; p < w->n; ++p) {
-      BC_NCCL_TRY("ncclSend", ncclSend(w->send + (size_t)p * count * es, count, t, p, w->nccl, s));
-      BC_NCCL_TRY("ncclRecv", ncclRecv(w->recv + (size_t)p * count * es, count, t, p, w->nccl, s));
+    CLI_NCCL(ncclGroupStart());
+    for (int p = 0; p < w->cw.nranks; ++p) {
+      CLI_NCCL(ncclSend(w->send + (size_t)p * count * es, count, t, p, w->cw.nccl, s));
+      CLI_NCCL(ncclRecv(w->recv + (size_t)p * count * es, count, t, p, w->cw.nccl, s));
     }
-    BC_NCCL_TRY("ncclGroupEnd", ncclGroupEnd());
+    CLI_NCCL(ncclGroupEnd());
     break;
   }
 #else
@@ -526,7 +404,7 @@ static void bc_time_cpu(bc_world *w, const bc_opts *o, int op, size_t count, int
                         bc_stat *st, double *buf) {
   float one = 1.0f, sum = 0.0f;
   for (int rep = -o->warmup; rep < o->reps; ++rep) {
-    CLI_CALL("barrier", moelink_allreduce(w->comm, &one, &sum, 1, MOELINK_DTYPE_F32, NULL));
+    CLI_CALL("barrier", moelink_allreduce(w->cw.comm, &one, &sum, 1, MOELINK_DTYPE_F32, NULL));
     const double t0 = cli_now();
     for (int i = 0; i < iters; ++i) {
       moelink_status_t s = bc_issue(w, op, 0, count, o->dtype);
@@ -548,7 +426,7 @@ static void bc_time_cpu(bc_world *w, const bc_opts *o, int op, size_t count, int
  * (eager) `iters` calls launched one by one. */
 static void bc_time_cuda(bc_world *w, const bc_opts *o, int op, int nccl, size_t count,
                          int iters, bc_stat *st, double *buf) {
-  cudaStream_t s = (cudaStream_t)w->stream;
+  cudaStream_t s = (cudaStream_t)w->cw.stream;
   cudaGraph_t g = NULL;
   cudaGraphExec_t ge = NULL;
   if (!o->eager) {
@@ -565,7 +443,7 @@ static void bc_time_cuda(bc_world *w, const bc_opts *o, int op, int nccl, size_t
   for (int i = 0; i <= o->reps; ++i) BC_CUDA(cudaEventCreate(&ev[i]));
   for (int rep = -o->warmup; rep < o->reps; ++rep) {
     /* After the warm-up both ranks start the timed samples together. */
-    if (rep == 0 && gpu_stream_sync(w->stream) != 0) cli_fail("%s", gpu_error());
+    if (rep == 0 && gpu_stream_sync(w->cw.stream) != 0) cli_fail("%s", gpu_error());
     if (rep >= 0) BC_CUDA(cudaEventRecord(ev[rep], s));
     if (ge) {
       BC_CUDA(cudaGraphLaunch(ge, s));
@@ -577,7 +455,7 @@ static void bc_time_cuda(bc_world *w, const bc_opts *o, int op, int nccl, size_t
     }
   }
   BC_CUDA(cudaEventRecord(ev[o->reps], s));
-  if (gpu_stream_sync(w->stream) != 0)
+  if (gpu_stream_sync(w->cw.stream) != 0)
     cli_fail("%s %s (count %zu): %s", nccl ? "NCCL" : "moelink", bc_op_names[op], count,
              gpu_error());
   for (int i = 0; i < o->reps; ++i) {
@@ -619,9 +497,9 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
   cli_json_str(f, host);
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
   cli_json_str(f, device);
-  fprintf(f, ",\n  \"nranks\": %d,\n  \"dtype\": \"%s\",\n", w->n, moelink_dtype_name(o->dtype));
+  fprintf(f, ",\n  \"nranks\": %d,\n  \"dtype\": \"%s\",\n", w->cw.nranks, moelink_dtype_name(o->dtype));
   fprintf(f, "  \"nccl_version\": ");
-#ifdef BC_NCCL
+#if CLI_WORLD_GPU
   if (cuda) {
     int v = 0;
     (void)ncclGetVersion(&v);
@@ -720,7 +598,7 @@ int cli_cmd_bench_comm(int argc, char **argv) {
 
   bc_world w;
   bc_open(&o, &w, buf);
-  const int n = w.n, root = w.rank == 0;
+  const int n = w.cw.nranks, root = w.cw.rank == 0;
 
   char device[256];
   if (cuda) {
@@ -765,7 +643,7 @@ int cli_cmd_bench_comm(int argc, char **argv) {
        * rank gets the same answer) decides before any timing. */
       bc_a2a_counts(&w, 1);
       moelink_status_t s = bc_issue(&w, op, 0, 1, o.dtype);
-      if (s == MOELINK_SUCCESS) s = moelink_comm_check(w.comm, w.stream);
+      if (s == MOELINK_SUCCESS) s = moelink_comm_check(w.cw.comm, w.cw.stream);
       if (s == MOELINK_ERR_UNSUPPORTED) {
         if (root)
           fprintf(stderr, "bench comm: skipping alltoallv: %s\n", moelink_last_error());
@@ -793,7 +671,8 @@ int cli_cmd_bench_comm(int argc, char **argv) {
       if (cuda) {
 #ifdef MOELINK_HAVE_CUDA
         bc_time_cuda(&w, &o, op, 0, count, r->iters, &r->ml, samples);
-        if (w.have_nccl) bc_time_cuda(&w, &o, op, 1, count, r->iters, &r->nc, samples);
+        if (w.cw.backend == MOELINK_BACKEND_CUDA)
+          bc_time_cuda(&w, &o, op, 1, count, r->iters, &r->nc, samples);
 #endif
       } else {
         if (!big) r->iters = 20;
@@ -806,7 +685,7 @@ int cli_cmd_bench_comm(int argc, char **argv) {
     }
   }
   cli_progress_end(&prog);
-  CLI_CALL("moelink_comm_check after the benchmark", moelink_comm_check(w.comm, w.stream));
+  CLI_CALL("moelink_comm_check after the benchmark", moelink_comm_check(w.cw.comm, w.cw.stream));
 
   if (root) {
     printf("\n%-15s %10s %11s %11s %11s %13s %13s %7s\n", "op", "size", "count", "moelink us",

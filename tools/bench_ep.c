@@ -19,6 +19,7 @@
  * checks the EP layer against the single-device one). */
 #include "cli.h"
 #include "gpu.h"
+#include "world.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -27,19 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-#if defined(MOELINK_HAVE_CUDA) && defined(MOELINK_HAVE_NCCL)
-#define BE_GPU 1
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-#else
-#define BE_GPU 0
-#endif
-
-#define BE_L2_FLUSH_BYTES ((size_t)256 << 20)
 #define BE_MAX_T 64
 
 typedef struct be_opts {
@@ -238,193 +227,6 @@ static moelink_moe_config_t be_config(const be_opts *o, int *custom) {
 
 /* ---- the world: context, communicators, stream ----------------------------- */
 
-typedef struct be_world {
-  int rank, nranks, local_rank;
-  moelink_backend_t backend;
-  moelink_context_t ctx;
-  moelink_comm_t comm;
-  void *stream;
-#if BE_GPU
-  ncclComm_t nccl;
-  void *flush;    /* BE_L2_FLUSH_BYTES */
-  float *barrier; /* 1 element */
-  gpu_timer timer;
-#endif
-} be_world;
-
-static int be_env_int(const char *name, int dflt) {
-  const char *v = getenv(name);
-  return v && *v ? atoi(v) : dflt;
-}
-
-/* Every rank's n floats, rank-major into all[nranks * n] (a collective). */
-static void be_allgather_f32(be_world *w, const float *mine, int n, float *all) {
-  if (w->backend == MOELINK_BACKEND_CPU) {
-    CLI_CALL("moelink_allgather", moelink_allgather(w->comm, mine, all, (size_t)n,
-                                                    MOELINK_DTYPE_F32, NULL));
-    return;
-  }
-  void *d = NULL;
-  const size_t b = sizeof(float) * (size_t)n;
-  if (gpu_malloc(&d, b * (size_t)(w->nranks + 1), "gather") || gpu_h2d(d, mine, b))
-    cli_fail("%s", gpu_error());
-  CLI_CALL("moelink_allgather", moelink_allgather(w->comm, d, (char *)d + b, (size_t)n,
-                                                  MOELINK_DTYPE_F32, w->stream));
-  if (gpu_stream_sync(w->stream) || gpu_d2h(all, (char *)d + b, b * (size_t)w->nranks))
-    cli_fail("%s", gpu_error());
-  gpu_free(d);
-}
-
-#if BE_GPU
-#define BE_CUDA(call)                                                          \
-  do {                                                                         \
-    cudaError_t be_e_ = (call);                                                \
-    if (be_e_ != cudaSuccess) cli_fail("%s: %s", #call, cudaGetErrorString(be_e_)); \
-  } while (0)
-#define BE_NCCL(call)                                                          \
-  do {                                                                         \
-    ncclResult_t be_r_ = (call);                                               \
-    if (be_r_ != ncclSuccess) cli_fail("%s: %s", #call, ncclGetErrorString(be_r_)); \
-  } while (0)
-
-/* An NCCL id from rank 0 to all ranks over a moelink communicator (host
- * buffers on cpu, device buffers on cuda). */
-static void be_share_nccl_id(moelink_comm_t comm, int rank, int nranks, int on_device,
-                             void *stream, ncclUniqueId *id) {
-  const size_t b = sizeof *id;
-  unsigned char *all = (unsigned char *)cli_malloc(b * (size_t)nranks, "ids");
-  ncclUniqueId mine;
-  memset(&mine, 0, sizeof mine);
-  if (rank == 0) BE_NCCL(ncclGetUniqueId(&mine));
-  if (!on_device) {
-    CLI_CALL("moelink_allgather (nccl id)",
-             moelink_allgather(comm, &mine, all, b / 4, MOELINK_DTYPE_F32, NULL));
-  } else {
-    void *d = NULL;
-    if (gpu_malloc(&d, b * (size_t)(nranks + 1), "id") || gpu_h2d(d, &mine, b))
-      cli_fail("%s", gpu_error());
-    CLI_CALL("moelink_allgather (nccl id)",
-             moelink_allgather(comm, d, (char *)d + b, b / 4, MOELINK_DTYPE_F32, stream));
-    if (gpu_stream_sync(stream) || gpu_d2h(all, (char *)d + b, b * (size_t)nranks))
-      cli_fail("%s", gpu_error());
-    gpu_free(d);
-  }
-  memcpy(id, all, b);
-  free(all);
-}
-
-/* The EP layer on CUDA needs the moelink communicator made on NCCL's: with the
- * launcher's default (cpu) id, meet on the CPU, share an NCCL id and wrap the
- * NCCL communicator; with a cuda id (`launch --backend cuda`) the moelink
- * communicator comes from the id and the baseline gets an NCCL one of its own
- * (then moelink_ep_create may answer UNSUPPORTED). */
-static void be_open_gpu(be_world *w) {
-  /* NVLink multicast stays off (DESIGN.md, section 5). */
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
-  BE_CUDA(cudaSetDevice(w->local_rank));
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = MOELINK_BACKEND_CUDA;
-  cc.device = w->local_rank;
-  CLI_CALL("moelink_context_create (cuda)", moelink_context_create(&cc, &w->ctx));
-  if (gpu_stream_create(&w->stream)) cli_fail("%s", gpu_error());
-
-  moelink_context_config_t hc = MOELINK_CONTEXT_CONFIG_INIT;
-  hc.num_threads = 1;
-  moelink_context_t hctx = NULL;
-  moelink_comm_t hcomm = NULL;
-  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&hc, &hctx));
-  ncclUniqueId id;
-  moelink_status_t s = moelink_comm_init_from_env(hctx, &hcomm);
-  if (s == MOELINK_SUCCESS) {
-    be_share_nccl_id(hcomm, w->rank, w->nranks, 0, NULL, &id);
-    CLI_CALL("moelink_comm_destroy (cpu)", moelink_comm_destroy(hcomm));
-    moelink_context_destroy(hctx);
-    BE_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
-    CLI_CALL("moelink_comm_init_from_nccl", moelink_comm_init_from_nccl(w->ctx, w->nccl, &w->comm));
-  } else if (s == MOELINK_ERR_INVALID_ARGUMENT) {
-    moelink_context_destroy(hctx);
-    CLI_CALL("moelink_comm_init_from_env (cuda)", moelink_comm_init_from_env(w->ctx, &w->comm));
-    be_share_nccl_id(w->comm, w->rank, w->nranks, 1, w->stream, &id);
-    BE_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
-  } else {
-    cli_lib_fail("moelink_comm_init_from_env (cpu, to share an NCCL id)", s);
-  }
-  if (gpu_malloc(&w->flush, BE_L2_FLUSH_BYTES, "L2 flush") ||
-      gpu_malloc((void **)&w->barrier, sizeof(float), "barrier") || gpu_timer_create(&w->timer))
-    cli_fail("%s", gpu_error());
-  BE_CUDA(cudaMemset(w->barrier, 0, sizeof(float)));
-}
-#endif
-
-static void be_open(be_world *w, const be_opts *o) {
-  memset(w, 0, sizeof *w);
-  w->rank = be_env_int("MOELINK_RANK", -1);
-  w->nranks = be_env_int("MOELINK_WORLD_SIZE", 0);
-  w->local_rank = be_env_int("MOELINK_LOCAL_RANK", w->rank);
-  w->backend = o->backend;
-  if (w->rank < 0 || w->nranks < 1 || !getenv("MOELINK_UNIQUE_ID"))
-    cli_fail("bench ep: run me under the launcher: moelink launch -n 2 -- moelink bench ep");
-  if (o->backend == MOELINK_BACKEND_CUDA) {
-#if BE_GPU
-    be_open_gpu(w);
-    return;
-#else
-    cli_fail("bench ep --backend cuda: this moelink CLI was built without CUDA and NCCL");
-#endif
-  }
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = MOELINK_BACKEND_CPU;
-  int threads = o->threads;
-#ifdef _OPENMP
-  if (threads <= 0) threads = omp_get_num_procs() / w->nranks;
-#endif
-  cc.num_threads = threads > 0 ? threads : 1;
-  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&cc, &w->ctx));
-  CLI_CALL("moelink_comm_init_from_env", moelink_comm_init_from_env(w->ctx, &w->comm));
-}
-
-static void be_close(be_world *w) {
-  CLI_CALL("moelink_comm_destroy", moelink_comm_destroy(w->comm));
-#if BE_GPU
-  if (w->backend == MOELINK_BACKEND_CUDA) {
-    gpu_timer_destroy(&w->timer);
-    gpu_free(w->flush);
-    gpu_free(w->barrier);
-    ncclCommDestroy(w->nccl);
-  }
-#endif
-  gpu_stream_destroy(w->stream);
-  moelink_context_destroy(w->ctx);
-}
-
-/* Lines the ranks up: every rank leaves it at about the same moment. */
-static void be_barrier(be_world *w) {
-#if BE_GPU
-  if (w->backend == MOELINK_BACKEND_CUDA) {
-    BE_NCCL(ncclAllReduce(w->barrier, w->barrier, 1, ncclFloat32, ncclSum, w->nccl,
-                          (cudaStream_t)w->stream));
-    return;
-  }
-#endif
-  float x = 0.0f, y = 0.0f;
-  CLI_CALL("moelink_allreduce (barrier)",
-           moelink_allreduce(w->comm, &x, &y, 1, MOELINK_DTYPE_F32, NULL));
-}
-
-static void *be_alloc(be_world *w, size_t bytes, const char *what) {
-  if (w->backend == MOELINK_BACKEND_CPU) return cli_malloc(bytes ? bytes : 1, what);
-  void *p = NULL;
-  if (gpu_malloc(&p, bytes ? bytes : 1, what)) cli_fail("%s", gpu_error());
-  return p;
-}
-
-static void be_free(be_world *w, void *p) {
-  if (w->backend == MOELINK_BACKEND_CPU)
-    free(p);
-  else
-    gpu_free(p);
-}
-
 /* ---- one T ------------------------------------------------------------------- */
 
 enum { BE_V_EP = 0, BE_V_SINGLE = 1, BE_V_NCCL = 2, BE_NV = 3 };
@@ -442,7 +244,7 @@ typedef struct be_case {
   void *sbuf, *rbuf;
 } be_case;
 
-static void be_call(be_world *w, be_case *c, int variant) {
+static void be_call(cli_world *w, be_case *c, int variant) {
   if (variant == BE_V_EP) {
     CLI_CALL("moelink_ep_forward",
              moelink_ep_forward(c->ep, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
@@ -451,14 +253,14 @@ static void be_call(be_world *w, be_case *c, int variant) {
     CLI_CALL("moelink_moe_forward",
              moelink_moe_forward(c->single, c->x_all, c->n * c->T, c->out_all, w->stream));
   }
-#if BE_GPU
+#if CLI_WORLD_GPU
   else {
     /* Dispatch there, then combine back: two grouped exchanges, each row a
      * contiguous run of bytes (ncclChar: the dtype does not matter). */
     cudaStream_t st = (cudaStream_t)w->stream;
     for (int phase = 0; phase < 2; ++phase) {
       size_t so = 0, ro = 0;
-      BE_NCCL(ncclGroupStart());
+      CLI_NCCL(ncclGroupStart());
       for (int p = 0; p < c->n; ++p) {
         if (p == c->me) continue;
         /* dispatch: me -> p disp[me][p], p -> me disp[p][me];
@@ -466,28 +268,28 @@ static void be_call(be_world *w, be_case *c, int variant) {
         const size_t sr = (size_t)(phase == 0 ? c->disp[c->me * c->n + p] : c->comb[p * c->n + c->me]);
         const size_t rr = (size_t)(phase == 0 ? c->disp[p * c->n + c->me] : c->comb[c->me * c->n + p]);
         if (sr)
-          BE_NCCL(ncclSend((char *)c->sbuf + so * c->row, sr * c->row, ncclChar, p, w->nccl, st));
+          CLI_NCCL(ncclSend((char *)c->sbuf + so * c->row, sr * c->row, ncclChar, p, w->nccl, st));
         if (rr)
-          BE_NCCL(ncclRecv((char *)c->rbuf + ro * c->row, rr * c->row, ncclChar, p, w->nccl, st));
+          CLI_NCCL(ncclRecv((char *)c->rbuf + ro * c->row, rr * c->row, ncclChar, p, w->nccl, st));
         so += sr;
         ro += rr;
       }
-      BE_NCCL(ncclGroupEnd());
+      CLI_NCCL(ncclGroupEnd());
     }
   }
 #endif
 }
 
 /* Median of iters timed calls of one variant, in us (this rank's). */
-static double be_time(be_world *w, be_case *c, int variant, const be_opts *o) {
+static double be_time(cli_world *w, be_case *c, int variant, const be_opts *o) {
   double *t = (double *)cli_malloc(sizeof(double) * (size_t)o->iters, "times");
   for (int it = -o->warmup; it < o->iters; ++it) {
-#if BE_GPU
+#if CLI_WORLD_GPU
     if (w->backend == MOELINK_BACKEND_CUDA) {
       double ms = 0.0;
-      if (gpu_memset_async(w->flush, it & 0xff, BE_L2_FLUSH_BYTES, w->stream))
+      if (gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
         cli_fail("%s", gpu_error());
-      be_barrier(w);
+      cli_world_barrier(w);
       if (gpu_timer_start(&w->timer, w->stream)) cli_fail("%s", gpu_error());
       be_call(w, c, variant);
       if (gpu_timer_stop(&w->timer, w->stream, &ms)) cli_fail("%s", gpu_error());
@@ -495,7 +297,7 @@ static double be_time(be_world *w, be_case *c, int variant, const be_opts *o) {
       continue;
     }
 #endif
-    be_barrier(w);
+    cli_world_barrier(w);
     double t0 = cli_now();
     be_call(w, c, variant);
     if (it >= 0) t[it] = (cli_now() - t0) * 1e6;
@@ -508,11 +310,11 @@ static double be_time(be_world *w, be_case *c, int variant, const be_opts *o) {
 /* Per destination rank, this rank's tokens with an expert there and its
  * (token, slot) pairs there, from the single layer's routing of the same x;
  * then every rank's counts (disp, comb: [n * n], rank-major by source). */
-static void be_count(be_world *w, be_case *c, const moelink_moe_config_t *cfg) {
+static void be_count(cli_world *w, be_case *c, const moelink_moe_config_t *cfg) {
   const int T = c->T, k = cfg->top_k, n = c->n, per = cfg->num_experts / n;
   const size_t pairs = (size_t)T * (size_t)k;
-  int32_t *ids = (int32_t *)be_alloc(w, pairs * sizeof(int32_t), "topk ids");
-  float *wts = (float *)be_alloc(w, pairs * sizeof(float), "topk weights");
+  int32_t *ids = (int32_t *)cli_world_alloc(w, pairs * sizeof(int32_t), "topk ids");
+  float *wts = (float *)cli_world_alloc(w, pairs * sizeof(float), "topk weights");
   CLI_CALL("moelink_moe_route",
            moelink_moe_route(c->single, (const char *)c->x_all + (size_t)c->me * T * c->row, T,
                              ids, wts, w->stream));
@@ -536,7 +338,7 @@ static void be_count(be_world *w, be_case *c, const moelink_moe_config_t *cfg) {
     for (int d = 0; d < n; ++d) mine[2 * d] += (float)hit[d];
   }
   float *all = (float *)cli_malloc(sizeof(float) * 2 * (size_t)n * (size_t)n, "all counts");
-  be_allgather_f32(w, mine, 2 * n, all);
+  cli_world_allgather_f32(w, mine, 2 * n, all);
   for (int s = 0; s < n; ++s)
     for (int d = 0; d < n; ++d) {
       c->disp[s * n + d] = (int)all[2 * (s * n + d)];
@@ -546,11 +348,11 @@ static void be_count(be_world *w, be_case *c, const moelink_moe_config_t *cfg) {
   free(hit);
   free(mine);
   if (h != ids) free(h);
-  be_free(w, ids);
-  be_free(w, wts);
+  cli_world_free(w, ids);
+  cli_world_free(w, wts);
 }
 
-static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_t *base,
+static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config_t *base,
                         const cli_layer *L, int T, be_row *row) {
   be_case c;
   memset(&c, 0, sizeof c);
@@ -579,9 +381,9 @@ static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_
   CLI_CALL("moelink_moe_set_weights", moelink_moe_set_weights(c.single, &L->w));
 
   const size_t all_rows = (size_t)c.n * (size_t)T;
-  c.x_all = be_alloc(w, all_rows * c.row, "x (all ranks)");
-  c.out_all = be_alloc(w, all_rows * c.row, "single-device out");
-  c.out = be_alloc(w, (size_t)T * c.row, "ep out");
+  c.x_all = cli_world_alloc(w, all_rows * c.row, "x (all ranks)");
+  c.out_all = cli_world_alloc(w, all_rows * c.row, "single-device out");
+  c.out = cli_world_alloc(w, (size_t)T * c.row, "ep out");
   /* The same tokens on every rank: rank r's EP tokens are rows [r*T, (r+1)*T). */
   CLI_CALL("moelink_fill_random x",
            moelink_fill_random(w->ctx, base->dtype, c.x_all, all_rows * H,
@@ -626,13 +428,13 @@ static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_
   t[BE_V_EP] = be_time(w, &c, BE_V_EP, o);
   CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
   t[BE_V_SINGLE] = be_time(w, &c, BE_V_SINGLE, o);
-#if BE_GPU
+#if CLI_WORLD_GPU
   if (cuda) {
-    c.sbuf = be_alloc(w, s_need * c.row, "nccl send rows");
-    c.rbuf = be_alloc(w, r_need * c.row, "nccl recv rows");
+    c.sbuf = cli_world_alloc(w, s_need * c.row, "nccl send rows");
+    c.rbuf = cli_world_alloc(w, r_need * c.row, "nccl recv rows");
     t[BE_V_NCCL] = be_time(w, &c, BE_V_NCCL, o);
-    be_free(w, c.sbuf);
-    be_free(w, c.rbuf);
+    cli_world_free(w, c.sbuf);
+    cli_world_free(w, c.rbuf);
   }
 #else
   (void)s_need;
@@ -643,7 +445,7 @@ static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_
   /* The slowest rank's median: a layer waits for its slowest rank. */
   float tm[BE_NV] = {(float)t[0], (float)t[1], (float)t[2]};
   float *tall = (float *)cli_malloc(sizeof(float) * BE_NV * (size_t)c.n, "times");
-  be_allgather_f32(w, tm, BE_NV, tall);
+  cli_world_allgather_f32(w, tm, BE_NV, tall);
   double *dst[BE_NV] = {&row->ep_us, &row->single_us, &row->nccl_us};
   for (int v = 0; v < BE_NV; ++v) {
     double worst = -1.0;
@@ -661,23 +463,18 @@ static void be_run_case(be_world *w, const be_opts *o, const moelink_moe_config_
 
   free(c.disp);
   free(c.comb);
-  be_free(w, c.x_all);
-  be_free(w, c.out_all);
-  be_free(w, c.out);
+  cli_world_free(w, c.x_all);
+  cli_world_free(w, c.out_all);
+  cli_world_free(w, c.out);
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
 }
 
 /* ---- output ------------------------------------------------------------------ */
 
-static double be_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
 
-static void be_json_num(FILE *f, const char *key, double v) {
-  fprintf(f, ", \"%s\": ", key);
-  cli_json_num(f, v);
-}
 
-static void be_write_json(const char *path, const be_opts *o, const be_world *w,
+static void be_write_json(const char *path, const be_opts *o, const cli_world *w,
                           const char *device, const moelink_moe_config_t *c, const char *shape,
                           const be_row *rows, int nrows) {
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
@@ -740,18 +537,18 @@ static void be_write_json(const char *path, const be_opts *o, const be_world *w,
   for (int i = 0; i < nrows; ++i) {
     const be_row *r = &rows[i];
     fprintf(f, "    {\"tokens\": %d, \"single_tokens\": %d", r->tokens, r->tokens * w->nranks);
-    be_json_num(f, "ep_us", r->ep_us);
-    be_json_num(f, "ep_TFLOPs", be_tflops(r->flops_rank, r->ep_us));
-    be_json_num(f, "single_us", r->single_us);
-    be_json_num(f, "single_TFLOPs", be_tflops(moelink_moe_flops(c, r->tokens * w->nranks),
+    cli_json_field(f, "ep_us", r->ep_us);
+    cli_json_field(f, "ep_TFLOPs", cli_tflops(r->flops_rank, r->ep_us));
+    cli_json_field(f, "single_us", r->single_us);
+    cli_json_field(f, "single_TFLOPs", cli_tflops(moelink_moe_flops(c, r->tokens * w->nranks),
                                               r->single_us));
-    be_json_num(f, "nccl_us", cuda ? r->nccl_us : NAN);
-    be_json_num(f, "flops_per_rank", r->flops_rank);
-    be_json_num(f, "dispatch_rows", r->dispatch_rows);
-    be_json_num(f, "combine_rows", r->combine_rows);
-    be_json_num(f, "bytes_sent_per_rank", r->bytes_rank);
-    be_json_num(f, "bytes_sent_total", r->bytes_total);
-    be_json_num(f, "nccl_GBps_per_rank", cuda ? r->bytes_rank / (r->nccl_us * 1e-6) / 1e9 : NAN);
+    cli_json_field(f, "nccl_us", cuda ? r->nccl_us : NAN);
+    cli_json_field(f, "flops_per_rank", r->flops_rank);
+    cli_json_field(f, "dispatch_rows", r->dispatch_rows);
+    cli_json_field(f, "combine_rows", r->combine_rows);
+    cli_json_field(f, "bytes_sent_per_rank", r->bytes_rank);
+    cli_json_field(f, "bytes_sent_total", r->bytes_total);
+    cli_json_field(f, "nccl_GBps_per_rank", cuda ? r->bytes_rank / (r->nccl_us * 1e-6) / 1e9 : NAN);
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
   fprintf(f, "  ]\n}\n");
@@ -763,8 +560,8 @@ int cli_cmd_bench_ep(int argc, char **argv) {
   be_parse(argc, argv, &o);
   int custom = 0;
   const moelink_moe_config_t cfg = be_config(&o, &custom);
-  be_world w;
-  be_open(&w, &o);
+  cli_world w;
+  cli_world_open(&w, "bench ep", o.backend, o.threads);
   const int cuda = o.backend == MOELINK_BACKEND_CUDA;
   if (cfg.num_experts % w.nranks)
     cli_usage_error("bench ep: %d experts do not split over %d ranks", cfg.num_experts, w.nranks);
@@ -814,8 +611,8 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       char b[32];
       cli_fmt_bytes(r->bytes_rank, b, sizeof b);
       printf("%7d %11.1f %9.2f %12.1f %9.2f", r->tokens, r->ep_us,
-             be_tflops(r->flops_rank, r->ep_us) * unit, r->single_us,
-             be_tflops(moelink_moe_flops(&cfg, r->tokens * w.nranks), r->single_us) * unit);
+             cli_tflops(r->flops_rank, r->ep_us) * unit, r->single_us,
+             cli_tflops(moelink_moe_flops(&cfg, r->tokens * w.nranks), r->single_us) * unit);
       if (cuda) printf(" %11.1f", r->nccl_us);
       printf(" %14s %10.0f %10.0f\n", b, r->dispatch_rows, r->combine_rows);
       fflush(stdout);
@@ -828,6 +625,6 @@ int cli_cmd_bench_ep(int argc, char **argv) {
   free(rows);
   if (cuda && gpu_stream_sync(w.stream)) cli_fail("%s", gpu_error());
   cli_layer_free(&L);
-  be_close(&w);
+  cli_world_close(&w);
   return 0;
 }

@@ -15,6 +15,7 @@
  * generator; a fused op that fails gets no time. */
 #include "cli.h"
 #include "gpu.h"
+#include "world.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -23,21 +24,19 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-#if defined(MOELINK_HAVE_CUDA) && defined(MOELINK_HAVE_NCCL)
-#define BT_GPU 1
+#if CLI_WORLD_GPU
 #include <cublas_v2.h>
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-#else
-#define BT_GPU 0
+#define BT_BLAS(call)                                                          \
+  do {                                                                         \
+    cublasStatus_t bt_s_ = (call);                                             \
+    if (bt_s_ != CUBLAS_STATUS_SUCCESS) cli_fail("%s: cuBLAS status %d", #call, (int)bt_s_); \
+  } while (0)
+/* The baselines' cuBLAS handle, on the world's stream. */
+static cublasHandle_t bt_blas;
 #endif
 
 #define BT_MAX_SHAPES 32
-#define BT_L2_FLUSH_BYTES ((size_t)256 << 20)
 #define BT_SAMPLE_ROWS 8
 #define BT_SAMPLE_COLS 32
 
@@ -276,191 +275,6 @@ static int bt_default_shapes(int op, int cuda, bt_shape *out) {
 
 /* ---- the world: contexts, communicators, streams --------------------------- */
 
-typedef struct bt_world {
-  int rank, nranks, local_rank;
-  moelink_backend_t backend;
-  moelink_context_t ctx;
-  moelink_comm_t comm;
-  void *stream;
-#if BT_GPU
-  ncclComm_t nccl;
-  int nccl_owned;
-  cublasHandle_t blas;
-  void *flush;     /* BT_L2_FLUSH_BYTES */
-  float *barrier;  /* 1 element */
-  gpu_timer timer;
-#endif
-} bt_world;
-
-static int bt_env_int(const char *name, int dflt) {
-  const char *v = getenv(name);
-  return v && *v ? atoi(v) : dflt;
-}
-
-/* Every rank's n floats, rank-major into all[nranks * n] (a collective). */
-static void bt_allgather_f32(bt_world *w, const float *mine, int n, float *all) {
-  if (w->backend == MOELINK_BACKEND_CPU) {
-    CLI_CALL("moelink_allgather", moelink_allgather(w->comm, mine, all, (size_t)n,
-                                                    MOELINK_DTYPE_F32, NULL));
-    return;
-  }
-  void *d = NULL;
-  const size_t b = sizeof(float) * (size_t)n;
-  if (gpu_malloc(&d, b * (size_t)(w->nranks + 1), "gather") || gpu_h2d(d, mine, b))
-    cli_fail("%s", gpu_error());
-  CLI_CALL("moelink_allgather", moelink_allgather(w->comm, d, (char *)d + b, (size_t)n,
-                                                  MOELINK_DTYPE_F32, w->stream));
-  if (gpu_stream_sync(w->stream) || gpu_d2h(all, (char *)d + b, b * (size_t)w->nranks))
-    cli_fail("%s", gpu_error());
-  gpu_free(d);
-}
-
-#if BT_GPU
-#define BT_CUDA(call)                                                          \
-  do {                                                                         \
-    cudaError_t bt_e_ = (call);                                                \
-    if (bt_e_ != cudaSuccess) cli_fail("%s: %s", #call, cudaGetErrorString(bt_e_)); \
-  } while (0)
-#define BT_NCCL(call)                                                          \
-  do {                                                                         \
-    ncclResult_t bt_r_ = (call);                                               \
-    if (bt_r_ != ncclSuccess) cli_fail("%s: %s", #call, ncclGetErrorString(bt_r_)); \
-  } while (0)
-#define BT_BLAS(call)                                                          \
-  do {                                                                         \
-    cublasStatus_t bt_s_ = (call);                                             \
-    if (bt_s_ != CUBLAS_STATUS_SUCCESS) cli_fail("%s: cuBLAS status %d", #call, (int)bt_s_); \
-  } while (0)
-
-/* An NCCL id from rank 0 to all ranks over a moelink communicator (host
- * buffers on cpu, device buffers on cuda). */
-static void bt_share_nccl_id(moelink_comm_t comm, int rank, int nranks, int on_device,
-                             void *stream, ncclUniqueId *id) {
-  const size_t b = sizeof *id;
-  unsigned char *all = (unsigned char *)cli_malloc(b * (size_t)nranks, "ids");
-  ncclUniqueId mine;
-  memset(&mine, 0, sizeof mine);
-  if (rank == 0) BT_NCCL(ncclGetUniqueId(&mine));
-  if (!on_device) {
-    CLI_CALL("moelink_allgather (nccl id)",
-             moelink_allgather(comm, &mine, all, b / 4, MOELINK_DTYPE_F32, NULL));
-  } else {
-    void *d = NULL;
-    if (gpu_malloc(&d, b * (size_t)(nranks + 1), "id") || gpu_h2d(d, &mine, b))
-      cli_fail("%s", gpu_error());
-    CLI_CALL("moelink_allgather (nccl id)",
-             moelink_allgather(comm, d, (char *)d + b, b / 4, MOELINK_DTYPE_F32, stream));
-    if (gpu_stream_sync(stream) || gpu_d2h(all, (char *)d + b, b * (size_t)nranks))
-      cli_fail("%s", gpu_error());
-    gpu_free(d);
-  }
-  memcpy(id, all, b);
-  free(all);
-}
-
-/* The NCCL communicator of the baselines, and the moelink communicator on it
- * when the launcher's id is a cpu one (the default of `moelink launch`): meet
- * on the CPU, share an NCCL id, wrap the NCCL communicator. With a cuda id
- * (`launch --backend cuda`) the moelink communicator comes from the id and
- * the baselines get an NCCL communicator of their own. */
-static void bt_open_gpu(bt_world *w) {
-  /* NVLink multicast stays off (DESIGN.md, section 5), also for our own comm. */
-  setenv("NCCL_NVLS_ENABLE", "0", 1);
-  BT_CUDA(cudaSetDevice(w->local_rank));
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = MOELINK_BACKEND_CUDA;
-  cc.device = w->local_rank;
-  CLI_CALL("moelink_context_create (cuda)", moelink_context_create(&cc, &w->ctx));
-  if (gpu_stream_create(&w->stream)) cli_fail("%s", gpu_error());
-
-  moelink_context_config_t hc = MOELINK_CONTEXT_CONFIG_INIT;
-  hc.num_threads = 1;
-  moelink_context_t hctx = NULL;
-  moelink_comm_t hcomm = NULL;
-  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&hc, &hctx));
-  ncclUniqueId id;
-  moelink_status_t s = moelink_comm_init_from_env(hctx, &hcomm);
-  if (s == MOELINK_SUCCESS) {
-    bt_share_nccl_id(hcomm, w->rank, w->nranks, 0, NULL, &id);
-    CLI_CALL("moelink_comm_destroy (cpu)", moelink_comm_destroy(hcomm));
-    moelink_context_destroy(hctx);
-    BT_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
-    w->nccl_owned = 1;
-    CLI_CALL("moelink_comm_init_from_nccl", moelink_comm_init_from_nccl(w->ctx, w->nccl, &w->comm));
-  } else if (s == MOELINK_ERR_INVALID_ARGUMENT) {
-    moelink_context_destroy(hctx);
-    CLI_CALL("moelink_comm_init_from_env (cuda)", moelink_comm_init_from_env(w->ctx, &w->comm));
-    bt_share_nccl_id(w->comm, w->rank, w->nranks, 1, w->stream, &id);
-    BT_NCCL(ncclCommInitRank(&w->nccl, w->nranks, id, w->rank));
-    w->nccl_owned = 1;
-  } else {
-    cli_lib_fail("moelink_comm_init_from_env (cpu, to share an NCCL id)", s);
-  }
-  BT_BLAS(cublasCreate(&w->blas));
-  BT_BLAS(cublasSetStream(w->blas, (cudaStream_t)w->stream));
-  if (gpu_malloc(&w->flush, BT_L2_FLUSH_BYTES, "L2 flush") ||
-      gpu_malloc((void **)&w->barrier, sizeof(float), "barrier") || gpu_timer_create(&w->timer))
-    cli_fail("%s", gpu_error());
-  BT_CUDA(cudaMemset(w->barrier, 0, sizeof(float)));
-}
-#endif
-
-static void bt_open(bt_world *w, const bt_opts *o) {
-  memset(w, 0, sizeof *w);
-  w->rank = bt_env_int("MOELINK_RANK", -1);
-  w->nranks = bt_env_int("MOELINK_WORLD_SIZE", 0);
-  w->local_rank = bt_env_int("MOELINK_LOCAL_RANK", w->rank);
-  w->backend = o->backend;
-  if (w->rank < 0 || w->nranks < 1 || !getenv("MOELINK_UNIQUE_ID"))
-    cli_fail("bench tp: run me under the launcher: moelink launch -n 2 -- moelink bench tp");
-  if (o->backend == MOELINK_BACKEND_CUDA) {
-#if BT_GPU
-    bt_open_gpu(w);
-    return;
-#else
-    cli_fail("bench tp --backend cuda: this moelink CLI was built without CUDA and NCCL");
-#endif
-  }
-  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
-  cc.backend = MOELINK_BACKEND_CPU;
-  int threads = o->threads;
-#ifdef _OPENMP
-  if (threads <= 0) threads = omp_get_num_procs() / w->nranks;
-#endif
-  cc.num_threads = threads > 0 ? threads : 1;
-  CLI_CALL("moelink_context_create (cpu)", moelink_context_create(&cc, &w->ctx));
-  CLI_CALL("moelink_comm_init_from_env", moelink_comm_init_from_env(w->ctx, &w->comm));
-}
-
-static void bt_close(bt_world *w) {
-  CLI_CALL("moelink_comm_destroy", moelink_comm_destroy(w->comm));
-#if BT_GPU
-  if (w->backend == MOELINK_BACKEND_CUDA) {
-    gpu_timer_destroy(&w->timer);
-    gpu_free(w->flush);
-    gpu_free(w->barrier);
-    cublasDestroy(w->blas);
-    if (w->nccl_owned) ncclCommDestroy(w->nccl);
-  }
-#endif
-  gpu_stream_destroy(w->stream);
-  moelink_context_destroy(w->ctx);
-}
-
-/* Lines the ranks up: every rank leaves it at about the same moment. */
-static void bt_barrier(bt_world *w) {
-#if BT_GPU
-  if (w->backend == MOELINK_BACKEND_CUDA) {
-    BT_NCCL(ncclAllReduce(w->barrier, w->barrier, 1, ncclFloat32, ncclSum, w->nccl,
-                          (cudaStream_t)w->stream));
-    return;
-  }
-#endif
-  float x = 0.0f, y = 0.0f;
-  CLI_CALL("moelink_allreduce (barrier)",
-           moelink_allreduce(w->comm, &x, &y, 1, MOELINK_DTYPE_F32, NULL));
-}
-
 /* ---- one (op, shape) --------------------------------------------------------- */
 
 typedef struct bt_case {
@@ -471,7 +285,7 @@ typedef struct bt_case {
   moelink_tp_t tp;
   void *a, *b, *c;         /* moelink's inputs and output */
   size_t a_elems, b_elems, c_elems;
-#if BT_GPU
+#if CLI_WORLD_GPU
   void *a_full;            /* ag: the gathered a [m, k] */
   void *part;              /* rs, ar: the GEMM's [m, n] */
   void *ref;               /* GEMM then NCCL: the same shape as c */
@@ -482,7 +296,7 @@ enum { BT_V_FUSED = 0, BT_V_GEMM = 1, BT_V_SEQ = 2 };
 
 static uint64_t bt_seed(uint64_t base, int rank) { return base + 7919ull * (uint64_t)rank; }
 
-static void bt_call_fused(bt_world *w, bt_case *c) {
+static void bt_call_fused(cli_world *w, bt_case *c) {
   moelink_status_t s;
   if (c->op == BT_AG)
     s = moelink_ag_gemm(c->tp, c->a, c->b, c->c, c->m, c->n, c->k, w->stream);
@@ -493,7 +307,7 @@ static void bt_call_fused(bt_world *w, bt_case *c) {
   if (s != MOELINK_SUCCESS) cli_lib_fail(bt_op_names[c->op], s);
 }
 
-#if BT_GPU
+#if CLI_WORLD_GPU
 static cudaDataType_t bt_cuda_type(moelink_dtype_t dt) {
   return dt == MOELINK_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
@@ -504,45 +318,45 @@ static ncclDataType_t bt_nccl_type(moelink_dtype_t dt) {
 
 /* Row-major out [rows, n] = x [rows, k] * b [n, k]^T: in cuBLAS's column-major
  * terms out^T [n, rows] = b^T x^T, i.e. op(B) = T on b (k x n, ld k). */
-static void bt_gemm(bt_world *w, const bt_case *c, const void *x, int rows, void *out) {
+static void bt_gemm(cli_world *w, const bt_case *c, const void *x, int rows, void *out) {
   const float one = 1.0f, zero = 0.0f;
   const cudaDataType_t t = bt_cuda_type(c->dt);
-  BT_BLAS(cublasGemmEx(w->blas, CUBLAS_OP_T, CUBLAS_OP_N, c->n, rows, c->k, &one, c->b, t, c->k,
+  BT_BLAS(cublasGemmEx(bt_blas, CUBLAS_OP_T, CUBLAS_OP_N, c->n, rows, c->k, &one, c->b, t, c->k,
                        x, t, c->k, &zero, out, t, c->n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-static void bt_call_gpu(bt_world *w, bt_case *c, int variant) {
+static void bt_call_gpu(cli_world *w, bt_case *c, int variant) {
   cudaStream_t st = (cudaStream_t)w->stream;
   const ncclDataType_t nt = bt_nccl_type(c->dt);
   if (variant == BT_V_FUSED) {
     bt_call_fused(w, c);
   } else if (c->op == BT_AG) {
     if (variant == BT_V_SEQ)
-      BT_NCCL(ncclAllGather(c->a, c->a_full, (size_t)(c->m / c->nr) * (size_t)c->k, nt, w->nccl,
+      CLI_NCCL(ncclAllGather(c->a, c->a_full, (size_t)(c->m / c->nr) * (size_t)c->k, nt, w->nccl,
                             st));
     bt_gemm(w, c, c->a_full, c->m, c->ref);
   } else {
     bt_gemm(w, c, c->a, c->m, c->part);
     if (variant == BT_V_SEQ && c->op == BT_RS)
-      BT_NCCL(ncclReduceScatter(c->part, c->ref, (size_t)(c->m / c->nr) * (size_t)c->n, nt,
+      CLI_NCCL(ncclReduceScatter(c->part, c->ref, (size_t)(c->m / c->nr) * (size_t)c->n, nt,
                                 ncclSum, w->nccl, st));
     else if (variant == BT_V_SEQ)
-      BT_NCCL(ncclAllReduce(c->part, c->ref, (size_t)c->m * (size_t)c->n, nt, ncclSum, w->nccl,
+      CLI_NCCL(ncclAllReduce(c->part, c->ref, (size_t)c->m * (size_t)c->n, nt, ncclSum, w->nccl,
                             st));
   }
 }
 #endif
 
 /* Median of iters timed calls of one variant, in us (this rank's). */
-static double bt_time(bt_world *w, bt_case *c, int variant, const bt_opts *o) {
+static double bt_time(cli_world *w, bt_case *c, int variant, const bt_opts *o) {
   double *t = (double *)cli_malloc(sizeof(double) * (size_t)o->iters, "times");
   for (int it = -o->warmup; it < o->iters; ++it) {
-#if BT_GPU
+#if CLI_WORLD_GPU
     if (w->backend == MOELINK_BACKEND_CUDA) {
       double ms = 0.0;
-      if (gpu_memset_async(w->flush, it & 0xff, BT_L2_FLUSH_BYTES, w->stream))
+      if (gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
         cli_fail("%s", gpu_error());
-      bt_barrier(w);
+      cli_world_barrier(w);
       if (gpu_timer_start(&w->timer, w->stream)) cli_fail("%s", gpu_error());
       bt_call_gpu(w, c, variant);
       if (gpu_timer_stop(&w->timer, w->stream, &ms)) cli_fail("%s", gpu_error());
@@ -550,7 +364,7 @@ static double bt_time(bt_world *w, bt_case *c, int variant, const bt_opts *o) {
       continue;
     }
 #endif
-    bt_barrier(w);
+    cli_world_barrier(w);
     double t0 = cli_now();
     bt_call_fused(w, c);
     if (it >= 0) t[it] = (cli_now() - t0) * 1e6;
@@ -671,7 +485,7 @@ static int bt_sample(int total, int want, int *idx) {
 /* Poisons c (and the baseline's output), runs the baseline and the fused op
  * once, and checks this rank's sampled rows. Returns 1 when within tolerance;
  * err = max |fused - reference| / magnitude, l2 = rel L2 vs GEMM+NCCL. */
-static int bt_verify(bt_world *w, bt_case *c, double *err, double *l2) {
+static int bt_verify(cli_world *w, bt_case *c, double *err, double *l2) {
   const int c_rows = c->op == BT_RS ? c->m / c->nr : c->m;
   const size_t row_bytes = (size_t)c->n * c->es;
   int rows[BT_SAMPLE_ROWS], cols[BT_SAMPLE_COLS];
@@ -683,12 +497,12 @@ static int bt_verify(bt_world *w, bt_case *c, double *err, double *l2) {
   *err = 0.0;
   *l2 = NAN;
   if (cuda) {
-#if BT_GPU
+#if CLI_WORLD_GPU
     base = (unsigned char *)cli_malloc(row_bytes * (size_t)nrows, "sample");
     if (gpu_memset_async(c->c, 0xff, c->c_elems * c->es, w->stream) ||
         gpu_memset_async(c->ref, 0xff, c->c_elems * c->es, w->stream))
       cli_fail("%s", gpu_error());
-    bt_barrier(w);
+    cli_world_barrier(w);
     bt_call_gpu(w, c, BT_V_SEQ);
     bt_call_gpu(w, c, BT_V_FUSED);
     if (gpu_stream_sync(w->stream)) cli_fail("%s", gpu_error());
@@ -701,7 +515,7 @@ static int bt_verify(bt_world *w, bt_case *c, double *err, double *l2) {
 #endif
   } else {
     memset(c->c, 0xff, c->c_elems * c->es);
-    bt_barrier(w);
+    cli_world_barrier(w);
     bt_call_fused(w, c);
     for (int r = 0; r < nrows; ++r)
       memcpy(got + (size_t)r * row_bytes, (char *)c->c + (size_t)rows[r] * row_bytes, row_bytes);
@@ -738,21 +552,7 @@ static int bt_verify(bt_world *w, bt_case *c, double *err, double *l2) {
 
 /* ---- the run ------------------------------------------------------------------ */
 
-static void *bt_alloc(bt_world *w, size_t bytes, const char *what) {
-  if (w->backend == MOELINK_BACKEND_CPU) return cli_malloc(bytes, what);
-  void *p = NULL;
-  if (gpu_malloc(&p, bytes, what)) cli_fail("%s", gpu_error());
-  return p;
-}
-
-static void bt_free(bt_world *w, void *p) {
-  if (w->backend == MOELINK_BACKEND_CPU)
-    free(p);
-  else
-    gpu_free(p);
-}
-
-static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *sh, bt_row *row) {
+static void bt_run_case(cli_world *w, const bt_opts *o, int op, const bt_shape *sh, bt_row *row) {
   bt_case c;
   memset(&c, 0, sizeof c);
   c.op = op;
@@ -796,9 +596,9 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
   cfg.max_k = c.k;
   cfg.comm_ctas = o->comm_ctas;
   CLI_CALL("moelink_tp_create", moelink_tp_create(w->comm, &cfg, &c.tp));
-  c.a = bt_alloc(w, c.a_elems * c.es, "a");
-  c.b = bt_alloc(w, c.b_elems * c.es, "b");
-  c.c = bt_alloc(w, c.c_elems * c.es, "c");
+  c.a = cli_world_alloc(w, c.a_elems * c.es, "a");
+  c.b = cli_world_alloc(w, c.b_elems * c.es, "b");
+  c.c = cli_world_alloc(w, c.c_elems * c.es, "c");
   CLI_CALL("moelink_fill_random a",
            moelink_fill_random(w->ctx, c.dt, c.a, c.a_elems, bt_seed(c.seed_a, w->rank), 1.0f,
                                0.0f, w->stream));
@@ -806,13 +606,13 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
            moelink_fill_random(w->ctx, c.dt, c.b, c.b_elems, bt_seed(c.seed_b, w->rank), 1.0f,
                                0.0f, w->stream));
   const int cuda = w->backend == MOELINK_BACKEND_CUDA;
-#if BT_GPU
+#if CLI_WORLD_GPU
   if (cuda) {
-    c.ref = bt_alloc(w, c.c_elems * c.es, "reference c");
+    c.ref = cli_world_alloc(w, c.c_elems * c.es, "reference c");
     if (op == BT_AG)
-      c.a_full = bt_alloc(w, (size_t)c.m * (size_t)c.k * c.es, "gathered a");
+      c.a_full = cli_world_alloc(w, (size_t)c.m * (size_t)c.k * c.es, "gathered a");
     else
-      c.part = bt_alloc(w, (size_t)c.m * (size_t)c.n * c.es, "GEMM partial");
+      c.part = cli_world_alloc(w, (size_t)c.m * (size_t)c.n * c.es, "GEMM partial");
   }
 #endif
   if (cuda && gpu_stream_sync(w->stream)) cli_fail("%s", gpu_error());
@@ -826,7 +626,7 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
    * when all ranks passed, and every rank must issue the same calls. */
   float mine[3] = {(float)ok, (float)err, (float)l2}, *all;
   all = (float *)cli_malloc(sizeof(float) * 3 * (size_t)w->nranks, "verdicts");
-  bt_allgather_f32(w, mine, 3, all);
+  cli_world_allgather_f32(w, mine, 3, all);
   row->verified = 1;
   row->verify_err = 0.0;
   row->verify_l2 = cuda ? 0.0 : NAN;
@@ -839,7 +639,7 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
 
   double t[3] = {NAN, NAN, NAN};
   if (row->verified) t[BT_V_FUSED] = bt_time(w, &c, BT_V_FUSED, o);
-#if BT_GPU
+#if CLI_WORLD_GPU
   if (cuda) {
     t[BT_V_GEMM] = bt_time(w, &c, BT_V_GEMM, o);
     t[BT_V_SEQ] = bt_time(w, &c, BT_V_SEQ, o);
@@ -849,7 +649,7 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
   /* The slowest rank's median: a layer waits for its slowest rank. */
   float tm[3] = {(float)t[0], (float)t[1], (float)t[2]};
   float *tall = (float *)cli_malloc(sizeof(float) * 3 * (size_t)w->nranks, "times");
-  bt_allgather_f32(w, tm, 3, tall);
+  cli_world_allgather_f32(w, tm, 3, tall);
   double *dst[3] = {&row->fused_us, &row->gemm_us, &row->seq_us};
   for (int v = 0; v < 3; ++v) {
     double worst = -1.0;
@@ -865,31 +665,30 @@ static void bt_run_case(bt_world *w, const bt_opts *o, int op, const bt_shape *s
   }
   free(tall);
 
-#if BT_GPU
+#if CLI_WORLD_GPU
   if (cuda) {
-    bt_free(w, c.ref);
-    bt_free(w, c.a_full);
-    bt_free(w, c.part);
+    cli_world_free(w, c.ref);
+    cli_world_free(w, c.a_full);
+    cli_world_free(w, c.part);
   }
 #endif
-  bt_free(w, c.a);
-  bt_free(w, c.b);
-  bt_free(w, c.c);
+  cli_world_free(w, c.a);
+  cli_world_free(w, c.b);
+  cli_world_free(w, c.c);
   CLI_CALL("moelink_tp_destroy", moelink_tp_destroy(c.tp));
 }
 
 /* ---- output ------------------------------------------------------------------ */
 
-static double bt_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
 
 static void bt_print_row(const bt_row *r, int cuda) {
   char ver[48];
   snprintf(ver, sizeof ver, "%s %.1e", r->verified ? "ok" : "FAIL", r->verify_err);
   printf("%-8s %6d %6d %6d  %10.1f %8.1f", bt_op_names[r->op], r->m, r->n, r->k, r->fused_us,
-         bt_tflops(r->flops, r->fused_us) * (cuda ? 1.0 : 1e3));
+         cli_tflops(r->flops, r->fused_us) * (cuda ? 1.0 : 1e3));
   if (cuda)
     printf("  %10.1f %8.1f  %10.1f %8.1f  %10.3f %10.3f", r->gemm_us,
-           bt_tflops(r->flops, r->gemm_us), r->seq_us, bt_tflops(r->flops, r->seq_us),
+           cli_tflops(r->flops, r->gemm_us), r->seq_us, cli_tflops(r->flops, r->seq_us),
            r->fused_us / r->gemm_us, r->seq_us / r->fused_us);
   printf("  %s", ver);
   if (cuda) printf(" / L2 %.1e", r->verify_l2);
@@ -898,13 +697,9 @@ static void bt_print_row(const bt_row *r, int cuda) {
 }
 
 
-static void bt_json_num(FILE *f, const char *key, double v) {
-  fprintf(f, ", \"%s\": ", key);
-  cli_json_num(f, v);
-}
 
 
-static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
+static void bt_write_json(const char *path, const bt_opts *o, const cli_world *w,
                           const char *device, const bt_row *rows, int nrows) {
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
   FILE *f = fopen(path, "w");
@@ -960,19 +755,19 @@ static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
     fprintf(f, "    {\"op\": \"%s\", \"m\": %d, \"n\": %d, \"k\": %d, \"list_n\": %d, "
                "\"list_k\": %d",
             bt_op_names[r->op], r->m, r->n, r->k, r->list_n, r->list_k);
-    bt_json_num(f, "flops", r->flops);
-    bt_json_num(f, "fused_us", r->fused_us);
-    bt_json_num(f, "fused_TFLOPs", bt_tflops(r->flops, r->fused_us));
+    cli_json_field(f, "flops", r->flops);
+    cli_json_field(f, "fused_us", r->fused_us);
+    cli_json_field(f, "fused_TFLOPs", cli_tflops(r->flops, r->fused_us));
     if (cuda) {
-      bt_json_num(f, "gemm_us", r->gemm_us);
-      bt_json_num(f, "gemm_TFLOPs", bt_tflops(r->flops, r->gemm_us));
-      bt_json_num(f, "seq_us", r->seq_us);
-      bt_json_num(f, "seq_TFLOPs", bt_tflops(r->flops, r->seq_us));
-      bt_json_num(f, "fused_over_gemm", r->fused_us / r->gemm_us);
-      bt_json_num(f, "seq_over_fused", r->seq_us / r->fused_us);
-      bt_json_num(f, "verify_rel_l2_vs_nccl", r->verify_l2);
+      cli_json_field(f, "gemm_us", r->gemm_us);
+      cli_json_field(f, "gemm_TFLOPs", cli_tflops(r->flops, r->gemm_us));
+      cli_json_field(f, "seq_us", r->seq_us);
+      cli_json_field(f, "seq_TFLOPs", cli_tflops(r->flops, r->seq_us));
+      cli_json_field(f, "fused_over_gemm", r->fused_us / r->gemm_us);
+      cli_json_field(f, "seq_over_fused", r->seq_us / r->fused_us);
+      cli_json_field(f, "verify_rel_l2_vs_nccl", r->verify_l2);
     }
-    bt_json_num(f, "verify_max_err", r->verify_err);
+    cli_json_field(f, "verify_max_err", r->verify_err);
     fprintf(f, ", \"verified\": %s}%s\n", r->verified ? "true" : "false",
             i + 1 < nrows ? "," : "");
   }
@@ -984,8 +779,14 @@ static void bt_write_json(const char *path, const bt_opts *o, const bt_world *w,
 int cli_cmd_bench_tp(int argc, char **argv) {
   bt_opts o;
   bt_parse(argc, argv, &o);
-  bt_world w;
-  bt_open(&w, &o);
+  cli_world w;
+  cli_world_open(&w, "bench tp", o.backend, o.threads);
+#if CLI_WORLD_GPU
+  if (w.backend == MOELINK_BACKEND_CUDA) {
+    BT_BLAS(cublasCreate(&bt_blas));
+    BT_BLAS(cublasSetStream(bt_blas, (cudaStream_t)w.stream));
+  }
+#endif
   const int cuda = o.backend == MOELINK_BACKEND_CUDA;
   char device[256] = "cpu";
   if (cuda && gpu_device_name(device, sizeof device)) cli_fail("%s", gpu_error());
@@ -1028,7 +829,10 @@ int cli_cmd_bench_tp(int argc, char **argv) {
     printf("wrote %s\n", o.json);
   }
   free(rows);
-  bt_close(&w);
+  #if CLI_WORLD_GPU
+  if (w.backend == MOELINK_BACKEND_CUDA) cublasDestroy(bt_blas);
+#endif
+  cli_world_close(&w);
   if (failed && w.rank == 0)
     fprintf(stderr, "moelink: error: bench tp: a fused op failed verification (see 'FAIL')\n");
   return failed ? CLI_EXIT_FAIL : 0;

@@ -16,6 +16,8 @@
 enum { CLI_EXIT_FAIL = 1, CLI_EXIT_USAGE = 2 };
 
 #define CLI_MAX_TOKEN_LIST 64
+/* Bytes the GPU benchmarks write before each timed call to evict L2. */
+#define CLI_L2_FLUSH_BYTES ((size_t)256 << 20)
 
 typedef struct cli_opts {
   moelink_moe_config_t cfg;
@@ -141,6 +143,10 @@ void cli_help_launch(void);
  * number (not finite: null). */
 void cli_json_str(FILE *f, const char *s);
 void cli_json_num(FILE *f, double v);
+/* `, "key": number` (null when not finite), for the members after the first. */
+void cli_json_field(FILE *f, const char *key, double v);
+/* TFLOP/s of `flops` done in `us` microseconds. */
+double cli_tflops(double flops, double us);
 /* The commit the numbers belong to: MOELINK_COMMIT (a copy of the tree
  * without .git, as on a lent GPU machine), else git's HEAD, else "". */
 void cli_commit(char *buf, size_t n);

@@ -146,6 +146,13 @@ void cli_json_num(FILE *f, double v) {
     fputs("null", f);
 }
 
+void cli_json_field(FILE *f, const char *key, double v) {
+  fprintf(f, ", \"%s\": ", key);
+  cli_json_num(f, v);
+}
+
+double cli_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
+
 void cli_commit(char *buf, size_t n) {
   buf[0] = '\0';
   const char *env = getenv("MOELINK_COMMIT");
