@@ -6,6 +6,7 @@
  * The shared expert's gate sigmoid(x . w_g) is computed here too, by the
  * token's CTA, with a fixed-shape tree reduction; it saves a launch and a
  * [T] buffer. */
+#include "core/dtype.cuh"
 #include "cuda/pipeline.h"
 
 #include <cuda_bf16.h>
@@ -25,42 +26,6 @@ typedef struct ml_combine_params {
   int k, H;
 } ml_combine_params;
 
-/* 8 values of dtype DT (one 16-byte word) to fp32. */
-template <int DT>
-static __device__ __forceinline__ void ml_c_unpack(uint4 v, float *f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (DT == MOELINK_DTYPE_BF16) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    } else {
-      __half2 h;
-      memcpy(&h, &w[i], 4);
-      const float2 p = __half22float2(h);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-}
-
-/* fp32 to 8 values of DT, round to nearest even. */
-template <int DT>
-static __device__ __forceinline__ uint4 ml_c_pack(const float *f) {
-  uint32_t w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (DT == MOELINK_DTYPE_BF16) {
-      const __nv_bfloat162 b = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-      memcpy(&w[i], &b, 4);
-    } else {
-      const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-      memcpy(&w[i], &h, 4);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 template <int DT>
 static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const ml_combine_params p) {
   const int t = (int)blockIdx.x, tid = (int)threadIdx.x;
@@ -73,8 +38,8 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
     float part = 0.0f;
     for (int q = tid; q < chunks; q += ML_C_THREADS) {
       float xv[8], gv[8];
-      ml_c_unpack<DT>(__ldg(xr + q), xv);
-      ml_c_unpack<DT>(__ldg(gr + q), gv);
+      ml_dt_unpack16<DT>(__ldg(xr + q), xv);
+      ml_dt_unpack16<DT>(__ldg(gr + q), gv);
 #pragma unroll
       for (int i = 0; i < 8; ++i) part += xv[i] * gv[i];
     }
@@ -99,7 +64,7 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
       const int r = __ldg(rows + j);
       if (r < 0) continue; /* empty slot */
       float v[8];
-      ml_c_unpack<DT>(__ldg(y + (size_t)r * row_chunks + q), v);
+      ml_dt_unpack16<DT>(__ldg(y + (size_t)r * row_chunks + q), v);
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += v[i];
     }
@@ -110,7 +75,7 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] += gate * sv[i];
     }
-    ((uint4 *)p.out)[(size_t)t * row_chunks + q] = ml_c_pack<DT>(acc);
+    ((uint4 *)p.out)[(size_t)t * row_chunks + q] = ml_dt_pack16<DT>(acc);
   }
 }
 

@@ -17,9 +17,8 @@
  * The sum is fp32 over ranks in rank order 0..n-1, rounded once, as in the
  * other all-reduce algorithms: every rank gets bitwise the same result. */
 #include "comm/cuda/comm_cuda.h"
+#include "core/dtype.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <string.h>
 
 #define ML_LL_THREADS 512
@@ -94,25 +93,21 @@ static __device__ __noinline__ uint32_t ml_ll_poll(const moelink_device_comm_t *
   }
 }
 
+/* acc[0..1] += the element(s) of DT in the 4-byte word w (one f32, or two
+ * 16-bit values, the lower address first). */
 template <int DT> static __device__ __forceinline__ void ml_ll_add(float *acc, uint32_t w) {
   if (DT == MOELINK_DTYPE_F32) {
     acc[0] += __uint_as_float(w);
-  } else if (DT == MOELINK_DTYPE_BF16) {
-    acc[0] += __uint_as_float(w << 16);
-    acc[1] += __uint_as_float(w & 0xffff0000u);
   } else {
-    acc[0] += __half2float(__ushort_as_half((unsigned short)(w & 0xffffu)));
-    acc[1] += __half2float(__ushort_as_half((unsigned short)(w >> 16)));
+    acc[0] += ml_dt_half_to_f32<DT>(w & 0xffffu);
+    acc[1] += ml_dt_half_to_f32<DT>(w >> 16);
   }
 }
 
+/* acc[0..1] rounded to DT, packed like ml_ll_add reads them. */
 template <int DT> static __device__ __forceinline__ uint32_t ml_ll_pack(const float *acc) {
   if (DT == MOELINK_DTYPE_F32) return __float_as_uint(acc[0]);
-  if (DT == MOELINK_DTYPE_BF16)
-    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[0])) |
-           ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(acc[1])) << 16);
-  return (uint32_t)__half_as_ushort(__float2half_rn(acc[0])) |
-         ((uint32_t)__half_as_ushort(__float2half_rn(acc[1])) << 16);
+  return ml_dt_f32_to_half<DT>(acc[0]) | (ml_dt_f32_to_half<DT>(acc[1]) << 16);
 }
 
 template <int DT>

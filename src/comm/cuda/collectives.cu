@@ -22,6 +22,7 @@
  * bytes, two-shot above (reduce-scatter round: rank p reduces piece p and
  * pushes the result to every peer; all-gather round: copy the pieces out). */
 #include "comm/cuda/comm_cuda.h"
+#include "core/dtype.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -66,23 +67,11 @@ static __device__ __forceinline__ uint16_t ml_cc_ld2(const uint16_t *p) {
   return STAGE ? __ldcg((const unsigned short *)p) : *p;
 }
 
-template <int DT>
-static __device__ __forceinline__ float ml_cc_half_to_f32(uint32_t h) {
-  if (DT == MOELINK_DTYPE_BF16) return __uint_as_float(h << 16);
-  return __half2float(__ushort_as_half((unsigned short)h));
-}
-
-template <int DT>
-static __device__ __forceinline__ uint32_t ml_cc_f32_to_half(float f) {
-  if (DT == MOELINK_DTYPE_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  return __half_as_ushort(__float2half_rn(f));
-}
-
 /* One element of dtype DT at p[i] as fp32. */
 template <int DT, bool STAGE>
 static __device__ __forceinline__ float ml_cc_ld1(const char *p, size_t i) {
   if (DT == MOELINK_DTYPE_F32) return __uint_as_float(ml_cc_ld4<STAGE>((const uint32_t *)p + i));
-  return ml_cc_half_to_f32<DT>(ml_cc_ld2<STAGE>((const uint16_t *)p + i));
+  return ml_dt_half_to_f32<DT>(ml_cc_ld2<STAGE>((const uint16_t *)p + i));
 }
 
 template <int DT>
@@ -90,37 +79,7 @@ static __device__ __forceinline__ void ml_cc_st1(char *p, size_t i, float v) {
   if (DT == MOELINK_DTYPE_F32)
     ((uint32_t *)p)[i] = __float_as_uint(v);
   else
-    ((uint16_t *)p)[i] = (uint16_t)ml_cc_f32_to_half<DT>(v);
-}
-
-/* 16 bytes of DT as fp32 values: 4 (f32) or 8 (bf16, f16). */
-template <int DT>
-static __device__ __forceinline__ void ml_cc_unpack(uint4 v, float *f) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  if (DT == MOELINK_DTYPE_F32) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(w[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      f[2 * k] = ml_cc_half_to_f32<DT>(w[k] & 0xffffu);
-      f[2 * k + 1] = ml_cc_half_to_f32<DT>(w[k] >> 16);
-    }
-  }
-}
-
-template <int DT>
-static __device__ __forceinline__ uint4 ml_cc_pack(const float *f) {
-  uint32_t w[4];
-  if (DT == MOELINK_DTYPE_F32) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(f[k]);
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      w[k] = ml_cc_f32_to_half<DT>(f[2 * k]) | (ml_cc_f32_to_half<DT>(f[2 * k + 1]) << 16);
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
+    ((uint16_t *)p)[i] = (uint16_t)ml_dt_f32_to_half<DT>(v);
 }
 
 /* ---- block-wide moves ------------------------------------------------------ */
@@ -183,7 +142,7 @@ static __device__ __forceinline__ void ml_cc_reduce(char *out, const char *own, 
 #pragma unroll
         for (int u = 0; u < ML_CC_RUNROLL; ++u) {
           float f[8];
-          ml_cc_unpack<DT>(v[u], f);
+          ml_dt_unpack16<DT>(v[u], f);
 #pragma unroll
           for (int k = 0; k < EV; ++k) acc[u][k] = s == 0 ? f[k] : acc[u][k] + f[k];
         }
@@ -192,7 +151,7 @@ static __device__ __forceinline__ void ml_cc_reduce(char *out, const char *own, 
       for (int u = 0; u < ML_CC_RUNROLL; ++u) {
         const size_t i = i0 + (size_t)u * ML_CC_NT;
         if (i >= nv) continue;
-        const uint4 w = ml_cc_pack<DT>(acc[u]);
+        const uint4 w = ml_dt_pack16<DT>(acc[u]);
         ((uint4 *)out)[i] = w;
         if (fwd)
           for (int k = 1; k < n; ++k) {

@@ -3,10 +3,9 @@
  * GEMM for shapes the tensor-core engines refuse. */
 #include "tp/cuda/tp_cuda.h"
 
+#include "core/dtype.cuh"
 #include "cuda/cuda.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #define ML_TPC_THREADS 512
 
@@ -67,18 +66,6 @@ extern "C" moelink_status_t ml_tpc_wait(const ml_tpc_sync *s, int kind, cudaStre
   return MOELINK_SUCCESS;
 }
 
-/* ---- elements ------------------------------------------------------------------ */
-
-template <int DT> static __device__ __forceinline__ float ml_tpc_f32(uint32_t h) {
-  if (DT == MOELINK_DTYPE_BF16) return __uint_as_float(h << 16);
-  return __half2float(__ushort_as_half((unsigned short)h));
-}
-
-template <int DT> static __device__ __forceinline__ uint32_t ml_tpc_round(float f) {
-  if (DT == MOELINK_DTYPE_BF16) return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  return __half_as_ushort(__float2half_rn(f));
-}
-
 /* ---- the reduction / copy pass ----------------------------------------------- */
 
 typedef struct ml_tpc_pass_args {
@@ -102,23 +89,15 @@ __global__ void __launch_bounds__(ML_TPC_THREADS)
   if (a.vec) {
     const size_t nv = p->count / 8;
     for (size_t v = tid; v < nv; v += nthreads) {
-      float acc[8];
+      float acc[8], f[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[j] = 0.f;
       for (int q = 0; q < p->nsrc; ++q) {
-        const uint4 w = __ldcg((const uint4 *)p->src[q] + v);
-        const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+        ml_dt_unpack16<DT>(__ldcg((const uint4 *)p->src[q] + v), f);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] += ml_tpc_f32<DT>(u[j] & 0xffffu);
-          acc[2 * j + 1] += ml_tpc_f32<DT>(u[j] >> 16);
-        }
+        for (int j = 0; j < 8; ++j) acc[j] += f[j];
       }
-      uint32_t o[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = ml_tpc_round<DT>(acc[2 * j]) | (ml_tpc_round<DT>(acc[2 * j + 1]) << 16);
-      const uint4 ov = make_uint4(o[0], o[1], o[2], o[3]);
+      const uint4 ov = ml_dt_pack16<DT>(acc);
       ((uint4 *)p->out)[v] = ov;
       for (int r = 0; r < ML_TPC_MAX_RANKS; ++r)
         if (p->push[r]) ((uint4 *)p->push[r])[v] = ov;
@@ -128,8 +107,8 @@ __global__ void __launch_bounds__(ML_TPC_THREADS)
   for (size_t i = done + tid; i < p->count; i += nthreads) {
     float acc = 0.f;
     for (int q = 0; q < p->nsrc; ++q)
-      acc += ml_tpc_f32<DT>(__ldcg((const unsigned short *)p->src[q] + i));
-    const unsigned short o = (unsigned short)ml_tpc_round<DT>(acc);
+      acc += ml_dt_half_to_f32<DT>(__ldcg((const unsigned short *)p->src[q] + i));
+    const unsigned short o = (unsigned short)ml_dt_f32_to_half<DT>(acc);
     ((unsigned short *)p->out)[i] = o;
     for (int r = 0; r < ML_TPC_MAX_RANKS; ++r)
       if (p->push[r]) ((unsigned short *)p->push[r])[i] = o;
@@ -187,14 +166,14 @@ __global__ void ml_tpc_gemm_simple_kernel(const unsigned short *a, const unsigne
   float acc = 0.f;
   for (int k0 = 0; k0 < k; k0 += ML_TPC_GT) {
     const int kk = k0 + tx;
-    as[ty][tx] = r < rows && kk < k ? ml_tpc_f32<DT>(a[(size_t)r * k + kk]) : 0.f;
-    bs[ty][tx] = jb < n && kk < k ? ml_tpc_f32<DT>(b[(size_t)jb * k + kk]) : 0.f;
+    as[ty][tx] = r < rows && kk < k ? ml_dt_half_to_f32<DT>(a[(size_t)r * k + kk]) : 0.f;
+    bs[ty][tx] = jb < n && kk < k ? ml_dt_half_to_f32<DT>(b[(size_t)jb * k + kk]) : 0.f;
     __syncthreads();
 #pragma unroll
     for (int q = 0; q < ML_TPC_GT; ++q) acc += as[ty][q] * bs[tx][q];
     __syncthreads();
   }
-  if (r < rows && j < n) out[(size_t)r * n + j] = (unsigned short)ml_tpc_round<DT>(acc);
+  if (r < rows && j < n) out[(size_t)r * n + j] = (unsigned short)ml_dt_f32_to_half<DT>(acc);
 }
 
 extern "C" moelink_status_t ml_tpc_gemm_simple(moelink_dtype_t dt, const void *a, const void *b,
