@@ -14,6 +14,29 @@
 const ml_ep_ops *ml_ep_cuda_ops(void) { return NULL; }
 #endif
 
+moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nranks, int max_rows) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  moelink_moe_config_t l = MOELINK_MOE_CONFIG_INIT;
+  const int El = c->num_experts / nranks;
+  l.hidden = c->hidden;
+  l.inter = c->inter;
+  l.num_experts = El;
+  l.top_k = c->top_k < El ? c->top_k : El;
+  l.dtype = c->dtype;
+  l.max_tokens = max_rows;
+  return l;
+}
+
+moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink_moe_t local) {
+  ML_TRY(moelink_moe_set_weights(front, &ep->w));
+  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
+  lw.dtype = ep->w.dtype;
+  lw.router = ep->w.router; /* the local layer never routes: rows arrive routed */
+  lw.gate_up = ep->w.gate_up;
+  lw.down = ep->w.down;
+  return moelink_moe_set_weights(local, &lw);
+}
+
 static moelink_status_t ml_ep_table(moelink_comm_t comm, const ml_ep_ops **ops) {
   *ops = NULL;
   switch (comm->ctx->backend) {

@@ -131,27 +131,12 @@ static size_t ml_ep_host_layout(const moelink_ep_config_t *cfg, int n, ml_ep_cpu
   return off;
 }
 
-/* The config of the layer that runs a rank's own experts on received rows:
- * each row has at most min(k, El) of them, in slot order. */
-static moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int n) {
-  const moelink_moe_config_t *c = &cfg->moe;
-  moelink_moe_config_t l = MOELINK_MOE_CONFIG_INIT;
-  const int El = c->num_experts / n;
-  l.hidden = c->hidden;
-  l.inter = c->inter;
-  l.num_experts = El;
-  l.top_k = c->top_k < El ? c->top_k : El;
-  l.dtype = c->dtype;
-  l.max_tokens = cfg->recv_capacity;
-  return l;
-}
-
 static moelink_status_t ml_ep_cpu_size(moelink_comm_t comm, const moelink_ep_config_t *cfg,
                                        size_t *bytes) {
   ml_ep_cpu w;
   memset(&w, 0, sizeof w);
   size_t a = 0, b = 0;
-  moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks);
+  moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks, cfg->recv_capacity);
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
   *bytes = a + b + ml_ep_symm_layout(cfg, comm->nranks, &w) +
@@ -213,7 +198,7 @@ static moelink_status_t ml_ep_cpu_init(moelink_ep_t ep) {
   else
     ml_ep_host_layout(cfg, w->n, w, (char *)w->host);
   if (s == MOELINK_SUCCESS) s = moelink_moe_create(comm->ctx, c, &w->front);
-  moelink_moe_config_t lc = ml_ep_local_config(cfg, w->n);
+  moelink_moe_config_t lc = ml_ep_local_config(cfg, w->n, cfg->recv_capacity);
   if (s == MOELINK_SUCCESS) s = moelink_moe_create(comm->ctx, &lc, &w->local);
   char why[400] = "";
   if (s != MOELINK_SUCCESS) snprintf(why, sizeof why, "%s", moelink_last_error());
@@ -268,19 +253,7 @@ static moelink_status_t ml_ep_cpu_init(moelink_ep_t ep) {
 
 static moelink_status_t ml_ep_cpu_set_weights(moelink_ep_t ep) {
   ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
-  /* front never runs routed experts; it gets the local slices only because
-   * set_weights requires them. */
-  ML_TRY(moelink_moe_set_weights(w->front, &ep->w));
-  /* local has no router of its own (routing is done at the source): bind
-   * its expert slices directly, as set_weights would. */
-  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
-  lw.dtype = ep->w.dtype;
-  lw.router = ep->w.router;
-  lw.gate_up = ep->w.gate_up;
-  lw.down = ep->w.down;
-  w->local->w = lw;
-  w->local->has_weights = 1;
-  return MOELINK_SUCCESS;
+  return ml_ep_bind_layers(ep, w->front, w->local);
 }
 
 static inline uint64_t *ml_ep_sig(const ml_ep_cpu *w, int rank, size_t off) {

@@ -76,19 +76,6 @@ typedef struct ml_epc {
 
 static size_t ml_epc_up(size_t v) { return (v + 255) & ~(size_t)255; }
 
-static moelink_moe_config_t ml_epc_local_config(const moelink_ep_config_t *cfg, int n) {
-  const moelink_moe_config_t *c = &cfg->moe;
-  moelink_moe_config_t l = MOELINK_MOE_CONFIG_INIT;
-  const int El = c->num_experts / n;
-  l.hidden = c->hidden;
-  l.inter = c->inter;
-  l.num_experts = El;
-  l.top_k = c->top_k < El ? c->top_k : El;
-  l.dtype = c->dtype;
-  l.max_tokens = n * c->max_tokens;
-  return l;
-}
-
 /* Symmetric layout (offsets into a) and its size. */
 static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a) {
   const moelink_moe_config_t *c = &cfg->moe;
@@ -111,7 +98,7 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
 /* Device scratch layout (base NULL: only sizes it). */
 static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w, char *base) {
   const moelink_moe_config_t *c = &cfg->moe;
-  const moelink_moe_config_t l = ml_epc_local_config(cfg, n);
+  const moelink_moe_config_t l = ml_ep_local_config(cfg, n, n * cfg->moe.max_tokens);
   const size_t T = (size_t)c->max_tokens, k = (size_t)c->top_k, H = (size_t)c->hidden;
   const size_t cap = (size_t)n * T, kl = (size_t)l.top_k, es = moelink_dtype_size(c->dtype);
   const size_t Is = (size_t)c->shared_inter;
@@ -158,7 +145,8 @@ static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config
   ml_epc w;
   memset(&w, 0, sizeof w);
   size_t a = 0, b = 0;
-  const moelink_moe_config_t lc = ml_epc_local_config(cfg, comm->nranks);
+  const moelink_moe_config_t lc =
+      ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
   *bytes = a + b + ml_epc_symm_layout(cfg, comm->nranks, &w.a) +
@@ -187,7 +175,8 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   const moelink_ep_config_t *cfg = &ep->cfg;
   const moelink_moe_config_t *c = &cfg->moe;
   ML_TRY(ml_epc_check(comm, cfg));
-  const moelink_moe_config_t lc = ml_epc_local_config(cfg, comm->nranks);
+  const moelink_moe_config_t lc =
+      ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
   ML_TRY(moelink_moe_create(comm->ctx, c, &w->front));
   ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
   ml_epc_args *a = &w->a;
@@ -243,15 +232,7 @@ static moelink_status_t ml_epc_init(moelink_ep_t ep) {
 
 static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
   ml_epc *w = (ml_epc *)ep->impl;
-  /* The front layer routes and nothing else: its expert pointers (this
-   * rank's slices) are bound because a layer needs them, never read. */
-  ML_TRY(moelink_moe_set_weights(w->front, &ep->w));
-  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
-  lw.dtype = ep->w.dtype;
-  lw.router = ep->w.router; /* the local layer never routes */
-  lw.gate_up = ep->w.gate_up;
-  lw.down = ep->w.down;
-  return moelink_moe_set_weights(w->local, &lw);
+  return ml_ep_bind_layers(ep, w->front, w->local);
 }
 
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
