@@ -27,6 +27,7 @@
  * event is recorded in this rank's status words (ML_CCU_A2A_STATUS), which
  * moelink_comm_check reports and clears. */
 #include "comm/cuda/comm_cuda.h"
+#include "comm/cuda/stage.cuh"
 
 #include <stdint.h>
 #include <string.h>
@@ -135,22 +136,6 @@ static __device__ void ml_a2a_record(const ml_a2a_args *a, int kind, int peer, u
   }
 }
 
-/* The signal step of a round (as collectives.cu's): false in every thread
- * when a wait gave up. */
-static __device__ __forceinline__ bool ml_a2a_exchange(const moelink_device_comm_t *dc,
-                                                       uint64_t *const *sig, int b, uint64_t e,
-                                                       int prim) {
-  const int t = (int)threadIdx.x, n = dc->nranks, r = dc->rank;
-  int ok = 1;
-  __syncthreads();
-  if (t < n && t != r) {
-    moelink_signal_set(sig[t] + (size_t)b * ML_CCU_SIG_STRIDE + r, e);
-    const uint64_t *w = sig[r] + (size_t)b * ML_CCU_SIG_STRIDE + t;
-    if (moelink_signal_load(w) < e) ok = moelink__wait_poll(dc, w, e, t, prim);
-  }
-  return __syncthreads_and(ok) != 0;
-}
-
 /* Copies len elements to element position pos of recv, dropping what would
  * land at or past the capacity. */
 template <bool STAGE>
@@ -228,7 +213,7 @@ static __global__ void __launch_bounds__(ML_A2A_NT, 1)
       const int p = r + k < n ? r + k : r + k - n;
       ((int64_t *)(s_stage[p] + off))[w] = s_row[w];
     }
-    const bool ok = ml_a2a_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_A2A_COUNTS);
+    const bool ok = ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_A2A_COUNTS);
     if (t == 0) s_ok = ok;
     if (ok) {
       const size_t mine = (size_t)(e & 1) * a.par_stride + cta_off;
@@ -308,7 +293,7 @@ static __global__ void __launch_bounds__(ML_A2A_NT, 1)
     }
     if (!peer_round) continue;
     ep = e;
-    if (!ml_a2a_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_A2A_DATA)) break;
+    if (!ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_A2A_DATA)) break;
     int64_t at = 0;
     for (int s = 0; s < n; ++s) {
       const int64_t len = ml_a2a_piece(s_m[s][r], j, chunk);

@@ -22,6 +22,7 @@
  * bytes, two-shot above (reduce-scatter round: rank p reduces piece p and
  * pushes the result to every peer; all-gather round: copy the pieces out). */
 #include "comm/cuda/comm_cuda.h"
+#include "comm/cuda/stage.cuh"
 #include "core/dtype.cuh"
 
 #include <cuda_bf16.h>
@@ -177,22 +178,6 @@ static __device__ __forceinline__ void ml_cc_reduce(char *out, const char *own, 
   }
 }
 
-/* The signal step of a round: returns false (in every thread) when a wait
- * gave up. */
-static __device__ __forceinline__ bool ml_cc_exchange(const moelink_device_comm_t *dc,
-                                                      uint64_t *const *sig, int b, uint64_t e,
-                                                      int prim) {
-  const int t = (int)threadIdx.x, n = dc->nranks, r = dc->rank;
-  int ok = 1;
-  __syncthreads();
-  if (t < n && t != r) {
-    moelink_signal_set(sig[t] + (size_t)b * ML_CCU_SIG_STRIDE + r, e);
-    const uint64_t *w = sig[r] + (size_t)b * ML_CCU_SIG_STRIDE + t;
-    if (moelink_signal_load(w) < e) ok = moelink__wait_poll(dc, w, e, t, prim);
-  }
-  return __syncthreads_and(ok) != 0;
-}
-
 /* Elements of piece p (length chunk, starting at base + p * chunk) below count. */
 static __device__ __forceinline__ size_t ml_cc_piece(size_t base, int p, size_t chunk,
                                                      size_t count) {
@@ -232,7 +217,7 @@ static __global__ void __launch_bounds__(ML_CC_NT, 1)
         const int p = r + k < n ? r + k : r + k - n;
         ml_cc_copy<ES, false>(s_stage[p] + off + (size_t)r * SB, src, len * ES);
       }
-      if (!ml_cc_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_AR_ONESHOT)) break;
+      if (!ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_AR_ONESHOT)) break;
       ml_cc_reduce<DT>(a.recv + base * ES, src, s_stage[r] + off, SB, n, r, len, s_stage, 0,
                        false);
     } else if (MODE == ML_CC_AR2) {
@@ -243,7 +228,7 @@ static __global__ void __launch_bounds__(ML_CC_NT, 1)
           ml_cc_copy<ES, false>(s_stage[p] + off + (size_t)r * SB,
                                 a.send + (base + (size_t)p * chunk) * ES, lp * ES);
       }
-      if (!ml_cc_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_AR_RS)) break;
+      if (!ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_AR_RS)) break;
       /* The reduced piece goes straight into round e + 1's slots of the
        * peers: their signal of round e says they are done with that half. */
       const uint64_t e2 = ++ep;
@@ -253,7 +238,7 @@ static __global__ void __launch_bounds__(ML_CC_NT, 1)
         ml_cc_reduce<DT>(a.recv + (base + (size_t)r * chunk) * ES,
                          a.send + (base + (size_t)r * chunk) * ES, s_stage[r] + off, SB, n, r,
                          lr, s_stage, off2 + (size_t)r * SB, true);
-      if (!ml_cc_exchange(&a.dc, s_sig, b, e2, ML_CCU_PRIM_AR_AG)) break;
+      if (!ml_ccu_exchange(&a.dc, s_sig, b, e2, ML_CCU_PRIM_AR_AG)) break;
       for (int k = 1; k < n; ++k) {
         const int s = r + k < n ? r + k : r + k - n;
         const size_t ls = ml_cc_piece(base, s, chunk, a.count);
@@ -269,7 +254,7 @@ static __global__ void __launch_bounds__(ML_CC_NT, 1)
         ml_cc_copy<ES, false>(s_stage[p] + off + (size_t)r * SB, src, len * ES);
       }
       ml_cc_copy<ES, false>(a.recv + ((size_t)r * a.count + base) * ES, src, len * ES);
-      if (!ml_cc_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_ALLGATHER)) break;
+      if (!ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_ALLGATHER)) break;
       for (int k = 1; k < n; ++k) {
         const int s = r + k < n ? r + k : r + k - n;
         ml_cc_copy<ES, true>(a.recv + ((size_t)s * a.count + base) * ES,
@@ -282,7 +267,7 @@ static __global__ void __launch_bounds__(ML_CC_NT, 1)
         ml_cc_copy<ES, false>(s_stage[p] + off + (size_t)r * SB,
                               a.send + ((size_t)p * a.count + base) * ES, len * ES);
       }
-      if (!ml_cc_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_REDUCE_SCATTER)) break;
+      if (!ml_ccu_exchange(&a.dc, s_sig, b, e, ML_CCU_PRIM_REDUCE_SCATTER)) break;
       ml_cc_reduce<DT>(a.recv + base * ES, a.send + ((size_t)r * a.count + base) * ES,
                        s_stage[r] + off, SB, n, r, len, s_stage, 0, false);
     }
