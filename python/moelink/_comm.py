@@ -18,8 +18,8 @@ import numpy as np
 
 from . import _arrays
 from ._capi import UNIQUE_ID_BYTES, EpConfig, TpConfig, UniqueId, check, load
-from ._core import (_DTYPE_CODE, Context, _config_dict, _dtype_enum, _need_code, check_arg,
-                    moe_config, weights_struct)
+from ._core import (_DTYPE_CODE, Context, _Closable, _config_dict, _dtype_enum, _need_code,
+                    check_arg, moe_config, weights_struct)
 
 _DATA = ("f32", "f16", "bf16")
 
@@ -80,7 +80,7 @@ def unique_id(ctx):
     return buf.value.decode()
 
 
-class Comm:
+class Comm(_Closable):
     """A communicator: one rank of a group of processes (see moelink_comm_t).
 
     Comm.from_env(ctx) joins the group `moelink launch -n N -- python3 ...`
@@ -153,18 +153,6 @@ class Comm:
         _sync(self.ctx)
         h, self._h = self._h, None
         check(self._lib.moelink_comm_destroy(h))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         return "<moelink.Comm rank %d of %d%s>" % (self.rank, self.size,
@@ -292,7 +280,7 @@ def _sync(ctx):
             torch.cuda.synchronize(ctx.device)
 
 
-class _OnComm:
+class _OnComm(_Closable):
     """Lifetime of an object made on a communicator (collective destroy)."""
 
     _destroy = None
@@ -325,18 +313,6 @@ class _OnComm:
         h, self._h = self._h, None
         self._keep = {}
         check(getattr(self._lib, self._destroy)(h))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class TP(_OnComm):

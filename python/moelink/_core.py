@@ -117,7 +117,24 @@ def random_values(seed, n, scale=1.0, offset=0.0, start=0):
                     dtype=np.float32)
 
 
-class Context:
+class _Closable:
+    """`with` support and a best-effort close at garbage collection for the
+    objects that own a library handle (their close() frees it)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context(_Closable):
     """A backend and a device: Context("cpu", threads=0) or Context("cuda", device=0).
 
     Destroying a context destroys the layers made on it first. Use it as a
@@ -206,18 +223,6 @@ class Context:
             layer.close()
         h, self._h = self._h, None
         check(self._lib.moelink_context_destroy(h))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         where = "cpu" if self.backend == "cpu" else "cuda:%d" % self.device
@@ -370,7 +375,7 @@ def check_arg(ctx, a, name, shape, code, out=False):
     return b
 
 
-class MoE:
+class MoE(_Closable):
     """A routed-expert layer (see moelink_moe_config_t in include/moelink.h).
 
     MoE(ctx, preset="mixtral-8x7b", dtype="bf16", max_tokens=1024) starts from
@@ -438,18 +443,6 @@ class MoE:
         h, self._h = self._h, None
         self._weights = {}
         check(self._lib.moelink_moe_destroy(h))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         c = self.config
