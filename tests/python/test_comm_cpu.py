@@ -17,7 +17,6 @@ Exits non-zero on a failure; the last line is 'N passed, N failed, N skipped'.
 
 import os
 import sys
-import traceback
 
 import numpy as np
 
@@ -25,37 +24,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 import moelink  # noqa: E402
-from moelink import MoelinkError, Status  # noqa: E402
+from moelink import Status  # noqa: E402
+from harness import expect_moelink_error, expect_raises, run, summary, test  # noqa: E402
 
-TESTS = []
 CTX = COMM = None
 R = P = 0
-
-
-class Skip(Exception):
-    pass
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
-
-
-def expect_raises(exc_type, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        return e
-    raise AssertionError("expected %s from %s" % (exc_type.__name__, getattr(fn, "__name__", fn)))
-
-
-def expect_moelink_error(status, substring, fn, *args, **kwargs):
-    e = expect_raises(MoelinkError, fn, *args, **kwargs)
-    assert e.status == status, "status %s (%s), expected %s" % (e.status_name, e.message, status)
-    assert e.status_name == "MOELINK_" + Status(status).name, e.status_name
-    assert substring in e.message, "message %r lacks %r" % (e.message, substring)
-    assert substring in str(e), str(e)
-    return e
 
 
 def rng_of(seed, rank):
@@ -617,28 +590,11 @@ def main(argv):
     CTX = moelink.Context("cpu", threads=1)
     COMM = moelink.Comm.from_env(CTX)
     R, P = COMM.rank, COMM.size
-    passed = failed = skipped = 0
-    for fn in TESTS:
-        if pick and not any(p in fn.__name__ for p in pick):
-            continue
-        try:
-            fn()
-        except Skip as s:
-            skipped += 1
-            print("skip - %s: %s" % (fn.__name__, s))
-        except Exception:
-            failed += 1
-            print("FAIL - %s" % fn.__name__)
-            traceback.print_exc(file=sys.stdout)
-        else:
-            passed += 1
-            print("ok - %s" % fn.__name__)
-        sys.stdout.flush()
+    passed, failed, skipped = run(pick)
     # Closing the context closes the communicator (collective) first.
     CTX.close()
     assert COMM._h is None
-    print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
-    return 1 if failed else 0
+    return summary(passed, failed, skipped)
 
 
 if __name__ == "__main__":

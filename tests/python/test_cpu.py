@@ -12,7 +12,6 @@ import ctypes
 import gc
 import os
 import sys
-import traceback
 
 import numpy as np
 
@@ -20,35 +19,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 import moelink  # noqa: E402
-from moelink import MoelinkError, Status  # noqa: E402
+from moelink import Status  # noqa: E402
+from harness import Skip, expect_moelink_error, expect_raises, run, summary, test  # noqa: E402
 
-TESTS = []
-
-
-class Skip(Exception):
-    pass
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
-
-
-def expect_raises(exc_type, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        return e
-    raise AssertionError("expected %s from %s" % (exc_type.__name__, getattr(fn, "__name__", fn)))
-
-
-def expect_moelink_error(status, substring, fn, *args, **kwargs):
-    e = expect_raises(MoelinkError, fn, *args, **kwargs)
-    assert e.status == status, "status %s (%s), expected %s" % (e.status_name, e.message, status)
-    assert e.status_name == "MOELINK_" + Status(status).name, e.status_name
-    assert substring in e.message, "message %r lacks %r" % (e.message, substring)
-    assert substring in str(e), str(e)
-    return e
 
 
 # ---------------------------------------------------------------------------
@@ -720,25 +693,8 @@ def test_torch_cpu_tensors():
 
 def main(argv):
     pick = argv[1:]
-    passed = failed = skipped = 0
-    for fn in TESTS:
-        if pick and not any(p in fn.__name__ for p in pick):
-            continue
-        try:
-            fn()
-        except Skip as s:
-            skipped += 1
-            print("skip - %s: %s" % (fn.__name__, s))
-        except Exception:
-            failed += 1
-            print("FAIL - %s" % fn.__name__)
-            traceback.print_exc(file=sys.stdout)
-        else:
-            passed += 1
-            print("ok - %s" % fn.__name__)
-        sys.stdout.flush()
-    print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
-    return 1 if failed else 0
+    passed, failed, skipped = run(pick)
+    return summary(passed, failed, skipped)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ machine without a GPU.
 
 import os
 import sys
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
@@ -45,6 +44,7 @@ import numpy as np  # noqa: E402
 
 import moelink  # noqa: E402
 from moelink import MoelinkError, Status  # noqa: E402
+from harness import Skip, expect_raises, run, summary, test  # noqa: E402
 
 BACKEND = "cpu" if ON_CPU else "cuda"
 if not ON_CPU:
@@ -60,7 +60,6 @@ if not ON_CPU:
         sys.exit(1)
 
 DEV = torch.device("cpu") if ON_CPU else torch.device("cuda", 0)
-TESTS = []
 
 
 def sync():
@@ -71,23 +70,6 @@ def sync():
 def need_cuda(what):
     if ON_CPU:
         raise Skip("%s needs CUDA" % what)
-
-
-class Skip(Exception):
-    pass
-
-
-def test(fn):
-    TESTS.append(fn)
-    return fn
-
-
-def expect_raises(exc_type, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except exc_type as e:
-        return e
-    raise AssertionError("expected %s" % exc_type.__name__)
 
 
 # ---------------------------------------------------------------------------
@@ -446,25 +428,8 @@ def main(argv):
     print("device: %s, torch %s, moelink %s (%s)" % (
         "cpu (MOELINK_GPU_TEST_ON_CPU=1)" if ON_CPU else torch.cuda.get_device_name(DEV),
         torch.__version__, moelink.version(), moelink.library_path()))
-    passed = failed = skipped = 0
-    for fn in TESTS:
-        if pick and not any(p in fn.__name__ for p in pick):
-            continue
-        try:
-            fn()
-        except Skip as s:
-            skipped += 1
-            print("skip - %s: %s" % (fn.__name__, s))
-        except Exception:
-            failed += 1
-            print("FAIL - %s" % fn.__name__)
-            traceback.print_exc(file=sys.stdout)
-        else:
-            passed += 1
-            print("ok - %s" % fn.__name__)
-        sys.stdout.flush()
-    print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
-    return 1 if failed else 0
+    passed, failed, skipped = run(pick)
+    return summary(passed, failed, skipped)
 
 
 if __name__ == "__main__":
