@@ -11,9 +11,8 @@
  * counts, dtypes and CTA counts; two calls captured in a CUDA graph and
  * replayed with new counts written to the device between replays.
  *
- *   moelink launch -n 2 -- mgpu_test_alltoall          the tests
- *   moelink launch -n 2 -- mgpu_test_alltoall --bench  bus bandwidth of
- *     moelink and NCCL (grouped send/recv) for equal counts, same run */
+ *   moelink launch -n 2 -- mgpu_test_alltoall
+ * (bandwidth beside NCCL: moelink launch -n 2 -- moelink bench comm) */
 #include "mgpu.h"
 
 static mg_world W;
@@ -538,104 +537,9 @@ static void run_graph(void) {
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i) cudaFree(bufs[i]);
 }
 
-/* ---- benchmark -------------------------------------------------------------- */
-
-/* Microseconds per call: `iters` calls in one graph, replayed `reps` times. */
-static double bench_time(int nccl, const plan *p, const void *send, void *recv,
-                         const dev_counts *dc, int iters, int reps) {
-  cudaGraph_t g = NULL;
-  cudaGraphExec_t ge = NULL;
-  MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < iters; ++i) {
-    if (nccl)
-      nccl_alltoallv(p, send, recv);
-    else
-      MG_MUST(moelink_alltoallv(W.comm, send, dc->sc, NULL, recv, (size_t)p->recv_n[W.rank],
-                                dc->rc, NULL, p->dt, W.stream),
-              "bench call");
-  }
-  MG_CUDA(cudaStreamEndCapture(W.stream, &g));
-  MG_CUDA(cudaGraphInstantiate(&ge, g, 0));
-  MG_CUDA(cudaGraphLaunch(ge, W.stream));
-  sync_stream();
-  cudaEvent_t e0, e1;
-  MG_CUDA(cudaEventCreate(&e0));
-  MG_CUDA(cudaEventCreate(&e1));
-  MG_CUDA(cudaEventRecord(e0, W.stream));
-  for (int k = 0; k < reps; ++k) MG_CUDA(cudaGraphLaunch(ge, W.stream));
-  MG_CUDA(cudaEventRecord(e1, W.stream));
-  sync_stream();
-  float ms = 0.0f;
-  MG_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  return 1000.0 * (double)ms / ((double)iters * (double)reps);
-}
-
-static void run_bench(void) {
-  const moelink_dtype_t dt = MOELINK_DTYPE_BF16;
-  const int n = W.size;
-  static const size_t sizes[] = {1024,     8192,     65536,     1 << 20,  4 << 20,
-                                 16 << 20, 64 << 20, 256 << 20, 1u << 30};
-  static const int ctas[] = {0, 128};
-  void *send = mg_dev((size_t)1 << 30), *recv = mg_dev((size_t)1 << 30);
-  MG_MUST(moelink_fill_random(W.ctx, dt, send, (size_t)1 << 29, 1, 1.0f, 0.0f, W.stream), "fill");
-  sync_stream();
-  if (W.rank == 0) {
-    printf("# alltoallv: moelink vs NCCL %d.%d.%d grouped send/recv on %d ranks, bf16, equal "
-           "counts, CUDA graphs of back-to-back calls\n",
-           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, n);
-    printf("# %-18s %12s %12s %12s %12s %12s %8s\n", "op", "size_bytes", "moelink_us", "nccl_us",
-           "moelink_GBps", "nccl_GBps", "ratio");
-    fflush(stdout);
-  }
-  for (int c = 0; c < 2; ++c) {
-    if (ctas[c]) MG_MUST(ml_comm_cuda_set_ctas(W.comm, ctas[c]), "set ctas");
-    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; ++k) {
-      const size_t size = sizes[k];
-      const int big = size >= ((size_t)1 << 20);
-      if (ctas[c] && !big) continue;
-      plan p;
-      build_plan(&p, 1, K_EQUAL, (int64_t)(size / 2 / (size_t)(n * n)), dt, 1);
-      dev_counts dc;
-      dev_counts_make(&dc, &p);
-      size_t it = ((size_t)2 << 30) / size;
-      if (it < 2) it = 2;
-      if (it > 50) it = 50;
-      const int iters = big ? (int)it : 100, reps = big ? 3 : 10;
-      const double tm = bench_time(0, &p, send, recv, &dc, iters, reps);
-      const double tn = bench_time(1, &p, send, recv, &dc, iters, reps);
-      /* nccl-tests' alltoall bus bandwidth: size / time * (n - 1) / n. */
-      const double f = ((double)n - 1.0) / (double)n;
-      const double bm = (double)size / (tm * 1e3) * f, bn = (double)size / (tn * 1e3) * f;
-      if (W.rank == 0) {
-        printf("  %-18s %12zu %12.2f %12.2f %12.1f %12.1f %8.2f\n",
-               ctas[c] ? "alltoallv/128ctas" : "alltoallv", size, tm, tn, bm, bn,
-               big ? bm / bn : tm / tn);
-        fflush(stdout);
-      }
-      dev_counts_free(&dc);
-    }
-    if (ctas[c]) MG_MUST(ml_comm_cuda_set_ctas(W.comm, ML_CCU_DEFAULT_CTAS), "default ctas");
-  }
-  if (W.rank == 0)
-    printf("# ratio: bus bandwidth moelink / NCCL from 1 MiB up, latency moelink / NCCL below\n");
-  CHECK_OK(moelink_comm_check(W.comm, W.stream), "bench: moelink_comm_check");
-  cudaFree(send);
-  cudaFree(recv);
-}
-
-int main(int argc, char **argv) {
-  const int bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
+int main(void) {
   mg_init(&W);
   if (W.size > 8) mg_bail("at most 8 ranks");
-  if (bench) {
-    run_bench();
-    mg_fini(&W);
-    return ml_test_done();
-  }
   const double t0 = mg_now();
   run_sizes();
   ml_t_diag("sizes done in %.1f s", mg_now() - t0);

@@ -1,15 +1,15 @@
 /* Collectives of the CUDA communicator against NCCL's own and against the
- * inputs regenerated on the host: all-reduce (one-shot, two-shot, in place),
+ * inputs regenerated on the host: all-reduce (low-latency, one-shot, two-shot, in place),
  * all-gather, reduce-scatter; f32, bf16, f16; 1 element to 256 MiB with odd
  * sizes; 200 back-to-back calls of random ops, sizes, offsets and
  * algorithms; an all-reduce captured in a CUDA graph and replayed between
  * eager calls; the copy-engine all-gather (the same sizes, and in a graph);
  * a communicator wrapped around the NCCL one.
  *
- *   moelink launch -n 2 -- mgpu_test_collectives          the tests
- *   moelink launch -n 2 -- mgpu_test_collectives --bench  latency and bus
- *     bandwidth of moelink and NCCL for each op, in the same run (rank 0
- *     prints the table) */
+ *   moelink launch -n 2 -- mgpu_test_collectives
+ * (latency and bandwidth beside NCCL: moelink launch -n 2 -- moelink bench comm,
+ * the algorithms chosen with MOELINK_COMM_LL_MAX_BYTES and
+ * MOELINK_COMM_ONESHOT_MAX_BYTES) */
 #include "mgpu.h"
 
 static mg_world W;
@@ -504,142 +504,8 @@ static void run_wrapped(void) {
   cudaFree(ref);
 }
 
-/* ---- benchmark -------------------------------------------------------------- */
-
-typedef struct bench_op {
-  int op, algo; /* algo: 0 auto, 1 one-shot, 2 two-shot (all-reduce) */
-  int nccl;
-  int ctas; /* 0: the default */
-} bench_op;
-
-static void bench_issue(const bench_op *b, const void *send, void *recv, size_t count,
-                        moelink_dtype_t dt) {
-  moelink_status_t s = MOELINK_SUCCESS;
-  if (b->nccl) {
-    const ncclDataType_t t = nccl_type(dt);
-    if (b->op == OP_AR)
-      MG_NCCL(W.nccl, ncclAllReduce(send, recv, count, t, ncclSum, W.nccl, W.stream));
-    else if (b->op == OP_AG)
-      MG_NCCL(W.nccl, ncclAllGather(send, recv, count, t, W.nccl, W.stream));
-    else
-      MG_NCCL(W.nccl, ncclReduceScatter(send, recv, count, t, ncclSum, W.nccl, W.stream));
-    return;
-  }
-  if (b->op == OP_AR)
-    s = moelink_allreduce(W.comm, send, recv, count, dt, W.stream);
-  else if (b->op == OP_AG)
-    s = moelink_allgather(W.comm, send, recv, count, dt, W.stream);
-  else
-    s = moelink_reduce_scatter(W.comm, send, recv, count, dt, W.stream);
-  if (s != MOELINK_SUCCESS) MG_MUST(s, "bench call");
-}
-
-/* Microseconds per call: `iters` calls captured in one graph (the GPU's
- * time, not the host's launch rate), replayed `reps` times after a warm-up. */
-static double bench_time(const bench_op *b, const void *send, void *recv, size_t count,
-                         moelink_dtype_t dt, int iters, int reps) {
-  if (!b->nccl && b->op == OP_AR) MG_MUST(ml_comm_cuda_force_allreduce(W.comm, b->algo), "force");
-  if (!b->nccl && b->ctas) MG_MUST(ml_comm_cuda_set_ctas(W.comm, b->ctas), "set ctas");
-  cudaGraph_t g = NULL;
-  cudaGraphExec_t ge = NULL;
-  MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < iters; ++i) bench_issue(b, send, recv, count, dt);
-  MG_CUDA(cudaStreamEndCapture(W.stream, &g));
-  MG_CUDA(cudaGraphInstantiate(&ge, g, 0));
-  MG_CUDA(cudaGraphLaunch(ge, W.stream));
-  sync_stream();
-  cudaEvent_t e0, e1;
-  MG_CUDA(cudaEventCreate(&e0));
-  MG_CUDA(cudaEventCreate(&e1));
-  MG_CUDA(cudaEventRecord(e0, W.stream));
-  for (int r = 0; r < reps; ++r) MG_CUDA(cudaGraphLaunch(ge, W.stream));
-  MG_CUDA(cudaEventRecord(e1, W.stream));
-  sync_stream();
-  float ms = 0.0f;
-  MG_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  if (!b->nccl && b->op == OP_AR) MG_MUST(ml_comm_cuda_force_allreduce(W.comm, 0), "force");
-  if (!b->nccl && b->ctas) MG_MUST(ml_comm_cuda_set_ctas(W.comm, ML_CCU_DEFAULT_CTAS), "ctas");
-  return 1000.0 * (double)ms / ((double)iters * (double)reps);
-}
-
-static void run_bench(void) {
-  const moelink_dtype_t dt = MOELINK_DTYPE_BF16;
-  const int n = W.size;
-  const double nf = (double)n;
-  static const size_t sizes[] = {8,       64,       512,       4096,       32768,       65536,
-                                 1 << 20, 4 << 20,  16 << 20,  64 << 20,   256 << 20,   1u << 30};
-  const size_t max_bytes = (size_t)1 << 30;
-  void *send = mg_dev(max_bytes), *recv = mg_dev(max_bytes);
-  fill(dt, send, max_bytes / 2, 1);
-  sync_stream();
-  if (W.rank == 0) {
-    printf("# moelink vs NCCL %d.%d.%d on %d ranks, bf16, CUDA graphs of back-to-back calls\n",
-           NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH, n);
-    printf("# size: all-reduce buffer; all-gather output; reduce-scatter input (nccl-tests)\n");
-    printf("# %-22s %12s %12s %12s %12s %12s %8s\n", "op", "size_bytes", "moelink_us", "nccl_us",
-           "moelink_GBps", "nccl_GBps", "ratio");
-    fflush(stdout);
-  }
-  static const struct {
-    const char *name;
-    int op, algo, ctas;
-  } ops[] = {{"allreduce", OP_AR, 0, 0},
-             {"allreduce/low-latency", OP_AR, 3, 0},
-             {"allreduce/one-shot", OP_AR, 1, 0},
-             {"allreduce/two-shot", OP_AR, 2, 0},
-             {"allreduce/128ctas", OP_AR, 0, 128},
-             {"allgather", OP_AG, 0, 0},
-             {"allgather/128ctas", OP_AG, 0, 128},
-             {"reduce_scatter", OP_RS, 0, 0},
-             {"reduce_scatter/128ctas", OP_RS, 0, 128}};
-  for (size_t o = 0; o < sizeof ops / sizeof ops[0]; ++o) {
-    for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; ++k) {
-      const size_t size = sizes[k];
-      size_t count = size / 2;
-      if (ops[o].op != OP_AR) count = size / 2 / (size_t)n;
-      if (count == 0) continue;
-      const int big = size >= ((size_t)1 << 20);
-      if (ops[o].ctas && !big) continue; /* small calls never use that many CTAs */
-      /* About 2 GiB moved per graph for the large sizes, 100 calls for the small. */
-      size_t it = ((size_t)2 << 30) / size;
-      if (it < 2) it = 2;
-      if (it > 50) it = 50;
-      const int iters = big ? (int)it : 100;
-      const int reps = big ? 3 : 10;
-      bench_op bm = {ops[o].op, ops[o].algo, 0, ops[o].ctas}, bn = {ops[o].op, 0, 1, 0};
-      const double tm = bench_time(&bm, send, recv, count, dt, iters, reps);
-      const double tn = bench_time(&bn, send, recv, count, dt, iters, reps);
-      const double factor = ops[o].op == OP_AR ? 2.0 * (nf - 1.0) / nf : (nf - 1.0) / nf;
-      const double bw_m = (double)size / (tm * 1e3) * factor;
-      const double bw_n = (double)size / (tn * 1e3) * factor;
-      if (W.rank == 0) {
-        printf("  %-22s %12zu %12.2f %12.2f %12.1f %12.1f %8.2f\n", ops[o].name, size, tm, tn,
-               bw_m, bw_n, big ? bw_m / bw_n : tm / tn);
-        fflush(stdout);
-      }
-    }
-  }
-  if (W.rank == 0)
-    printf("# ratio: bus bandwidth moelink / NCCL from 1 MiB up, latency moelink / NCCL below\n");
-  CHECK_OK(moelink_comm_check(W.comm, W.stream), "bench: moelink_comm_check");
-  cudaFree(send);
-  cudaFree(recv);
-}
-
-/* ---- main ------------------------------------------------------------------- */
-
-int main(int argc, char **argv) {
-  const int bench = argc > 1 && strcmp(argv[1], "--bench") == 0;
+int main(void) {
   mg_init(&W);
-  if (bench) {
-    run_bench();
-    mg_fini(&W);
-    return ml_test_done();
-  }
   const double t0 = mg_now();
   static const size_t ar_f32[] = {1,       3,       8,        33,       1000,     4097,
                                   65537,   262147,  1048583,  4194319,  33554467, 67108864};
