@@ -31,7 +31,6 @@ typedef struct ml_ll_args {
   size_t per_cta;
   uint64_t *cells[ML_CCU_MAX_RANKS]; /* each rank's LL buffer */
   size_t par_cells;                  /* cells of one parity half: nranks * max_words */
-  int out_cols, out_ld;              /* ml_ccu_ll_out */
   uint64_t *epoch;                   /* this rank's call count (device memory) */
   unsigned *ticket;                  /* zero between calls */
   moelink_device_comm_t dc;
@@ -146,13 +145,7 @@ __global__ void __launch_bounds__(ML_LL_THREADS)
                                               flag, s, e, &ok);
       ml_ll_add<DT>(acc, d);
     }
-    if (DT != MOELINK_DTYPE_F32 && a.out_cols > 0) {
-      /* Two elements of one row (cols is even): one aligned 4-byte store. */
-      const size_t i = 2 * w, r = i / (size_t)a.out_cols, col = i % (size_t)a.out_cols;
-      *(uint32_t *)(a.recv + (r * (size_t)a.out_ld + col) * 2) = ml_ll_pack<DT>(acc);
-    } else {
-      ml_ll_put(a.recv, bytes, w, ml_ll_pack<DT>(acc));
-    }
+    ml_ll_put(a.recv, bytes, w, ml_ll_pack<DT>(acc));
   }
   __syncthreads();
   if (threadIdx.x == 0 && atomicAdd(a.ticket, 1u) == gridDim.x - 1) {
@@ -163,8 +156,7 @@ __global__ void __launch_bounds__(ML_LL_THREADS)
 
 extern "C" moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, int nranks,
                                                 const moelink_device_comm_t *dc,
-                                                const void *send, void *recv,
-                                                const ml_ccu_ll_out *layout, size_t count,
+                                                const void *send, void *recv, size_t count,
                                                 moelink_dtype_t dt, cudaStream_t stream) {
   const size_t es = moelink_dtype_size(dt);
   ml_ll_args a;
@@ -176,16 +168,6 @@ extern "C" moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, i
   if (a.words > ll->max_words)
     return ml_fail(MOELINK_ERR_INTERNAL, "low-latency all-reduce of %zu bytes (max %zu)",
                    count * es, ll->max_words * 4);
-  if (layout && layout->cols > 0) {
-    if (es != 2 || layout->cols % 2 || layout->ld < layout->cols || count % layout->cols ||
-        ((uintptr_t)recv & 3) || layout->ld % 2)
-      return ml_fail(MOELINK_ERR_INTERNAL,
-                     "low-latency all-reduce: column-block output needs bf16/f16, even columns "
-                     "and ld, whole rows and 4-byte alignment (cols %d, ld %d, count %zu)",
-                     layout->cols, layout->ld, count);
-    a.out_cols = layout->cols;
-    a.out_ld = layout->ld;
-  }
   /* One CTA per 2 KiB of data (a word or two per thread), at most
    * ll->max_ctas: fewer CTAs keep the tiny cases to one CTA. */
   size_t ctas = (a.words + 511) / 512;

@@ -716,7 +716,7 @@ static moelink_status_t ml_ccu_coll_run(moelink_comm_t comm, ml_ccu_op op, const
            count * moelink_dtype_size(dt) <= c->coll.ll_max &&
            (c->coll.force_allreduce == 0 || c->coll.force_allreduce == 3))
     s = ml_ccu_allreduce_ll(&c->coll.ll, comm->rank, comm->nranks, &c->coll.dc, send, recv,
-                            NULL, count, dt, (cudaStream_t)stream);
+                            count, dt, (cudaStream_t)stream);
   else if (op == ML_CCU_ALLGATHER && c->coll.allgather_engine == ML_CCU_AG_CE)
     s = ml_ccu_allgather_ce(&c->coll, send, recv, count * moelink_dtype_size(dt),
                             (cudaStream_t)stream);

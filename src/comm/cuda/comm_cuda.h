@@ -122,17 +122,10 @@ typedef struct ml_ccu_ll {
 /* Bytes of a cell buffer for nranks ranks and max_words words. */
 #define ML_CCU_LL_BYTES(nranks, max_words) ((size_t)2 * (size_t)(nranks) * (max_words) * 8)
 
-/* Where a low-latency all-reduce writes its result: recv as a plain array
- * (cols == 0), or, for bf16/f16 with an even cols, element i at
- * recv[(i / cols) * ld + i % cols] (a column block of a row-major matrix). */
-typedef struct ml_ccu_ll_out {
-  int cols, ld;
-} ml_ccu_ll_out;
-
 /* Enqueues a low-latency all-reduce (count * size of dt <= 4 * ll->max_words). */
 moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, int nranks,
                                      const moelink_device_comm_t *dc, const void *send,
-                                     void *recv, const ml_ccu_ll_out *layout, size_t count,
+                                     void *recv, size_t count,
                                      moelink_dtype_t dt, cudaStream_t stream);
 
 /* What a collective kernel needs to know about its communicator. */

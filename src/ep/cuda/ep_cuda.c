@@ -190,6 +190,10 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->es = (int)moelink_dtype_size(c->dtype);
   a->max_tokens = c->max_tokens;
   w->cap = comm->nranks * c->max_tokens;
+  if (cudaDeviceGetAttribute(&a->sms, cudaDevAttrMultiProcessorCount, comm->ctx->device) !=
+      cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): cannot read device %d's SM count",
+                   comm->ctx->device);
 
   const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
   ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));

@@ -24,6 +24,7 @@ extern "C" {
 typedef struct ml_epc_args {
   moelink_device_comm_t dc;
   int n, me, k, kl, El, H, es, max_tokens;
+  int sms;           /* the device's SMs: grids take at most two CTAs each */
   /* Each rank's symmetric buffer, as this rank addresses it, and the offsets
    * of its parts (the same on every rank). */
   char *base[ML_EPC_MAX_RANKS];

@@ -205,16 +205,8 @@ __global__ void ml_epc_iota_kernel(int32_t *ids, int n) {
 
 /* ---- launchers ------------------------------------------------------------------ */
 
-static unsigned ml_epc_sms(void) {
-  int dev = 0, sms = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms < 1)
-    sms = 132;
-  return (unsigned)sms;
-}
-
-static unsigned ml_epc_grid(long long items) {
-  const long long most = 2LL * ml_epc_sms();
+static unsigned ml_epc_grid(const ml_epc_args *a, long long items) {
+  const long long most = 2LL * a->sms;
   return (unsigned)(items < 1 ? 1 : items < most ? items : most);
 }
 
@@ -233,7 +225,7 @@ extern "C" moelink_status_t ml_epc_destinations(const ml_epc_args *a, const int3
 
 extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t *ids,
                                         const float *weights, int T, cudaStream_t stream) {
-  ml_epc_send_kernel<<<ml_epc_grid((long long)T * a->n), ML_EPC_THREADS, 0, stream>>>(
+  ml_epc_send_kernel<<<ml_epc_grid(a, (long long)T * a->n), ML_EPC_THREADS, 0, stream>>>(
       *a, (const char *)x, ids, weights, T);
   ML_CUDA_LAUNCHED("ml_epc_send_kernel");
   return MOELINK_SUCCESS;
@@ -241,7 +233,7 @@ extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, con
 
 extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream) {
   const long long cap = (long long)a->n * a->max_tokens;
-  ml_epc_receive_kernel<<<ml_epc_grid((cap + ML_EPC_THREADS - 1) / ML_EPC_THREADS),
+  ml_epc_receive_kernel<<<ml_epc_grid(a, (cap + ML_EPC_THREADS - 1) / ML_EPC_THREADS),
                           ML_EPC_THREADS, 0, stream>>>(*a);
   ML_CUDA_LAUNCHED("ml_epc_receive_kernel");
   return MOELINK_SUCCESS;
@@ -250,7 +242,7 @@ extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t st
 extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
                                           const int32_t *pair_rows, cudaStream_t stream) {
   const long long pairs = (long long)a->n * a->max_tokens * a->kl;
-  ml_epc_return_kernel<<<ml_epc_grid(pairs), ML_EPC_THREADS, 0, stream>>>(*a, (const char *)y,
+  ml_epc_return_kernel<<<ml_epc_grid(a, pairs), ML_EPC_THREADS, 0, stream>>>(*a, (const char *)y,
                                                                          pair_rows);
   ML_CUDA_LAUNCHED("ml_epc_return_kernel");
   return MOELINK_SUCCESS;

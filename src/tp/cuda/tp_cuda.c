@@ -16,9 +16,7 @@
  *          this rank's partial locally and the communicator's low-latency
  *          all-reduce kernel (comm/cuda/allreduce_ll.cu, on this op's own
  *          cells) sums it: each word travels with its call number, so there
- *          is no separate signal and no begin/DONE handshake (optionally in
- *          column blocks, block j's exchange on the side stream while block
- *          j + 1 computes: MOELINK_TP_AR_SPLIT). Up to
+ *          is no separate signal and no begin/DONE handshake. Up to
  *          MOELINK_TP_AR_ONESHOT_MAX_BYTES: the GEMM writes the partial into
  *          P, one pass reads every rank's partial and sums them. Larger:
  *          gemm_rs's exchange, then the sum of the own rows is stored
@@ -44,11 +42,6 @@
  * the largest that takes the one-shot pull (measured: docs/PERF.md). */
 MOELINK_PARAM(TP_AR_LL_MAX_BYTES, 1 << 20)
 MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
-/* Low-latency gemm_ar outputs from this size on are split into this many
- * column blocks whose exchange overlaps the next block's GEMM (1: never;
- * measured slower than one block with cuBLAS on the shapes of docs/PERF.md). */
-MOELINK_PARAM(TP_AR_SPLIT_MIN_BYTES, 128 << 10)
-MOELINK_PARAM(TP_AR_SPLIT, 1)
 /* Which GEMM the ops run: 0 cuBLAS (measured faster on every shape of
  * docs/PERF.md, decode sizes included), 1 moelink's engines (decode GEMM up
  * to one tile of rows, the tile engines above). Shapes the tensor-core paths
@@ -58,7 +51,6 @@ MOELINK_PARAM(TP_GEMM, 0)
 /* 1: the one-shot exchange is launched while the GEMM drains (PDL). */
 MOELINK_PARAM(TP_AR_PDL, 1)
 
-#define ML_TPC_LL_CTAS 32 /* the one-shot exchange leaves the other SMs to the GEMM */
 
 typedef struct ml_tpc {
   char *ws;                /* symmetric workspace */
@@ -175,7 +167,10 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
     t->ll.epoch = (uint64_t *)t->ll_state;
     t->ll.ticket = (unsigned *)((char *)t->ll_state + 32);
     t->ll.max_words = words;
-    t->ll.max_ctas = ML_TPC_LL_CTAS;
+    /* Nothing to overlap with: the exchange may take every SM it can use,
+     * and it is launched while the GEMM drains. */
+    t->ll.max_ctas = t->ctas;
+    t->ll.pdl = ml_param_TP_AR_PDL() != 0;
     ML_CUDA_TRY(cudaMalloc((void **)&t->ll_scratch, t->ll_bytes));
   }
   /* Split-K scratch of the decode GEMM for every n it may see (rows <= one
@@ -366,46 +361,15 @@ static moelink_status_t ml_tpc_rs(moelink_tp_t tp, ml_tpc *t, const char *a, con
 }
 
 /* The one-shot gemm_ar: the partial goes to local scratch, the low-latency
- * all-reduce sums it into c; large enough outputs in column blocks, each
- * block's exchange on the side stream behind its GEMM. Every rank makes the
- * same sequence of exchanges, in order, which is all their protocol needs. */
+ * all-reduce sums it into c. (Splitting N into column blocks whose exchange
+ * overlaps the next block's GEMM measured slower with cuBLAS: docs/PERF.md.) */
 static moelink_status_t ml_tpc_ar_oneshot(moelink_tp_t tp, ml_tpc *t, const char *a,
                                           const char *b, char *c, int m, int n, int k,
                                           cudaStream_t st) {
-  const moelink_dtype_t dt = tp->cfg.dtype;
-  const size_t es = moelink_dtype_size(dt);
   const moelink_comm_t comm = tp->comm;
-  int64_t pieces = ml_param_TP_AR_SPLIT();
-  if (pieces < 1) pieces = 1;
-  if (pieces > ML_TPC_MAX_RANKS) pieces = ML_TPC_MAX_RANKS;
-  if ((size_t)m * (size_t)n * es < (size_t)ml_param_TP_AR_SPLIT_MIN_BYTES() ||
-      n % (int)(8 * pieces) != 0)
-    pieces = 1;
-  if (pieces == 1) {
-    /* Nothing to overlap with: the exchange may take every SM it can use. */
-    ml_ccu_ll ll = t->ll;
-    ll.max_ctas = t->ctas;
-    ll.pdl = ml_param_TP_AR_PDL() != 0;
-    ML_TRY(ml_tpc_gemm(t, dt, a, b, t->ll_scratch, m, n, k, st));
-    return ml_ccu_allreduce_ll(&ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
-                               NULL, (size_t)m * (size_t)n, dt, st);
-  }
-  const int nj = n / (int)pieces;
-  ML_CUDA_TRY(cudaEventRecord(t->fork, st));
-  ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->fork, 0));
-  for (int j = 0; j < (int)pieces; ++j) {
-    char *part = t->ll_scratch + (size_t)j * (size_t)m * (size_t)nj * es;
-    ML_TRY(ml_tpc_gemm(t, dt, a, b + (size_t)j * nj * k * es, part, m, nj, k, st));
-    ML_CUDA_TRY(cudaEventRecord(t->chunk[j], st));
-    ML_CUDA_TRY(cudaStreamWaitEvent(t->side, t->chunk[j], 0));
-    const ml_ccu_ll_out out = {nj, n};
-    ML_TRY(ml_ccu_allreduce_ll(&t->ll, comm->rank, comm->nranks, &t->sync.dc, part,
-                               c + (size_t)j * nj * es, &out, (size_t)m * (size_t)nj, dt,
-                               t->side));
-  }
-  ML_CUDA_TRY(cudaEventRecord(t->join, t->side));
-  ML_CUDA_TRY(cudaStreamWaitEvent(st, t->join, 0));
-  return MOELINK_SUCCESS;
+  ML_TRY(ml_tpc_gemm(t, tp->cfg.dtype, a, b, t->ll_scratch, m, n, k, st));
+  return ml_ccu_allreduce_ll(&t->ll, comm->rank, comm->nranks, &t->sync.dc, t->ll_scratch, c,
+                             (size_t)m * (size_t)n, tp->cfg.dtype, st);
 }
 
 static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, const char *b,
