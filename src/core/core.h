@@ -20,6 +20,16 @@ moelink_status_t ml_fail(moelink_status_t status, const char *fmt, ...)
 /* Clears the thread's last error (called at the start of each public entry). */
 void ml_clear_error(void);
 
+/* The thread's last error kept across cleanup that goes through public entry
+ * points (each clears it):
+ *   ml_saved_error e; ml_error_save(&e); ...cleanup...; return ml_error_restore(&e, s); */
+typedef struct ml_saved_error {
+  char msg[512];
+} ml_saved_error;
+void ml_error_save(ml_saved_error *e);
+/* Puts the saved message back as the last error; returns status. */
+moelink_status_t ml_error_restore(const ml_saved_error *e, moelink_status_t status);
+
 #define ML_TRY(expr)                                                           \
   do {                                                                         \
     moelink_status_t ml_try_status_ = (expr);                                  \

@@ -18,6 +18,15 @@ void ml_clear_error(void) { ml_last_error_buf[0] = 0; }
 
 const char *moelink_last_error(void) { return ml_last_error_buf; }
 
+void ml_error_save(ml_saved_error *e) {
+  snprintf(e->msg, sizeof e->msg, "%s", ml_last_error_buf);
+}
+
+moelink_status_t ml_error_restore(const ml_saved_error *e, moelink_status_t status) {
+  snprintf(ml_last_error_buf, sizeof ml_last_error_buf, "%s", e->msg);
+  return status;
+}
+
 const char *moelink_status_string(moelink_status_t status) {
   switch (status) {
   case MOELINK_SUCCESS: return "MOELINK_SUCCESS";

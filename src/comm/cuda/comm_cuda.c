@@ -152,14 +152,14 @@ static moelink_status_t ml_ccu_symm_make(moelink_comm_t comm, ml_ccu_comm *c, si
     if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
     if (e != cudaSuccess) own = ml_ccu_cuda_fail(e, "zeroing a symmetric buffer");
   }
-  char why[400] = "";
-  if (own != MOELINK_SUCCESS) snprintf(why, sizeof why, "%s", moelink_last_error());
+  ml_saved_error why; /* the agreement's calls must not lose this rank's own reason */
+  ml_error_save(&why);
   int ok = own == MOELINK_SUCCESS;
   const moelink_status_t agreed = ml_ccu_agree(c, &ok);
   if (agreed != MOELINK_SUCCESS || !ok) {
     if (p) (void)ncclMemFree(p);
     if (agreed != MOELINK_SUCCESS) return agreed;
-    if (own != MOELINK_SUCCESS) return ml_fail(own, "%s", why);
+    if (own != MOELINK_SUCCESS) return ml_error_restore(&why, own);
     return ml_fail(MOELINK_ERR_INVALID_STATE,
                    "symmetric buffer of %zu bytes: another rank could not allocate its part "
                    "(its own call says why)",

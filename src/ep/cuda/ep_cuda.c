@@ -50,7 +50,6 @@
 #include "ep/cuda/ep_cuda.h"
 
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -225,11 +224,10 @@ static moelink_status_t ml_epc_init(moelink_ep_t ep) {
   ep->impl = w;
   moelink_status_t s = ml_epc_init_inner(ep, w);
   if (s != MOELINK_SUCCESS) {
-    /* the cleanup goes through public calls, which clear the message */
-    char why[512];
-    snprintf(why, sizeof why, "%s", moelink_last_error());
+    ml_saved_error e; /* the cleanup's public calls clear the message */
+    ml_error_save(&e);
     ml_epc_fini(ep);
-    return ml_fail(s, "%s", why);
+    return ml_error_restore(&e, s);
   }
   return s;
 }

@@ -34,7 +34,6 @@
 
 #include <cublas_v2.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -215,12 +214,10 @@ static moelink_status_t ml_tpc_init(moelink_tp_t tp) {
   if (s == MOELINK_SUCCESS) {
     tp->impl = t;
   } else if (t) {
-    /* the cleanup frees symmetric memory through the public call, which
-     * clears the message */
-    char why[512];
-    snprintf(why, sizeof why, "%s", moelink_last_error());
+    ml_saved_error e; /* the cleanup's public calls clear the message */
+    ml_error_save(&e);
     ml_tpc_release(tp, t);
-    s = ml_fail(s, "%s", why);
+    s = ml_error_restore(&e, s);
   }
   return ml_cuda_leave(tp->comm->ctx, prev, s);
 }
