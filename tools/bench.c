@@ -47,23 +47,10 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
   FILE *f = fopen(path, "w");
   if (!f) cli_fail("--json: cannot open '%s' for writing", path);
-  char date[64], commit[64], skew[32];
-  time_t now = time(NULL);
-  struct tm tmv;
-  gmtime_r(&now, &tmv);
-  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  cli_commit(commit, sizeof commit);
+  char skew[32];
   cli_skew_string(o->zipf, skew, sizeof skew);
 
-  fprintf(f, "{\n  \"tool\": \"moelink bench\",\n  \"version\": ");
-  cli_json_str(f, moelink_version());
-  fprintf(f, ",\n  \"date\": ");
-  cli_json_str(f, date);
-  fprintf(f, ",\n  \"git_commit\": ");
-  if (commit[0])
-    cli_json_str(f, commit);
-  else
-    fputs("null", f);
+  cli_json_begin(f, "moelink bench");
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
   cli_json_str(f, device);
   if (!cuda) fprintf(f, ",\n  \"threads\": %d", threads);

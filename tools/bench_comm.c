@@ -477,22 +477,12 @@ static void bc_write_json(const bc_opts *o, const bc_world *w, const char *devic
                           const bc_row *rows, int nrows, const int *skipped) {
   FILE *f = fopen(o->json, "w");
   if (!f) cli_fail("--json: cannot open '%s' for writing", o->json);
-  char date[64], commit[64], host[256];
-  time_t now = time(NULL);
-  struct tm tmv;
-  gmtime_r(&now, &tmv);
-  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  cli_commit(commit, sizeof commit);
+  char host[256];
   if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "unknown");
   host[sizeof host - 1] = '\0';
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
 
-  fprintf(f, "{\n  \"tool\": \"moelink bench comm\",\n  \"version\": ");
-  cli_json_str(f, moelink_version());
-  fprintf(f, ",\n  \"date\": ");
-  cli_json_str(f, date);
-  fprintf(f, ",\n  \"git_commit\": ");
-  cli_json_str(f, commit[0] ? commit : NULL);
+  cli_json_begin(f, "moelink bench comm");
   fprintf(f, ",\n  \"host\": ");
   cli_json_str(f, host);
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");

@@ -480,21 +480,7 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
   FILE *f = fopen(path, "w");
   if (!f) cli_fail("--json: cannot open '%s' for writing", path);
-  char date[64], commit[64];
-  time_t now = time(NULL);
-  struct tm tmv;
-  gmtime_r(&now, &tmv);
-  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  cli_commit(commit, sizeof commit);
-  fprintf(f, "{\n  \"tool\": \"moelink bench ep\",\n  \"version\": ");
-  cli_json_str(f, moelink_version());
-  fprintf(f, ",\n  \"date\": ");
-  cli_json_str(f, date);
-  fprintf(f, ",\n  \"git_commit\": ");
-  if (commit[0])
-    cli_json_str(f, commit);
-  else
-    fputs("null", f);
+  cli_json_begin(f, "moelink bench ep");
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
   cli_json_str(f, device);
   fprintf(f, ",\n  \"nranks\": %d,\n  \"shape\": ", w->nranks);

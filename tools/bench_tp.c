@@ -704,21 +704,7 @@ static void bt_write_json(const char *path, const bt_opts *o, const cli_world *w
   const int cuda = o->backend == MOELINK_BACKEND_CUDA;
   FILE *f = fopen(path, "w");
   if (!f) cli_fail("--json: cannot open '%s' for writing", path);
-  char date[64], commit[64];
-  time_t now = time(NULL);
-  struct tm tmv;
-  gmtime_r(&now, &tmv);
-  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
-  cli_commit(commit, sizeof commit);
-  fprintf(f, "{\n  \"tool\": \"moelink bench tp\",\n  \"version\": ");
-  cli_json_str(f, moelink_version());
-  fprintf(f, ",\n  \"date\": ");
-  cli_json_str(f, date);
-  fprintf(f, ",\n  \"git_commit\": ");
-  if (commit[0])
-    cli_json_str(f, commit);
-  else
-    fputs("null", f);
+  cli_json_begin(f, "moelink bench tp");
   fprintf(f, ",\n  \"backend\": \"%s\",\n  \"%s\": ", cuda ? "cuda" : "cpu", cuda ? "gpu" : "cpu");
   cli_json_str(f, device);
   fprintf(f, ",\n  \"nranks\": %d,\n  \"tp\": %d,\n  \"dtype\": \"%s\",\n", w->nranks, w->nranks,

@@ -153,6 +153,23 @@ void cli_json_field(FILE *f, const char *key, double v) {
 
 double cli_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
 
+void cli_json_begin(FILE *f, const char *tool) {
+  char date[64], commit[64];
+  time_t now = time(NULL);
+  struct tm tmv;
+  gmtime_r(&now, &tmv);
+  strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &tmv);
+  cli_commit(commit, sizeof commit);
+  fprintf(f, "{\n  \"tool\": ");
+  cli_json_str(f, tool);
+  fprintf(f, ",\n  \"version\": ");
+  cli_json_str(f, moelink_version());
+  fprintf(f, ",\n  \"date\": ");
+  cli_json_str(f, date);
+  fprintf(f, ",\n  \"git_commit\": ");
+  cli_json_str(f, commit[0] ? commit : NULL);
+}
+
 void cli_commit(char *buf, size_t n) {
   buf[0] = '\0';
   const char *env = getenv("MOELINK_COMMIT");
