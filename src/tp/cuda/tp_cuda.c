@@ -311,7 +311,7 @@ static moelink_status_t ml_tpc_ag(moelink_tp_t tp, ml_tpc *t, const char *a, con
  * peers' blocks are computed first, each into this rank's own gather rows,
  * and the copy engine moves each to its owner (side stream) while the next
  * block computes; READY follows the last copy. The own block goes straight
- * into the own slot. The caller joins the side stream (t->join).
+ * into the own slot; the stream then joins the side stream.
  * The gather rows are free for this: peers write into them (gemm_ar's
  * gathered result) only after this rank's READY, when its copies are done. */
 static moelink_status_t ml_tpc_scatter_gemm(moelink_tp_t tp, ml_tpc *t, const char *a,
