@@ -591,6 +591,69 @@ MOELINK_API moelink_status_t moelink_ep_set_weights(moelink_ep_t ep,
 MOELINK_API moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_tokens,
                                                 void *out, void *stream);
 
+/* The two exchanges of moelink_ep_forward as pieces, for engines that run
+ * their own experts (or their own routing) between them: dispatch sends each
+ * token once to every rank that owns one of its experts; this rank's experts
+ * process what arrived (the rows below); combine sends the expert outputs
+ * back and adds each token's k contributions on its own rank.
+ *
+ * Where a dispatch left this rank's received rows: memory of the layer
+ * (device memory on CUDA, host memory on CPU), valid until the next combine
+ * returns. A row r < capacity holds a token if some expert_ids[r][q] >= 0;
+ * its local slots q = 0..top_k-1 list, in the source token's slot order, the
+ * local expert ids (0 .. E/ranks - 1: expert first_expert + id) and routing
+ * weights of that token's experts on this rank, then -1 and 0. Rows that
+ * hold no token have only -1 (moelink_moe_plan drops them). */
+typedef struct moelink_ep_recv {
+  size_t size;               /* sizeof(moelink_ep_recv_t): set by the INIT macro */
+  int capacity;              /* rows (CUDA: ranks * max_tokens; CPU: recv_capacity) */
+  int top_k;                 /* local slots per row: min(k, E / ranks) */
+  const void *rows;          /* [capacity][H] token rows, layer dtype */
+  const int32_t *expert_ids; /* [capacity][top_k] */
+  const float *weights;      /* [capacity][top_k] */
+} moelink_ep_recv_t;
+
+#define MOELINK_EP_RECV_INIT { sizeof(moelink_ep_recv_t), 0, 0, NULL, NULL, NULL }
+
+/* Dispatch (collective: every rank calls it, then combine, the same number of
+ * times): sends this rank's x [T, H] (moe.dtype) by its routing, topk_ids
+ * [T, k] (int32 global expert ids, distinct within a token; an id outside
+ * [0, E) is an empty slot) and topk_weights [T, k] (fp32), as
+ * moelink_moe_route writes them, and fills
+ * *recv with what this rank received. T = num_tokens in [0, moe.max_tokens],
+ * free to differ between ranks. Needs no weights. On CUDA: stream-ordered,
+ * graph-capturable, no host synchronization; every pointer device memory. On
+ * CPU ranks every rank's incoming rows must fit recv_capacity: when one
+ * rank's would not, every rank returns UNSUPPORTED (nothing is sent;
+ * moelink_ep_forward takes any count in rounds); CPU ranks also refuse so,
+ * on every rank, repeated ids that a received row cannot hold (CUDA does not
+ * check for repeats). A combine must follow every dispatch that returned
+ * SUCCESS or INVALID_ARGUMENT, and no other. Errors: INVALID_ARGUMENT (this
+ * rank's own arguments: it still takes part with no tokens of its own, so
+ * its peers finish; *recv, when usable, still lists the rows it received for
+ * its experts, and with recv NULL or of a bad size its combine sends zeros
+ * for them), INVALID_STATE (a dispatch without its combine, on this rank:
+ * nothing is sent), TIMEOUT, UNSUPPORTED. */
+MOELINK_API moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x,
+                                                 const int32_t *topk_ids,
+                                                 const float *topk_weights, int num_tokens,
+                                                 moelink_ep_recv_t *recv, void *stream);
+
+/* Combine (collective, after every dispatch): y holds this rank's expert
+ * outputs, one row of H (moe.dtype) per valid (received row r, local slot q),
+ * already multiplied by its routing weight, at row pair_rows[r * top_k + q]
+ * (pair_rows NULL: at row r * top_k + q), e.g. moelink_moe_experts' output
+ * with the plan's pair_rows. Each goes back to its token's rank, which writes
+ * out [T, H] (the T of its dispatch) = the sum over the token's slots j =
+ * 0..k-1, in that order, in fp32, rounded once: deterministic. No shared
+ * expert (moelink_ep_forward adds it). Errors: INVALID_ARGUMENT (y NULL, or
+ * out NULL with T > 0: the rank still takes part, so none of its peers
+ * hangs, and sends zeros for the outputs of its experts), INVALID_STATE (no
+ * dispatch before it), TIMEOUT. */
+MOELINK_API moelink_status_t moelink_ep_combine(moelink_ep_t ep, const void *y,
+                                                const int32_t *pair_rows, void *out,
+                                                void *stream);
+
 /* ------------------------------------------------------------------------ */
 /* Utilities                                                                */
 /* ------------------------------------------------------------------------ */

@@ -92,15 +92,11 @@ if want comm && [ "$NGPU" -ge 2 ]; then
     tee -a "$OUT/comm.log" || rc=1
 fi
 # The expert-parallel layer (issue 6) on 2 GPUs: beside the single-GPU layer and NCCL moving
-# the same rows.
+# the same rows; dispatch and combine timed on their own; the sequential pieces.
 if want ep && [ "$NGPU" -ge 2 ]; then
   log "bench ep (2 ranks)"
   ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
-  log "bench ep without the expert GEMMs (routing, exchanges and combine alone)"
-  MOELINK_EP_PROBE_NO_EXPERTS=1 ./"$BUILD"/moelink launch -n 2 --timeout 600 -- \
-    ./"$BUILD"/moelink bench ep --json "$OUT/json/bench_ep_noexperts.json" 2>&1 |
-    tee -a "$OUT/ep.log" || rc=1
 fi
 # Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
 # (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.

@@ -9,7 +9,12 @@
  *           dispatch (each token once to every peer that owns one of its
  *           experts) then combine (one row per (token, slot) whose expert is
  *           on the peer: what the CUDA layer pushes back), counted from this
- *           run's routing of the same tokens.
+ *           run's routing of the same tokens, timed per phase;
+ *   pieces  moelink_ep_dispatch and moelink_ep_combine on the same routing,
+ *           each timed (bandwidth: the token rows a rank sends / time);
+ *   seq     dispatch, this rank's experts on the received rows (a local
+ *           moelink_moe layer: plan + experts, timed on their own: the
+ *           compute-only time), combine.
  * Each rank times its own calls with CUDA events (host clock on the CPU
  * backend), each after a 256 MiB L2-evicting write and a 1-element NCCL
  * all-reduce that lines the ranks up; a T's time is the slowest rank's
@@ -47,11 +52,15 @@ typedef struct be_opts {
 typedef struct be_row {
   int tokens;
   double ep_us, single_us, nccl_us;
+  double disp_us, comb_us, dc_us;         /* pieces: dispatch, combine, both */
+  double nccl_disp_us, nccl_comb_us;
+  double seq_us, experts_us;              /* dispatch; local experts; combine */
   double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
   double dispatch_rows;   /* sent per rank, the most over ranks */
   double combine_rows;
   double bytes_rank;      /* (dispatch + combine rows) * H * dtype size, the most over ranks */
   double bytes_total;     /* summed over ranks */
+  size_t row_bytes;       /* hidden * dtype size */
 } be_row;
 
 static const char be_help_text[] =
@@ -65,6 +74,10 @@ static const char be_help_text[] =
     "  moves (dispatch: each token once to every peer owning one of its experts; combine:\n"
     "  one row per (token, slot) whose expert is on the peer), counted from the routing of\n"
     "  the same tokens. TFLOP/s of the EP layer: moelink_moe_flops(T) per rank / time.\n"
+    "  Then the exchanges alone: moelink_ep_dispatch and moelink_ep_combine, each timed,\n"
+    "  with the bandwidth of the token rows a rank sends (beside NCCL's two phases), and\n"
+    "  the sequential layer: dispatch, this rank's experts (moelink_moe_plan + _experts\n"
+    "  on the received rows, timed alone), combine.\n"
     "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
     "  --preset NAME          (default cuda: deepseek-v3 (H 7168, I 2048, E 256, k 8,\n"
     "                         sigmoid, 4 of 8 groups, shared expert 2048); cpu: a small\n"
@@ -229,22 +242,66 @@ static moelink_moe_config_t be_config(const be_opts *o, int *custom) {
 
 /* ---- one T ------------------------------------------------------------------- */
 
-enum { BE_V_EP = 0, BE_V_SINGLE = 1, BE_V_NCCL = 2, BE_NV = 3 };
+/* Variants. pieces: moelink_ep_dispatch | moelink_ep_combine (expert
+ * outputs: whatever a buffer holds, one row per received (row, slot)); seq:
+ * dispatch | the local experts (moelink_moe_plan + moelink_moe_experts of a
+ * layer with this rank's experts on the received rows) | combine; nccl:
+ * dispatch rows | combine rows. "|" marks a split of the timing. */
+enum {
+  BE_V_EP = 0,
+  BE_V_SINGLE,
+  BE_V_PIECES,
+  BE_V_SEQ,
+  BE_V_NCCL,
+  BE_NV
+};
+#define BE_SEGS 3
 
 typedef struct be_case {
   int T, n, me;
   size_t row;             /* bytes of a token row */
   moelink_ep_t ep;
   moelink_moe_t single;
+  moelink_moe_t local;    /* this rank's experts, max_tokens = the receive capacity */
   void *x_all, *out_all;  /* [n*T, H]; this rank's EP x is its slice of x_all */
   void *out;              /* [T, H] */
+  int32_t *ids;           /* [T, k] this rank's routing (backend memory) */
+  float *wts;
+  void *y;                /* [capacity * local top_k, H]: expert outputs */
+  void *plan;             /* the local layer's plan over capacity rows */
+  int capacity, ltopk, El;
   /* NCCL: rows per peer, rank-major cnt[src * n + dst] */
   int *disp, *comb;       /* dispatch: tokens src sends dst; combine: (token, slot)
                              pairs of src's tokens on dst's experts (dst sends back) */
   void *sbuf, *rbuf;
 } be_case;
 
-static void be_call(cli_world *w, be_case *c, int variant) {
+/* Time points of one timed call: CUDA events on the stream, or the host clock. */
+typedef struct be_clock {
+  cli_world *w;
+  int n;
+  double host[GPU_MARKS];
+} be_clock;
+
+static void be_mark(be_clock *k) {
+#if CLI_WORLD_GPU
+  if (k->w->backend == MOELINK_BACKEND_CUDA) {
+    if (gpu_marks_record(&k->w->marks, k->w->stream)) cli_fail("%s", gpu_error());
+    ++k->n;
+    return;
+  }
+#endif
+  k->host[k->n++] = cli_now();
+}
+
+static void be_dispatch(cli_world *w, be_case *c, moelink_ep_recv_t *recv) {
+  CLI_CALL("moelink_ep_dispatch",
+           moelink_ep_dispatch(c->ep, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
+                               c->ids, c->wts, c->T, recv, w->stream));
+}
+
+static void be_call(cli_world *w, be_case *c, int variant, be_clock *k) {
+  moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
   if (variant == BE_V_EP) {
     CLI_CALL("moelink_ep_forward",
              moelink_ep_forward(c->ep, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
@@ -252,6 +309,24 @@ static void be_call(cli_world *w, be_case *c, int variant) {
   } else if (variant == BE_V_SINGLE) {
     CLI_CALL("moelink_moe_forward",
              moelink_moe_forward(c->single, c->x_all, c->n * c->T, c->out_all, w->stream));
+  } else if (variant == BE_V_PIECES) {
+    be_dispatch(w, c, &recv);
+    be_mark(k);
+    CLI_CALL("moelink_ep_combine", moelink_ep_combine(c->ep, c->y, NULL, c->out, w->stream));
+  } else if (variant == BE_V_SEQ) {
+    be_dispatch(w, c, &recv);
+    be_mark(k);
+    CLI_CALL("moelink_moe_plan",
+             moelink_moe_plan(c->local, recv.expert_ids, recv.capacity, c->plan, w->stream));
+    CLI_CALL("moelink_moe_experts", moelink_moe_experts(c->local, recv.rows, recv.capacity,
+                                                        c->plan, recv.weights, c->y, w->stream));
+    be_mark(k);
+    moelink_plan_t pv;
+    CLI_CALL("moelink_plan_view",
+             moelink_plan_view(c->plan, recv.capacity, c->ltopk, c->El,
+                               moelink_moe_tile_rows(c->local), &pv));
+    CLI_CALL("moelink_ep_combine",
+             moelink_ep_combine(c->ep, c->y, pv.pair_rows, c->out, w->stream));
   }
 #if CLI_WORLD_GPU
   else {
@@ -260,6 +335,7 @@ static void be_call(cli_world *w, be_case *c, int variant) {
     cudaStream_t st = (cudaStream_t)w->stream;
     for (int phase = 0; phase < 2; ++phase) {
       size_t so = 0, ro = 0;
+      if (phase == 1) be_mark(k);
       CLI_NCCL(ncclGroupStart());
       for (int p = 0; p < c->n; ++p) {
         if (p == c->me) continue;
@@ -280,31 +356,47 @@ static void be_call(cli_world *w, be_case *c, int variant) {
 #endif
 }
 
-/* Median of iters timed calls of one variant, in us (this rank's). */
-static double be_time(cli_world *w, be_case *c, int variant, const be_opts *o) {
-  double *t = (double *)cli_malloc(sizeof(double) * (size_t)o->iters, "times");
+/* Medians over iters timed calls of one variant, in us (this rank's):
+ * med[0] the whole call, med[1 + i] its i-th segment (NAN when the variant
+ * has fewer). */
+static void be_time(cli_world *w, be_case *c, int variant, const be_opts *o,
+                    double med[1 + BE_SEGS]) {
+  double *t = (double *)cli_malloc(sizeof(double) * (size_t)o->iters * (1 + BE_SEGS), "times");
+  int nseg = 0;
   for (int it = -o->warmup; it < o->iters; ++it) {
+    be_clock k;
+    memset(&k, 0, sizeof k);
+    k.w = w;
 #if CLI_WORLD_GPU
-    if (w->backend == MOELINK_BACKEND_CUDA) {
-      double ms = 0.0;
-      if (gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
-        cli_fail("%s", gpu_error());
-      cli_world_barrier(w);
-      if (gpu_timer_start(&w->timer, w->stream)) cli_fail("%s", gpu_error());
-      be_call(w, c, variant);
-      if (gpu_timer_stop(&w->timer, w->stream, &ms)) cli_fail("%s", gpu_error());
-      if (it >= 0) t[it] = ms * 1e3;
-      continue;
-    }
+    if (w->backend == MOELINK_BACKEND_CUDA &&
+        gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
+      cli_fail("%s", gpu_error());
 #endif
     cli_world_barrier(w);
-    double t0 = cli_now();
-    be_call(w, c, variant);
-    if (it >= 0) t[it] = (cli_now() - t0) * 1e6;
+    be_mark(&k);
+    be_call(w, c, variant, &k);
+    be_mark(&k);
+    double seg[GPU_MARKS] = {0};
+#if CLI_WORLD_GPU
+    if (w->backend == MOELINK_BACKEND_CUDA) {
+      if (gpu_marks_read(&w->marks, seg)) cli_fail("%s", gpu_error());
+    } else
+#endif
+    {
+      for (int i = 0; i + 1 < k.n; ++i) seg[i] = (k.host[i + 1] - k.host[i]) * 1e3;
+    }
+    nseg = k.n - 1;
+    if (it < 0) continue;
+    double total = 0.0;
+    for (int i = 0; i < nseg; ++i) total += seg[i];
+    t[it] = total * 1e3;
+    for (int i = 0; i < BE_SEGS; ++i)
+      t[(size_t)(1 + i) * o->iters + it] = i < nseg ? seg[i] * 1e3 : NAN;
   }
-  double med = cli_median(t, o->iters);
+  for (int i = 0; i <= BE_SEGS; ++i)
+    med[i] = i == 0 || (nseg > 1 && i <= nseg) ? cli_median(t + (size_t)i * o->iters, o->iters)
+                                              : NAN;
   free(t);
-  return med;
 }
 
 /* Per destination rank, this rank's tokens with an expert there and its
@@ -313,8 +405,8 @@ static double be_time(cli_world *w, be_case *c, int variant, const be_opts *o) {
 static void be_count(cli_world *w, be_case *c, const moelink_moe_config_t *cfg) {
   const int T = c->T, k = cfg->top_k, n = c->n, per = cfg->num_experts / n;
   const size_t pairs = (size_t)T * (size_t)k;
-  int32_t *ids = (int32_t *)cli_world_alloc(w, pairs * sizeof(int32_t), "topk ids");
-  float *wts = (float *)cli_world_alloc(w, pairs * sizeof(float), "topk weights");
+  int32_t *ids = c->ids = (int32_t *)cli_world_alloc(w, pairs * sizeof(int32_t), "topk ids");
+  float *wts = c->wts = (float *)cli_world_alloc(w, pairs * sizeof(float), "topk weights");
   CLI_CALL("moelink_moe_route",
            moelink_moe_route(c->single, (const char *)c->x_all + (size_t)c->me * T * c->row, T,
                              ids, wts, w->stream));
@@ -348,8 +440,6 @@ static void be_count(cli_world *w, be_case *c, const moelink_moe_config_t *cfg) 
   free(hit);
   free(mine);
   if (h != ids) free(h);
-  cli_world_free(w, ids);
-  cli_world_free(w, wts);
 }
 
 static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config_t *base,
@@ -367,9 +457,12 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
   ecfg.moe = *base;
   ecfg.moe.max_tokens = T;
+  /* Every rank's whole step fits at once: the pieces need it on CPU ranks. */
+  ecfg.recv_capacity = w->nranks * T;
   CLI_CALL("moelink_ep_create", moelink_ep_create(w->comm, &ecfg, &c.ep));
   int first = 0, El = 0;
   CLI_CALL("moelink_ep_get_config", moelink_ep_get_config(c.ep, NULL, &first, &El));
+  c.El = El;
   moelink_moe_weights_t lw = L->w;
   lw.gate_up = (const char *)L->w.gate_up + (size_t)first * 2 * I * H * es;
   lw.down = (const char *)L->w.down + (size_t)first * H * I * es;
@@ -416,6 +509,34 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
     }
   }
 
+  /* One dispatch tells the receive capacity: the expert-output buffer and the
+   * local layer (this rank's experts on the received rows) are sized by it. */
+  {
+    moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+    be_dispatch(w, &c, &recv);
+    c.capacity = recv.capacity;
+    c.ltopk = recv.top_k;
+    c.y = cli_world_alloc(w, (size_t)c.capacity * (size_t)c.ltopk * c.row, "expert outputs");
+    CLI_CALL("moelink_ep_combine", moelink_ep_combine(c.ep, c.y, NULL, c.out, w->stream));
+    moelink_moe_config_t lc = MOELINK_MOE_CONFIG_INIT;
+    lc.hidden = base->hidden;
+    lc.inter = base->inter;
+    lc.num_experts = El;
+    lc.top_k = c.ltopk;
+    lc.dtype = base->dtype;
+    lc.max_tokens = c.capacity;
+    CLI_CALL("moelink_moe_create (local experts)", moelink_moe_create(w->ctx, &lc, &c.local));
+    moelink_moe_weights_t xw = MOELINK_MOE_WEIGHTS_INIT;
+    xw.dtype = base->dtype;
+    xw.router = L->w.router; /* never used: the rows arrive routed */
+    xw.gate_up = lw.gate_up;
+    xw.down = lw.down;
+    CLI_CALL("moelink_moe_set_weights (local experts)", moelink_moe_set_weights(c.local, &xw));
+    c.plan = cli_world_alloc(w, moelink_plan_bytes(c.capacity, c.ltopk, El,
+                                                   moelink_moe_tile_rows(c.local)),
+                             "local plan");
+  }
+
   memset(row, 0, sizeof *row);
   row->tokens = T;
   row->flops_rank = moelink_moe_flops(base, T);
@@ -423,16 +544,21 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   row->combine_rows = crows_max;
   row->bytes_rank = bytes_max;
   row->bytes_total = bytes_total;
+  row->row_bytes = c.row;
 
-  double t[BE_NV] = {NAN, NAN, NAN};
-  t[BE_V_EP] = be_time(w, &c, BE_V_EP, o);
+  double t[BE_NV][1 + BE_SEGS];
+  for (int v = 0; v < BE_NV; ++v)
+    for (int q = 0; q <= BE_SEGS; ++q) t[v][q] = NAN;
+  be_time(w, &c, BE_V_EP, o, t[BE_V_EP]);
+  be_time(w, &c, BE_V_PIECES, o, t[BE_V_PIECES]);
+  be_time(w, &c, BE_V_SEQ, o, t[BE_V_SEQ]);
   CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
-  t[BE_V_SINGLE] = be_time(w, &c, BE_V_SINGLE, o);
+  be_time(w, &c, BE_V_SINGLE, o, t[BE_V_SINGLE]);
 #if CLI_WORLD_GPU
   if (cuda) {
     c.sbuf = cli_world_alloc(w, s_need * c.row, "nccl send rows");
     c.rbuf = cli_world_alloc(w, r_need * c.row, "nccl recv rows");
-    t[BE_V_NCCL] = be_time(w, &c, BE_V_NCCL, o);
+    be_time(w, &c, BE_V_NCCL, o, t[BE_V_NCCL]);
     cli_world_free(w, c.sbuf);
     cli_world_free(w, c.rbuf);
   }
@@ -443,29 +569,48 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   if (cuda && gpu_stream_sync(w->stream)) cli_fail("%s", gpu_error());
 
   /* The slowest rank's median: a layer waits for its slowest rank. */
-  float tm[BE_NV] = {(float)t[0], (float)t[1], (float)t[2]};
-  float *tall = (float *)cli_malloc(sizeof(float) * BE_NV * (size_t)c.n, "times");
-  cli_world_allgather_f32(w, tm, BE_NV, tall);
-  double *dst[BE_NV] = {&row->ep_us, &row->single_us, &row->nccl_us};
-  for (int v = 0; v < BE_NV; ++v) {
-    double worst = -1.0;
+  enum { NV = BE_NV * (1 + BE_SEGS) };
+  float tm[NV];
+  for (int v = 0; v < BE_NV; ++v)
+    for (int q = 0; q <= BE_SEGS; ++q) tm[v * (1 + BE_SEGS) + q] = (float)t[v][q];
+  float *tall = (float *)cli_malloc(sizeof(float) * NV * (size_t)c.n, "times");
+  cli_world_allgather_f32(w, tm, NV, tall);
+  double worst[NV];
+  for (int v = 0; v < NV; ++v) {
+    worst[v] = -1.0;
     for (int r = 0; r < c.n; ++r) {
-      const double x = tall[BE_NV * r + v];
+      const double x = tall[NV * r + v];
       if (isnan(x)) {
-        worst = NAN;
+        worst[v] = NAN;
         break;
       }
-      if (x > worst) worst = x;
+      if (x > worst[v]) worst[v] = x;
     }
-    *dst[v] = worst;
   }
   free(tall);
+#define BE_W(v, q) worst[(v) * (1 + BE_SEGS) + (q)]
+  row->ep_us = BE_W(BE_V_EP, 0);
+  row->single_us = BE_W(BE_V_SINGLE, 0);
+  row->dc_us = BE_W(BE_V_PIECES, 0);
+  row->disp_us = BE_W(BE_V_PIECES, 1);
+  row->comb_us = BE_W(BE_V_PIECES, 2);
+  row->seq_us = BE_W(BE_V_SEQ, 0);
+  row->experts_us = BE_W(BE_V_SEQ, 2);
+  row->nccl_us = BE_W(BE_V_NCCL, 0);
+  row->nccl_disp_us = BE_W(BE_V_NCCL, 1);
+  row->nccl_comb_us = BE_W(BE_V_NCCL, 2);
+#undef BE_W
 
   free(c.disp);
   free(c.comb);
   cli_world_free(w, c.x_all);
   cli_world_free(w, c.out_all);
   cli_world_free(w, c.out);
+  cli_world_free(w, c.ids);
+  cli_world_free(w, c.wts);
+  cli_world_free(w, c.y);
+  cli_world_free(w, c.plan);
+  CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.local));
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
 }
@@ -510,11 +655,19 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
                  "moves between ranks for the same tokens (dispatch: a token once to each peer "
                  "owning one of its experts; combine: one row per (token, slot) whose expert "
                  "is on the peer, as the CUDA layer returns them), rows only (not the EP "
-                 "layer's per-row routing metadata of (1 + 2k) * 4 bytes)");
+                 "layer's per-row routing metadata of (1 + 2k) * 4 bytes), timed per phase; "
+                 "dispatch / combine: moelink_ep_dispatch then moelink_ep_combine on the same "
+                 "routing (expert outputs: an unwritten buffer), timed per call, and "
+                 "dispatch_combine_us both; sequential: moelink_ep_dispatch, then "
+                 "moelink_moe_plan + moelink_moe_experts of a layer with this rank's experts "
+                 "on the received rows (experts_us), then moelink_ep_combine");
   fprintf(f, ",\n  \"bytes\": ");
   cli_json_str(f, "bytes_sent_per_rank: (dispatch_rows + combine_rows) * hidden * dtype size "
                  "sent by a rank to its peers, the most over ranks; dispatch_rows / "
-                 "combine_rows likewise (most over ranks); bytes_sent_total: summed over ranks");
+                 "combine_rows likewise (most over ranks); bytes_sent_total: summed over "
+                 "ranks; dispatch_GBps / combine_GBps (and nccl_*): dispatch_rows (combine_rows) "
+                 "* hidden * dtype size / that phase's time: a rank's bandwidth per direction "
+                 "(it receives about as much as it sends), token rows only");
   fprintf(f, ",\n  \"flops\": ");
   cli_json_str(f, "flops_per_rank = moelink_moe_flops(cfg, tokens); ep_TFLOPs = flops_per_rank "
                  "/ ep time; single_TFLOPs = moelink_moe_flops(cfg, nranks * tokens) / single "
@@ -535,6 +688,19 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "bytes_sent_per_rank", r->bytes_rank);
     cli_json_field(f, "bytes_sent_total", r->bytes_total);
     cli_json_field(f, "nccl_GBps_per_rank", cuda ? r->bytes_rank / (r->nccl_us * 1e-6) / 1e9 : NAN);
+    const double db = r->dispatch_rows * (double)r->row_bytes;
+    const double cb = r->combine_rows * (double)r->row_bytes;
+    cli_json_field(f, "dispatch_us", r->disp_us);
+    cli_json_field(f, "dispatch_GBps", db / (r->disp_us * 1e-6) / 1e9);
+    cli_json_field(f, "combine_us", r->comb_us);
+    cli_json_field(f, "combine_GBps", cb / (r->comb_us * 1e-6) / 1e9);
+    cli_json_field(f, "dispatch_combine_us", r->dc_us);
+    cli_json_field(f, "nccl_dispatch_us", cuda ? r->nccl_disp_us : NAN);
+    cli_json_field(f, "nccl_dispatch_GBps", cuda ? db / (r->nccl_disp_us * 1e-6) / 1e9 : NAN);
+    cli_json_field(f, "nccl_combine_us", cuda ? r->nccl_comb_us : NAN);
+    cli_json_field(f, "nccl_combine_GBps", cuda ? cb / (r->nccl_comb_us * 1e-6) / 1e9 : NAN);
+    cli_json_field(f, "sequential_us", r->seq_us);
+    cli_json_field(f, "experts_us", r->experts_us);
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
   fprintf(f, "  ]\n}\n");
@@ -603,6 +769,29 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       printf(" %14s %10.0f %10.0f\n", b, r->dispatch_rows, r->combine_rows);
       fflush(stdout);
     }
+  }
+  if (w.rank == 0) {
+    /* The exchanges on their own, bandwidth per direction (rows sent by a rank / time). */
+    printf("\nthe exchanges (moelink_ep_dispatch / moelink_ep_combine%s), GB/s = token-row "
+           "bytes a rank sends / time;\nseq = dispatch, the local experts (experts_us), "
+           "combine\n",
+           cuda ? " beside NCCL send/recv of the same rows" : "");
+    printf("%7s %11s %7s", "T", "dispatch_us", "GB/s");
+    if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
+    printf(" %11s %7s", "combine_us", "GB/s");
+    if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
+    printf(" %9s %11s %11s\n", "d+c_us", "seq_us", "experts_us");
+    for (int i = 0; i < o.ntokens; ++i) {
+      const be_row *r = &rows[i];
+      const double db = r->dispatch_rows * (double)r->row_bytes;
+      const double cb = r->combine_rows * (double)r->row_bytes;
+      printf("%7d %11.1f %7.1f", r->tokens, r->disp_us, db / r->disp_us * 1e-3);
+      if (cuda) printf(" %10.1f %7.1f", r->nccl_disp_us, db / r->nccl_disp_us * 1e-3);
+      printf(" %11.1f %7.1f", r->comb_us, cb / r->comb_us * 1e-3);
+      if (cuda) printf(" %10.1f %7.1f", r->nccl_comb_us, cb / r->nccl_comb_us * 1e-3);
+      printf(" %9.1f %11.1f %11.1f\n", r->dc_us, r->seq_us, r->experts_us);
+    }
+    fflush(stdout);
   }
   if (w.rank == 0 && o.json) {
     be_write_json(o.json, &o, &w, device, &cfg, shape, rows, o.ntokens);

@@ -4,6 +4,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static char gpu_msg[512];
 
@@ -119,6 +120,47 @@ int gpu_timer_stop(gpu_timer *t, void *stream, double *ms) {
   return 0;
 }
 
+int gpu_marks_create(gpu_marks *m) {
+  memset(m, 0, sizeof *m);
+  for (int i = 0; i < GPU_MARKS; ++i) {
+    cudaEvent_t e = NULL;
+    cudaError_t r = cudaEventCreate(&e);
+    if (r != cudaSuccess) {
+      gpu_marks_destroy(m);
+      return gpu_set_error("cudaEventCreate: %s", cudaGetErrorString(r));
+    }
+    m->ev[i] = (void *)e;
+  }
+  return 0;
+}
+
+void gpu_marks_destroy(gpu_marks *m) {
+  for (int i = 0; i < GPU_MARKS; ++i)
+    if (m->ev[i]) (void)cudaEventDestroy((cudaEvent_t)m->ev[i]);
+  memset(m, 0, sizeof *m);
+}
+
+int gpu_marks_record(gpu_marks *m, void *stream) {
+  if (m->n >= GPU_MARKS) return gpu_set_error("gpu_marks: more than %d points", GPU_MARKS);
+  GPU_TRY(cudaEventRecord((cudaEvent_t)m->ev[m->n], (cudaStream_t)stream));
+  ++m->n;
+  return 0;
+}
+
+int gpu_marks_read(gpu_marks *m, double *ms) {
+  const int n = m->n;
+  m->n = 0;
+  if (n < 2) return gpu_set_error("gpu_marks: %d points recorded (need 2)", n);
+  GPU_TRY(cudaEventSynchronize((cudaEvent_t)m->ev[n - 1]));
+  GPU_TRY(cudaGetLastError());
+  for (int i = 0; i + 1 < n; ++i) {
+    float f = 0.0f;
+    GPU_TRY(cudaEventElapsedTime(&f, (cudaEvent_t)m->ev[i], (cudaEvent_t)m->ev[i + 1]));
+    ms[i] = (double)f;
+  }
+  return 0;
+}
+
 int gpu_graph_begin(void *stream) {
   GPU_TRY(cudaStreamBeginCapture((cudaStream_t)stream, cudaStreamCaptureModeThreadLocal));
   return 0;
@@ -167,6 +209,13 @@ int gpu_stream_create(void **stream) {
 void gpu_stream_destroy(void *stream) {}
 int gpu_stream_sync(void *stream) { return GPU_NONE(); }
 int gpu_memset_async(void *buf, int value, size_t bytes, void *stream) { return GPU_NONE(); }
+int gpu_marks_create(gpu_marks *m) {
+  memset(m, 0, sizeof *m);
+  return GPU_NONE();
+}
+void gpu_marks_destroy(gpu_marks *m) {}
+int gpu_marks_record(gpu_marks *m, void *stream) { return GPU_NONE(); }
+int gpu_marks_read(gpu_marks *m, double *ms) { return GPU_NONE(); }
 int gpu_graph_begin(void *stream) { return GPU_NONE(); }
 int gpu_graph_end(void *stream, void **exec) {
   *exec = NULL;

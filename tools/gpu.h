@@ -42,6 +42,19 @@ int gpu_timer_start(gpu_timer *t, void *stream);
 /* Records the stop event, waits for it and returns the elapsed milliseconds. */
 int gpu_timer_stop(gpu_timer *t, void *stream, double *ms);
 
+/* Up to GPU_MARKS time points of one stream: record them in order, then read
+ * the n - 1 intervals between consecutive ones (waits for the last). */
+#define GPU_MARKS 4
+typedef struct gpu_marks {
+  void *ev[GPU_MARKS];
+  int n; /* recorded since the last read */
+} gpu_marks;
+int gpu_marks_create(gpu_marks *m);
+void gpu_marks_destroy(gpu_marks *m);
+int gpu_marks_record(gpu_marks *m, void *stream);
+/* ms[i] = time from point i to point i + 1, i < n - 1; starts over. */
+int gpu_marks_read(gpu_marks *m, double *ms);
+
 /* ---- floors (tools/floors.cu) -------------------------------------------
  * Read bandwidth: one kernel streams a buffer of `bytes` once with 16-byte
  * loads; median over iters of GB/s (1e9 bytes/s). */

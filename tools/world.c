@@ -82,7 +82,8 @@ static void cli_world_open_gpu(cli_world *w) {
   CLI_NCCL(ncclCommInitRank(&w->nccl, w->nranks, uid, w->rank));
   CLI_CALL("moelink_comm_init_from_nccl", moelink_comm_init_from_nccl(w->ctx, w->nccl, &w->comm));
   if (gpu_malloc(&w->flush, CLI_L2_FLUSH_BYTES, "L2 flush") ||
-      gpu_malloc((void **)&w->barrier, sizeof(float), "barrier") || gpu_timer_create(&w->timer))
+      gpu_malloc((void **)&w->barrier, sizeof(float), "barrier") || gpu_timer_create(&w->timer) ||
+      gpu_marks_create(&w->marks))
     cli_fail("%s", gpu_error());
   CLI_CUDA(cudaMemset(w->barrier, 0, sizeof(float)));
 }
@@ -128,6 +129,7 @@ void cli_world_close(cli_world *w) {
 #if CLI_WORLD_GPU
   if (w->backend == MOELINK_BACKEND_CUDA) {
     gpu_timer_destroy(&w->timer);
+    gpu_marks_destroy(&w->marks);
     gpu_free(w->flush);
     gpu_free(w->barrier);
     (void)ncclCommDestroy(w->nccl);

@@ -39,6 +39,7 @@ typedef struct cli_world {
   void *flush;                  /* cuda: CLI_L2_FLUSH_BYTES */
   float *barrier;               /* cuda: one element */
   gpu_timer timer;
+  gpu_marks marks;              /* cuda: for timings split into phases */
 #endif
 } cli_world;
 

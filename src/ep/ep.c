@@ -187,6 +187,10 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
                                     void *stream) {
   ml_clear_error();
   if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_forward: ep is NULL");
+  if (ep->dispatched)
+    return ml_fail(MOELINK_ERR_INVALID_STATE,
+                   "ep_forward on rank %d between moelink_ep_dispatch and its moelink_ep_combine",
+                   ep->comm->rank);
   if (!ep->has_weights)
     return ml_fail(MOELINK_ERR_INVALID_STATE, "ep_forward before moelink_ep_set_weights on rank %d",
                    ep->comm->rank);
@@ -209,4 +213,77 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
                    "ep_forward on rank %d: %s (took part with no tokens)", ep->comm->rank, why);
   }
   return ep->ops->forward(ep, x, num_tokens, out, stream);
+}
+
+moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32_t *topk_ids,
+                                     const float *topk_weights, int num_tokens,
+                                     moelink_ep_recv_t *recv, void *stream) {
+  ml_clear_error();
+  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_dispatch: ep is NULL");
+  if (ep->dispatched)
+    return ml_fail(MOELINK_ERR_INVALID_STATE,
+                   "ep_dispatch on rank %d: the previous dispatch has not been combined "
+                   "(call moelink_ep_combine first)",
+                   ep->comm->rank);
+  /* As in forward, a bad argument is this rank's alone: it takes part with
+   * no tokens, and the peers finish (the caller must still combine). */
+  char why[200] = "";
+  const int max = ep->cfg.moe.max_tokens;
+  if (!recv) {
+    snprintf(why, sizeof why, "recv is NULL");
+  } else if (recv->size != sizeof *recv) {
+    snprintf(why, sizeof why, "recv size %zu != %zu: initialize with MOELINK_EP_RECV_INIT",
+             recv->size, sizeof *recv);
+  } else if (num_tokens < 0 || num_tokens > max) {
+    snprintf(why, sizeof why, "num_tokens %d outside [0, max_tokens %d]", num_tokens, max);
+  } else if (num_tokens > 0 && (!x || !topk_ids || !topk_weights)) {
+    snprintf(why, sizeof why, "%s is NULL with num_tokens %d",
+             !x ? "x" : !topk_ids ? "topk_ids" : "topk_weights", num_tokens);
+  }
+  if (why[0]) {
+    /* Its experts still serve the peers' rows: a usable recv gets them. */
+    moelink_ep_recv_t scratch = MOELINK_EP_RECV_INIT;
+    const int blind = !recv || recv->size != sizeof *recv;
+    moelink_ep_recv_t *rv = blind ? &scratch : recv;
+    const size_t sz = rv->size;
+    memset(rv, 0, sizeof *rv);
+    rv->size = sz;
+    moelink_status_t s = ep->ops->dispatch(ep, NULL, NULL, NULL, 0, rv, stream);
+    if (s != MOELINK_SUCCESS) return s;
+    ep->dispatched = 1;
+    ep->dispatch_tokens = 0;
+    ep->dispatch_blind = blind;
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep_dispatch on rank %d: %s (took part with no tokens%s; call combine next)",
+                   ep->comm->rank, why, blind ? " and sends zeros for its experts at combine" : "");
+  }
+  const size_t sz = recv->size;
+  memset(recv, 0, sizeof *recv);
+  recv->size = sz;
+  ML_TRY(ep->ops->dispatch(ep, x, topk_ids, topk_weights, num_tokens, recv, stream));
+  ep->dispatched = 1;
+  ep->dispatch_tokens = num_tokens;
+  ep->dispatch_blind = 0;
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_combine(moelink_ep_t ep, const void *y, const int32_t *pair_rows,
+                                    void *out, void *stream) {
+  ml_clear_error();
+  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_combine: ep is NULL");
+  if (!ep->dispatched)
+    return ml_fail(MOELINK_ERR_INVALID_STATE,
+                   "ep_combine on rank %d without a moelink_ep_dispatch before it", ep->comm->rank);
+  const int T = ep->dispatch_tokens;
+  ep->dispatched = 0;
+  const char *why = !y ? "y is NULL" : T > 0 && !out ? "out is NULL" : NULL;
+  /* A bad argument still takes part (zeros for this rank's experts' outputs);
+   * so does a rank whose dispatch had no recv (it cannot know its rows). */
+  const int zeros = why || ep->dispatch_blind;
+  moelink_status_t s = ep->ops->combine(ep, zeros ? NULL : y, zeros ? NULL : pair_rows,
+                                        why ? NULL : out, stream);
+  if (s != MOELINK_SUCCESS || !why) return s;
+  return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                 "ep_combine on rank %d: %s (took part, sending zeros for its experts)",
+                 ep->comm->rank, why);
 }

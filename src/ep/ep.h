@@ -17,6 +17,10 @@ struct moelink_ep {
   int local_experts;       /* E / nranks */
   moelink_moe_weights_t w; /* as bound by set_weights (checked) */
   int has_weights;
+  int dispatched;          /* 1 between a dispatch and its combine */
+  int dispatch_tokens;     /* T of that dispatch (0 after a bad-argument one) */
+  int dispatch_blind;      /* that dispatch had no usable recv: the caller cannot
+                              know its rows, so combine sends zeros for them */
   const struct ml_ep_ops *ops;
   void *impl;
 };
@@ -35,6 +39,17 @@ typedef struct ml_ep_ops {
    * x and out non-NULL and apart when num_tokens > 0. num_tokens may exceed
    * moe.max_tokens (the backend steps through it). */
   moelink_status_t (*forward)(moelink_ep_t ep, const void *x, int num_tokens, void *out,
+                              void *stream);
+  /* The pieces. dispatch: num_tokens in [0, max_tokens], x, ids and weights
+   * non-NULL when it is > 0; fills every field of *recv but size. combine:
+   * after a dispatch that returned SUCCESS; the T is ep->dispatch_tokens; y
+   * NULL (this rank's bad arguments) means: take part, send zeros for this
+   * rank's experts' outputs and write no out; otherwise out is non-NULL when
+   * T > 0; pair_rows may be NULL (identity). */
+  moelink_status_t (*dispatch)(moelink_ep_t ep, const void *x, const int32_t *ids,
+                               const float *weights, int num_tokens, moelink_ep_recv_t *recv,
+                               void *stream);
+  moelink_status_t (*combine)(moelink_ep_t ep, const void *y, const int32_t *pair_rows, void *out,
                               void *stream);
 } ml_ep_ops;
 

@@ -31,7 +31,26 @@
  * local experts than top_k at 8 ranks), shared experts with and without a
  * gate, several steps (tokens > max_tokens), skew (every token routed to
  * rank 0's experts with a recv_capacity that forces many rounds), outputs
- * poisoned with NaN, 100 iterations of one layer, and the error paths. */
+ * poisoned with NaN, 100 iterations of one layer, and the error paths.
+ *
+ * The pieces (moelink_ep_dispatch / moelink_ep_combine):
+ * - protocol, with synthetic experts (pc_g: small integers, so every sum is
+ *   exact and compared bitwise): each rank rebuilds every rank's tokens and
+ *   routing from the seed and checks what it received (the set of (source,
+ *   token) rows by their bytes, local ids and weights in slot order, -1 in
+ *   empty rows, capacity and top_k) and what it combined (the sum over the
+ *   valid slots only: ids outside [0, E) are skipped, never read from an
+ *   earlier call's results); y by pair and through pair_rows; a bad argument
+ *   on one rank (dispatch: x NULL, num_tokens > max_tokens, recv NULL or
+ *   mis-sized; combine: y NULL, out NULL, pair_rows outside y) fails there
+ *   while its peers finish without that rank's experts; misuse (dispatch
+ *   twice, forward in between, combine without dispatch): INVALID_STATE;
+ *   a routing over recv_capacity, or repeated ids no row can hold: every
+ *   rank refuses, and forward and dispatch/combine work afterwards;
+ * - with real experts: dispatch, moelink_moe_plan / moelink_moe_experts on
+ *   a local layer, combine, against the single-rank layer's expert outputs
+ *   combined on the host (exact cases bitwise, also with empty slots) and
+ *   its forward (no shared expert), interleaved with moelink_ep_forward. */
 #include "comm_test.h"
 
 #include <math.h>
@@ -513,6 +532,718 @@ static void test_errors(void) {
   CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
 }
 
+/* ---- dispatch / combine ------------------------------------------------- */
+
+/* An id that marks an empty slot: outside [0, E) in several ways. */
+static int32_t empty_id(int E, uint64_t h) {
+  switch (h % 6) {
+  case 0: return -1;
+  case 1: return E;
+  case 2: return E + 5;
+  case 3: return -9;
+  case 4: return INT32_MIN;
+  default: return INT32_MAX;
+  }
+}
+
+static int valid_id(int32_t id, int E) { return id >= 0 && id < E; }
+
+/* Tokens of rank r in call it of a case: 0 now and then. */
+static int pc_tokens(uint64_t seed, int it, int r, int max_t) {
+  const uint64_t z = ct_mix(seed * 977 + (uint64_t)it, (uint64_t)r);
+  if (z % 5 == 0) return 0;
+  return (int)((z >> 8) % (uint64_t)(max_t + 1));
+}
+
+/* Routing of T tokens as a router would write it (k distinct experts per
+ * token, weights in (0, 1)), then empty_pct percent of the slots made empty.
+ * own_rank >= 0: only that rank's experts (slots beyond them empty). */
+static void pc_routing(const moelink_moe_config_t *c, int own_rank, uint64_t seed, int T,
+                       int empty_pct, int32_t *ids, float *wts) {
+  const int E = c->num_experts, k = c->top_k, El = E / nranks;
+  const int lo = own_rank >= 0 ? own_rank * El : 0, span = own_rank >= 0 ? El : E;
+  uint64_t ctr = 0;
+  for (int t = 0; t < T; ++t) {
+    int32_t *id = ids + (size_t)t * k;
+    for (int j = 0; j < k; ++j) {
+      const uint64_t p = (uint64_t)t * k + (uint64_t)j;
+      id[j] = -1;
+      while (j < span) {
+        const int32_t cand = lo + (int32_t)(ct_mix(seed, ctr++) % (uint64_t)span);
+        int dup = 0;
+        for (int q = 0; q < j; ++q) dup |= id[q] == cand;
+        if (!dup) {
+          id[j] = cand;
+          break;
+        }
+      }
+      wts[p] = (float)(1 + ct_mix(seed + 1, p) % 997) / 1024.0f;
+    }
+    for (int j = 0; j < k; ++j) {
+      const uint64_t p = (uint64_t)t * k + (uint64_t)j;
+      if (empty_pct > 0 && ct_mix(seed + 2, p) % 100 < (uint64_t)empty_pct)
+        id[j] = empty_id(E, ct_mix(seed + 3, p));
+    }
+  }
+}
+
+/* The synthetic expert output of the protocol rounds: what rank d's "expert
+ * e" answers for token t of source s, element i. Small integers, so every
+ * sum is exact in every dtype and any wrong, missing or extra term shows. */
+static double pc_g(int e, int s, int t, int i) {
+  return (double)((e * 7 + s * 5 + t * 3 + i) % 9 - 4);
+}
+
+typedef struct pc_opts {
+  int max_t;      /* tokens per rank drawn from [0, max_t] */
+  int empty_pct;  /* share of slots made empty */
+  int own;        /* every token picks its own rank's experts only */
+  int permute;    /* y laid out through a reversed pair_rows, not by pair */
+  int bad_rank;   /* -1, or the rank whose dispatch gets a bad argument */
+  int bad_mode;   /* 0: x NULL with T > 0; 1: num_tokens > max_tokens; 2: recv NULL;
+                     3: recv size field */
+  int y_rank;     /* -1, or the rank whose combine gets a bad argument */
+  int y_mode;     /* 0: y NULL; 1: out NULL; 2: a pair_rows entry outside y */
+  int misuse;     /* a second dispatch and a forward before the combine */
+} pc_opts;
+
+/* One dispatch + combine with synthetic experts (pc_g), checked on every
+ * rank against what it computes from every rank's inputs: the rows it
+ * received (set of (source, token), bytes, local ids and weights in slot
+ * order, empty rows), then its combined output. Returns the failures. */
+static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap, uint64_t seed,
+                        int it, const pc_opts *o, const char *name) {
+  const int E = c->num_experts, k = c->top_k, H = c->hidden, El = E / nranks;
+  const int kl = k < El ? k : El, first = rank * El, maxT = o->max_t;
+  const moelink_dtype_t dt = c->dtype;
+  const size_t es = moelink_dtype_size(dt), row = (size_t)H * es;
+  int failures = 0;
+  int *Ts = (int *)ct_alloc(sizeof(int) * (size_t)nranks);
+  unsigned char *xs = (unsigned char *)ct_alloc((size_t)nranks * maxT * row);
+  int32_t *ids = (int32_t *)ct_alloc((size_t)nranks * maxT * k * 4);
+  float *wts = (float *)ct_alloc((size_t)nranks * maxT * k * 4);
+  for (int r = 0; r < nranks; ++r) {
+    const uint64_t sr = ct_seed(seed * 1000 + (uint64_t)it, r);
+    Ts[r] = pc_tokens(seed, it, r, maxT);
+    pc_routing(c, o->own ? r : -1, sr, Ts[r], o->empty_pct, ids + (size_t)r * maxT * k,
+               wts + (size_t)r * maxT * k);
+    if (Ts[r] > 0 &&
+        moelink_fill_random(ctx, dt, xs + (size_t)r * maxT * row, (size_t)Ts[r] * H, sr ^ 0x55,
+                            1.0f, 0.0f, NULL) != MOELINK_SUCCESS)
+      CHECK(0, "fill x: %s", moelink_last_error());
+  }
+  const int bad = rank == o->bad_rank;
+  const int T = Ts[rank];
+  const unsigned char *xm = xs + (size_t)rank * maxT * row;
+  const int32_t *im = ids + (size_t)rank * maxT * k;
+  const float *wm = wts + (size_t)rank * maxT * k;
+  char what[200];
+  snprintf(what, sizeof what, "%s call %d (%s, %d tokens here)", name, it, moelink_dtype_name(dt),
+           T);
+
+  moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+  moelink_status_t s;
+  if (bad) {
+    moelink_ep_recv_t sized = recv;
+    sized.size = 7;
+    static const char *const why[] = {"x NULL", "num_tokens > max_tokens", "recv NULL",
+                                      "recv size 7"};
+    switch (o->bad_mode) {
+    case 0: s = moelink_ep_dispatch(ep, NULL, im, wm, T > 0 ? T : 1, &recv, NULL); break;
+    case 1: s = moelink_ep_dispatch(ep, xm, im, wm, c->max_tokens + 1, &recv, NULL); break;
+    case 2: s = moelink_ep_dispatch(ep, xm, im, wm, T, NULL, NULL); break;
+    default: s = moelink_ep_dispatch(ep, xm, im, wm, T, &sized, NULL); break;
+    }
+    CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part"),
+          "%s: dispatch with %s on rank %d -> %s (%s)", what, why[o->bad_mode], rank,
+          moelink_status_string(s), moelink_last_error());
+  } else {
+    s = moelink_ep_dispatch(ep, T ? xm : NULL, T ? im : NULL, T ? wm : NULL, T, &recv, NULL);
+    if (s != MOELINK_SUCCESS) {
+      CHECK(0, "%s: dispatch: %s", what, moelink_last_error());
+      ++failures;
+    }
+  }
+  if (o->misuse) {
+    moelink_ep_recv_t r2 = MOELINK_EP_RECV_INIT;
+    CHECK_STATUS(moelink_ep_dispatch(ep, NULL, NULL, NULL, 0, &r2, NULL),
+                 MOELINK_ERR_INVALID_STATE, "a second dispatch before the combine");
+    CHECK(r2.capacity == 0 && r2.rows == NULL, "the refused dispatch left its recv alone");
+    CHECK_STATUS(moelink_ep_forward(ep, NULL, 0, NULL, NULL), MOELINK_ERR_INVALID_STATE,
+                 "forward between dispatch and combine");
+  }
+
+  /* What this rank must have received: every good source's tokens with a
+   * slot of this rank's experts, their local ids and weights in slot order. */
+  typedef struct { int s, t, n, found; int32_t lid[64]; float lw[64]; } want_t;
+  want_t *want = (want_t *)ct_alloc(sizeof(want_t) * ((size_t)nranks * maxT + 1));
+  int nwant = 0;
+  for (int r = 0; r < nranks; ++r) {
+    if (r == o->bad_rank) continue;
+    for (int t = 0; t < Ts[r]; ++t) {
+      want_t *wt = &want[nwant];
+      wt->s = r;
+      wt->t = t;
+      wt->n = 0;
+      wt->found = 0;
+      for (int j = 0; j < k; ++j) {
+        const int32_t id = ids[((size_t)r * maxT + t) * k + j];
+        if (valid_id(id, E) && id / El == rank && wt->n < 64) {
+          wt->lid[wt->n] = id - first;
+          wt->lw[wt->n++] = wts[((size_t)r * maxT + t) * k + j];
+        }
+      }
+      nwant += wt->n > 0;
+    }
+  }
+  const size_t yrows = (size_t)cap * kl;
+  unsigned char *y = (unsigned char *)ct_alloc(yrows * row);
+  int32_t *pr = (int32_t *)ct_alloc(yrows * 4);
+  for (size_t i = 0; i < yrows * H; ++i) ref_store(dt, y, i, NAN);
+  for (size_t p = 0; p < yrows; ++p) pr[p] = -1;
+  int any_pair = 0;
+  if (!bad && s == MOELINK_SUCCESS) {
+    int ok = recv.capacity == cap && recv.top_k == kl && recv.rows && recv.expert_ids &&
+             recv.weights && recv.size == sizeof recv;
+    CHECK(ok, "%s: recv capacity %d (want %d), top_k %d (want %d), pointers set", what,
+          recv.capacity, cap, recv.top_k, kl);
+    int rows_held = 0, wrong = 0;
+    for (int r = 0; ok && r < recv.capacity; ++r) {
+      const int32_t *li = recv.expert_ids + (size_t)r * kl;
+      const float *lw = recv.weights + (size_t)r * kl;
+      int holds = 0;
+      for (int q = 0; q < kl; ++q) holds |= li[q] >= 0;
+      if (!holds) {
+        for (int q = 0; q < kl; ++q)
+          if (li[q] != -1 && !wrong++)
+            CHECK(0, "%s: empty row %d slot %d holds %d, not -1", what, r, q, (int)li[q]);
+        continue;
+      }
+      ++rows_held;
+      const unsigned char *rb = (const unsigned char *)recv.rows + (size_t)r * row;
+      want_t *m = NULL;
+      for (int i = 0; i < nwant && !m; ++i)
+        if (!want[i].found &&
+            memcmp(rb, xs + ((size_t)want[i].s * maxT + want[i].t) * row, row) == 0)
+          m = &want[i];
+      if (!m) {
+        if (!wrong++) CHECK(0, "%s: row %d matches no token sent to rank %d", what, r, rank);
+        continue;
+      }
+      m->found = 1;
+      int same = 1;
+      for (int q = 0; q < kl; ++q) {
+        const int32_t wl = q < m->n ? m->lid[q] : -1;
+        const float ww = q < m->n ? m->lw[q] : 0.0f;
+        same &= li[q] == wl && memcmp(&lw[q], &ww, 4) == 0;
+      }
+      if (!same && !wrong++)
+        CHECK(0, "%s: row %d (rank %d's token %d): local ids %d.. weights %g.., want %d.. %g..",
+              what, r, m->s, m->t, (int)li[0], (double)lw[0], (int)m->lid[0], (double)m->lw[0]);
+      for (int q = 0; q < m->n; ++q) {
+        const size_t p = (size_t)r * kl + q;
+        const size_t at = o->permute ? yrows - 1 - p : p;
+        pr[p] = (int32_t)at;
+        any_pair = 1;
+        for (int i = 0; i < H; ++i)
+          ref_store(dt, y, at * H + i, pc_g(first + m->lid[q], m->s, m->t, i));
+      }
+    }
+    int missing = 0;
+    for (int i = 0; i < nwant; ++i) missing += !want[i].found;
+    CHECK(ok && !wrong && !missing && rows_held == nwant,
+          "%s: rank %d received %d token rows, wants %d (%d missing), all bytes, ids, weights "
+          "and empty rows right",
+          what, rank, rows_held, nwant, missing);
+    failures += !ok || wrong || missing || rows_held != nwant;
+  }
+
+  /* Combine. A rank with a bad dispatch answers with y NULL (it was never
+   * told what it received). */
+  unsigned char *out = (unsigned char *)ct_alloc((size_t)(maxT + 1) * row);
+  for (size_t i = 0; i < (size_t)(maxT + 1) * H; ++i) ref_store(dt, out, i, NAN);
+  const int ybad = rank == o->y_rank;
+  int expect_bad = bad;
+  if (bad) {
+    s = moelink_ep_combine(ep, NULL, NULL, out, NULL);
+  } else if (ybad && o->y_mode == 0) {
+    s = moelink_ep_combine(ep, NULL, o->permute ? pr : NULL, out, NULL);
+    expect_bad = 1;
+  } else if (ybad && o->y_mode == 1) {
+    s = moelink_ep_combine(ep, y, o->permute ? pr : NULL, NULL, NULL);
+    expect_bad = T > 0;
+  } else if (ybad) {
+    for (size_t p = 0; p < yrows; ++p)
+      if (pr[p] >= 0) {
+        pr[p] = (int32_t)(yrows + 3);
+        break;
+      }
+    s = moelink_ep_combine(ep, y, pr, out, NULL);
+    expect_bad = any_pair;
+  } else {
+    s = moelink_ep_combine(ep, y, o->permute ? pr : NULL, out, NULL);
+  }
+  if (expect_bad) {
+    CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "zeros"),
+          "%s: combine with a bad argument on rank %d -> %s (%s)", what, rank,
+          moelink_status_string(s), moelink_last_error());
+    size_t touched = 0;
+    for (size_t i = 0; i < (size_t)(maxT + 1) * H; ++i) touched += !isnan(ref_load(dt, out, i));
+    CHECK(touched == 0, "%s: a refused combine writes no out (%zu elements written)", what,
+          touched);
+  } else {
+    if (s != MOELINK_SUCCESS) {
+      CHECK(0, "%s: combine: %s", what, moelink_last_error());
+      ++failures;
+    }
+  }
+  /* The expected sums: every valid slot whose expert answered; a rank with a
+   * bad argument sends zeros, which add nothing. */
+  const int y_zero = o->y_rank >= 0 && (o->y_mode != 1 || Ts[o->y_rank] > 0) ? o->y_rank : -1;
+  if (!expect_bad && !(ybad && o->y_mode == 1)) {
+    unsigned char *want_out = (unsigned char *)ct_alloc((size_t)(T + 1) * row);
+    for (int t = 0; t < T; ++t)
+      for (int i = 0; i < H; ++i) {
+        double acc = 0.0;
+        for (int j = 0; j < k; ++j) {
+          const int32_t id = im[(size_t)t * k + j];
+          if (!valid_id(id, E) || id / El == o->bad_rank || id / El == y_zero) continue;
+          acc += pc_g(id, rank, t, i);
+        }
+        ref_store(dt, want_out, (size_t)t * H + i, acc);
+      }
+    const long at = ct_first_diff(out, want_out, (size_t)T * H, es);
+    if (at >= 0)
+      CHECK(0, "%s: combined output (y %s): element %ld is %g, want %g", what,
+            o->permute ? "through pair_rows" : "by pair", at, ref_load(dt, out, (size_t)at),
+            ref_load(dt, want_out, (size_t)at));
+    else
+      CHECK(1, "%s: combined output (y %s) bitwise the expected sums%s", what,
+            o->permute ? "through pair_rows" : "by pair",
+            y_zero >= 0 || o->bad_rank >= 0 ? ", without the experts of the rank with a bad "
+                                              "argument"
+                                            : "");
+    failures += at >= 0;
+    free(want_out);
+  }
+  free(out);
+  free(y);
+  free(pr);
+  free(want);
+  free(Ts);
+  free(xs);
+  free(ids);
+  free(wts);
+  return failures;
+}
+
+/* The protocol of the pieces, with synthetic experts: odd sizes, every dtype,
+ * fewer local experts than top_k (E = 8 at 8 ranks), empty slots, both y
+ * layouts, each kind of bad argument on one rank, misuse. No weights are
+ * ever bound: dispatch and combine need none. */
+static void test_pieces_protocol(void) {
+  const moelink_dtype_t dts[] = {MOELINK_DTYPE_F32, MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
+  for (int d = 0; d < 3; ++d) {
+    for (int v = 0; v < 2; ++v) {
+      const int E = v == 0 ? 24 : 8;
+      if (E % nranks != 0) continue;
+      moelink_moe_config_t c = base_config(NULL, dts[d], E, v == 0 ? 5 : 4, 0);
+      c.hidden = 13;
+      c.max_tokens = 9;
+      moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+      ecfg.moe = c;
+      ecfg.recv_capacity = nranks * c.max_tokens;
+      moelink_ep_t ep = NULL;
+      CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), "ep_create (pieces)");
+      if (!ep) continue;
+      char name[64];
+      snprintf(name, sizeof name, "pieces E=%d k=%d", E, c.top_k);
+      const int last = nranks - 1, mid = nranks / 2;
+      const pc_opts plan[] = {
+          /* max_t empty own permute bad_rank bad_mode y_rank y_mode misuse */
+          {9, 0, 0, 0, -1, 0, -1, 0, 0},   {9, 30, 0, 1, -1, 0, -1, 0, 0},
+          {9, 25, 0, 0, last, 0, -1, 0, 0}, {9, 0, 0, 1, last, 1, -1, 0, 0},
+          {9, 25, 0, 0, -1, 0, mid, 0, 0},  {7, 20, 0, 1, 0, 2, -1, 0, 1},
+          {9, 0, 0, 0, last, 3, 0, 1, 0},   {9, 20, 0, 1, -1, 0, mid, 2, 0},
+          {9, 100, 0, 0, -1, 0, -1, 0, 0},  {9, 40, 0, 1, -1, 0, -1, 0, 0},
+          {9, 0, 1, 0, -1, 0, -1, 0, 0},    {9, 10, 0, 0, -1, 0, -1, 0, 0},
+      };
+      const int n_plan = (int)(sizeof plan / sizeof plan[0]);
+      int failures = 0;
+      for (int it = 0; it < n_plan; ++it)
+        failures += pieces_round(ep, &c, ecfg.recv_capacity, 500 + (uint64_t)(d * 2 + v), it,
+                                 &plan[it], name);
+      CHECK(failures == 0, "%s (%s): %d dispatch/combine calls with synthetic experts right",
+            name, moelink_dtype_name(dts[d]), n_plan - failures);
+      const int El = E / nranks;
+      if (El < c.top_k) {
+        /* More slots on rank 0 than a received row has (repeated ids): every
+         * rank refuses, and the layer still works. */
+        int32_t ids[8];
+        float wts[8];
+        for (int j = 0; j < c.top_k; ++j) {
+          ids[j] = j % El;
+          wts[j] = 0.125f;
+        }
+        float x[13] = {0};
+        const int T = rank == last ? 1 : 0;
+        moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+        const moelink_status_t s = moelink_ep_dispatch(ep, T ? x : NULL, T ? ids : NULL,
+                                                       T ? wts : NULL, T, &recv, NULL);
+        char who[64];
+        snprintf(who, sizeof who, "rank %d's token 0", last);
+        CHECK(s == MOELINK_ERR_UNSUPPORTED && strstr(moelink_last_error(), who),
+              "%s: a token with %d slots on rank 0 (%d per row) -> %s on every rank (%s)", name,
+              c.top_k, El, moelink_status_string(s), moelink_last_error());
+        CHECK_STATUS(moelink_ep_combine(ep, NULL, NULL, NULL, NULL), MOELINK_ERR_INVALID_STATE,
+                     "combine after the refused dispatch");
+        CHECK(pieces_round(ep, &c, ecfg.recv_capacity, 599, 0, &plan[1], name) == 0,
+              "%s: dispatch/combine after the refused dispatch", name);
+      }
+      CHECK_OK(moelink_ep_destroy(ep), "ep_destroy (pieces)");
+    }
+  }
+}
+
+/* The local layer an engine would run on what arrived: this rank's E / n
+ * experts, top_k min(k, E / n), max_tokens = the receive capacity. */
+static moelink_moe_t local_layer(const ref_layer *L, int first, int El, int cap) {
+  const moelink_moe_config_t *c = &L->cfg;
+  moelink_moe_config_t lc = MOELINK_MOE_CONFIG_INIT;
+  lc.hidden = c->hidden;
+  lc.inter = c->inter;
+  lc.num_experts = El;
+  lc.top_k = c->top_k < El ? c->top_k : El;
+  lc.dtype = c->dtype;
+  lc.max_tokens = cap;
+  moelink_moe_t m = NULL;
+  CHECK_OK(moelink_moe_create(ctx, &lc, &m), "local layer");
+  if (!m) return NULL;
+  moelink_moe_weights_t w = local_weights(L, first);
+  w.correction_bias = NULL;
+  w.router = L->router; /* never used: rows arrive routed */
+  CHECK_OK(moelink_moe_set_weights(m, &w), "local layer weights");
+  return m;
+}
+
+/* out[T, H] = the sum over the valid slots j of y[pair_rows[t*k + j]] in
+ * slot order, fp32, one rounding: the combine done here from the single
+ * layer's per-(token, slot) expert outputs, skipping the masked slots. */
+static void host_combine(moelink_dtype_t dt, const void *y, const int32_t *pair_rows,
+                         const int32_t *ids, int E, int T, int k, int H, void *out) {
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < H; ++i) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j) {
+        if (!valid_id(ids[(size_t)t * k + j], E)) continue;
+        acc += (float)ref_load(dt, y, (size_t)pair_rows[(size_t)t * k + j] * H + i);
+      }
+      ref_store(dt, out, (size_t)t * H + i, acc);
+    }
+}
+
+/* dispatch, the engine's own plan and experts on a local layer, combine:
+ * against the single-rank layer's pieces (its experts' outputs, combined on
+ * the host, empty slots skipped) and, without empty slots, its forward (no
+ * shared expert in these configs); interleaved with moelink_ep_forward on
+ * the same ep. Exact cases bitwise; random cases within compare()'s bounds.
+ * Also: pair_rows NULL (y by pair) is bitwise the path through the plan. */
+static void run_pieces_layer(const ep_case *ec) {
+  const moelink_moe_config_t *c = &ec->cfg;
+  const moelink_dtype_t dt = c->dtype;
+  const int E = c->num_experts, k = c->top_k, H = c->hidden, El = E / nranks;
+  const int kl = k < El ? k : El;
+  const size_t es = moelink_dtype_size(dt), row = (size_t)H * es;
+  ref_layer L;
+  if (ref_layer_make(&L, c, ec->seed, 0) != 0) {
+    CHECK(0, "%s: ref_layer_make", ec->name);
+    return;
+  }
+  if (ec->exact) make_exact(&L);
+  moelink_moe_config_t rc = *c;
+  rc.max_tokens = nranks * ec->max_t + 1;
+  moelink_moe_t single = NULL;
+  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
+  CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = *c;
+  ecfg.recv_capacity = ec->recv_capacity;
+  moelink_ep_t ep = NULL;
+  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), ec->name);
+  const int first = rank * El, cap = ec->recv_capacity;
+  moelink_moe_t local = ep ? local_layer(&L, first, El, cap) : NULL;
+  if (!ep || !single || !local) {
+    moelink_ep_destroy(ep);
+    moelink_moe_destroy(single);
+    moelink_moe_destroy(local);
+    ref_layer_free(&L);
+    return;
+  }
+  moelink_moe_weights_t w = local_weights(&L, first);
+  CHECK_OK(moelink_ep_set_weights(ep, &w), "ep_set_weights");
+
+  const size_t all = (size_t)nranks * ec->max_t + 1;
+  unsigned char *x_all = (unsigned char *)ct_alloc(all * row);
+  int32_t *ids = (int32_t *)ct_alloc(all * k * 4), *masked = (int32_t *)ct_alloc(all * k * 4);
+  float *wts = (float *)ct_alloc(all * k * 4);
+  unsigned char *y_single = (unsigned char *)ct_alloc(all * k * row);
+  const int tile = moelink_moe_tile_rows(single), ltile = moelink_moe_tile_rows(local);
+  void *plan_single = ct_alloc(moelink_plan_bytes((int)all, k, E, tile));
+  void *plan_local = ct_alloc(moelink_plan_bytes(cap, kl, El, ltile));
+  unsigned char *ref_pieces = (unsigned char *)ct_alloc(all * row);
+  unsigned char *ref_fwd = (unsigned char *)ct_alloc(all * row);
+  unsigned char *y = (unsigned char *)ct_alloc((size_t)cap * kl * row);
+  unsigned char *y_pair = (unsigned char *)ct_alloc((size_t)cap * kl * row);
+  unsigned char *out = (unsigned char *)ct_alloc(all * row);
+  unsigned char *out2 = (unsigned char *)ct_alloc(all * row);
+  unsigned char *saved_rows = (unsigned char *)ct_alloc((size_t)cap * row);
+  int32_t *saved_ids = (int32_t *)ct_alloc((size_t)cap * kl * 4);
+  float *saved_w = (float *)ct_alloc((size_t)cap * kl * 4);
+  int failures = 0;
+  for (int it = 0; it < ec->iters; ++it) {
+    int total = 0, off = 0, T = 0;
+    for (int r = 0; r < nranks; ++r) {
+      const int t = pc_tokens(ec->seed, it, r, ec->max_t);
+      if (r == rank) {
+        off = total;
+        T = t;
+      }
+      total += t;
+    }
+    const int mask = it % 2 == 1; /* odd calls: some slots empty */
+    fill_x(&L, x_all, total, ec->seed * 7919 + (uint64_t)it);
+    if (ec->exact) exact_values(dt, x_all, (size_t)total * H, ec->seed * 7919 + it, 2, 1.0);
+    moelink_plan_t ps;
+    moelink_plan_view(plan_single, total, k, E, tile, &ps);
+    if (total > 0) {
+      CHECK_OK(moelink_moe_route(single, x_all, total, ids, wts, NULL), "single route");
+      CHECK_OK(moelink_moe_plan(single, ids, total, plan_single, NULL), "single plan");
+      CHECK_OK(moelink_moe_experts(single, x_all, total, plan_single, wts, y_single, NULL),
+               "single experts");
+      CHECK_OK(moelink_moe_forward(single, x_all, total, ref_fwd, NULL), "single forward");
+    }
+    memcpy(masked, ids, (size_t)total * k * 4);
+    for (size_t p = 0; mask && p < (size_t)total * k; ++p)
+      if (ct_mix(ec->seed + (uint64_t)it, p) % 3 == 0) masked[p] = empty_id(E, ct_mix(it, p));
+    host_combine(dt, y_single, ps.pair_rows, masked, E, total, k, H, ref_pieces);
+
+    /* Twice the same dispatch when checking the layouts: the second must
+     * hand out the same rows. */
+    const int passes = it == 0 || it == 1 ? 2 : 1;
+    for (int pass = 0; pass < passes; ++pass) {
+      moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+      const moelink_status_t s =
+          moelink_ep_dispatch(ep, T ? x_all + (size_t)off * row : NULL,
+                              T ? masked + (size_t)off * k : NULL,
+                              T ? wts + (size_t)off * k : NULL, T, &recv, NULL);
+      if (s != MOELINK_SUCCESS) {
+        CHECK(0, "%s call %d: dispatch: %s", ec->name, it, moelink_last_error());
+        ++failures;
+        break;
+      }
+      if (pass == 0) {
+        memcpy(saved_rows, recv.rows, (size_t)cap * row);
+        memcpy(saved_ids, recv.expert_ids, (size_t)cap * kl * 4);
+        memcpy(saved_w, recv.weights, (size_t)cap * kl * 4);
+      } else {
+        int same = memcmp(saved_ids, recv.expert_ids, (size_t)cap * kl * 4) == 0 &&
+                   memcmp(saved_w, recv.weights, (size_t)cap * kl * 4) == 0;
+        for (int r = 0; same && r < cap; ++r)
+          if (saved_ids[(size_t)r * kl] >= 0)
+            same = memcmp(saved_rows + (size_t)r * row, (const char *)recv.rows + (size_t)r * row,
+                          row) == 0;
+        CHECK(same, "%s call %d: the same dispatch again hands out the same rows", ec->name, it);
+      }
+      CHECK_OK(moelink_moe_plan(local, recv.expert_ids, cap, plan_local, NULL), "local plan");
+      CHECK_OK(moelink_moe_experts(local, recv.rows, cap, plan_local, recv.weights, y, NULL),
+               "local experts");
+      moelink_plan_t pl;
+      moelink_plan_view(plan_local, cap, kl, El, ltile, &pl);
+      unsigned char *o = pass == 0 ? out : out2;
+      for (size_t i = 0; i < (size_t)T * H; ++i) ref_store(dt, o, i, NAN);
+      if (pass == 0) {
+        CHECK_OK(moelink_ep_combine(ep, y, pl.pair_rows, o, NULL), "combine (plan's pair_rows)");
+      } else {
+        /* y by pair; rows of empty pairs poisoned: they must never be read. */
+        for (size_t p = 0; p < (size_t)cap * kl; ++p) {
+          if (pl.pair_rows[p] >= 0)
+            memcpy(y_pair + p * row, y + (size_t)pl.pair_rows[p] * row, row);
+          else
+            for (int i = 0; i < H; ++i) ref_store(dt, y_pair, p * H + i, NAN);
+        }
+        CHECK_OK(moelink_ep_combine(ep, y_pair, NULL, o, NULL), "combine (pair_rows NULL)");
+        CHECK(ct_first_diff(out, out2, (size_t)T * H, es) < 0,
+              "%s call %d: combine by pair and through pair_rows are bitwise equal", ec->name, it);
+      }
+    }
+    char what[200];
+    snprintf(what, sizeof what, "%s call %d pieces%s (%d of %d tokens)", ec->name, it,
+             mask ? ", empty slots" : "", T, total);
+    const unsigned char *rp = ref_pieces + (size_t)off * row, *rf = ref_fwd + (size_t)off * row;
+    if (ec->exact) {
+      const long at = ct_first_diff(out, rp, (size_t)T * H, es);
+      CHECK(at < 0, "%s: bitwise the single layer's pieces (first difference at %ld)", what, at);
+      failures += at >= 0;
+    } else if (!compare(dt, out, rp, (size_t)T * H, what)) {
+      ++failures;
+    }
+    if (!mask && ec->exact && dt == MOELINK_DTYPE_F32) {
+      const long at = ct_first_diff(out, rf, (size_t)T * H, es);
+      CHECK(at < 0, "%s: bitwise the single layer's forward (first difference at %ld)", what, at);
+      failures += at >= 0;
+    } else if (!mask && !compare(dt, out, rf, (size_t)T * H, what)) {
+      ++failures;
+    }
+    /* The fused forward on the same ep, same tokens. */
+    for (size_t i = 0; i < (size_t)T * H; ++i) ref_store(dt, out2, i, NAN);
+    const moelink_status_t s =
+        moelink_ep_forward(ep, T ? x_all + (size_t)off * row : NULL, T, out2, NULL);
+    CHECK(s == MOELINK_SUCCESS, "%s call %d: forward after the pieces: %s", ec->name, it,
+          s ? moelink_last_error() : "ok");
+    snprintf(what, sizeof what, "%s call %d forward (%d of %d tokens)", ec->name, it, T, total);
+    if (ec->exact) {
+      const long at = ct_first_diff(out2, rf, (size_t)T * H, es);
+      CHECK(at < 0, "%s: bitwise the single layer (first difference at %ld)", what, at);
+      failures += at >= 0;
+      if (!mask && dt == MOELINK_DTYPE_F32)
+        CHECK(ct_first_diff(out, out2, (size_t)T * H, es) < 0,
+              "%s: pieces and forward bitwise equal", what);
+    } else if (!compare(dt, out2, rf, (size_t)T * H, what)) {
+      ++failures;
+    }
+  }
+  CHECK(failures == 0, "%s: %d calls of dispatch + experts + combine right (%s, recv_capacity %d)",
+        ec->name, ec->iters, moelink_dtype_name(dt), cap);
+  free(x_all);
+  free(ids);
+  free(masked);
+  free(wts);
+  free(y_single);
+  free(plan_single);
+  free(plan_local);
+  free(ref_pieces);
+  free(ref_fwd);
+  free(y);
+  free(y_pair);
+  free(out);
+  free(out2);
+  free(saved_rows);
+  free(saved_ids);
+  free(saved_w);
+  CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
+  moelink_moe_destroy(local);
+  moelink_moe_destroy(single);
+  ref_layer_free(&L);
+}
+
+static void test_pieces_layers(void) {
+  /* recv_capacity: every rank's max_tokens, so no routing overflows it. */
+  moelink_moe_config_t m = base_config("mixtral-8x7b", MOELINK_DTYPE_F32, 24, 2, 0);
+  m.max_tokens = 11;
+  ep_case a = {"pieces mixtral", m, nranks * 11, 0, 11, 4, 301, 0};
+  run_pieces_layer(&a);
+  moelink_moe_config_t d = base_config("deepseek-v3", MOELINK_DTYPE_F32, 24, 6, 0);
+  d.inter = 1;
+  d.max_tokens = 9;
+  ep_case b = {"pieces exact deepseek", d, nranks * 9, 0, 9, 4, 303, 1};
+  run_pieces_layer(&b);
+  moelink_moe_config_t q = base_config("qwen3-30b-a3b", MOELINK_DTYPE_BF16, 24, 8, 0);
+  q.inter = 1;
+  q.max_tokens = 8;
+  ep_case e = {"pieces exact qwen3", q, nranks * 8, 0, 8, 4, 305, 1};
+  run_pieces_layer(&e);
+  if (8 % nranks == 0) {
+    moelink_moe_config_t g = base_config(NULL, MOELINK_DTYPE_F16, 8, 3, 0);
+    g.router = MOELINK_ROUTER_TOPK_SOFTMAX;
+    g.max_tokens = 10;
+    ep_case f = {"pieces topk-softmax E=8", g, nranks * 10, 0, 10, 4, 307, 0};
+    run_pieces_layer(&f);
+  }
+}
+
+/* Errors of the pieces: combine without dispatch; a routing that overflows a
+ * rank's receive buffer is refused on every rank, and afterwards forward and
+ * dispatch/combine still work. */
+static void test_pieces_errors(void) {
+  CHECK_STATUS(moelink_ep_dispatch(NULL, NULL, NULL, NULL, 0, NULL, NULL),
+               MOELINK_ERR_INVALID_ARGUMENT, "dispatch on NULL");
+  CHECK_STATUS(moelink_ep_combine(NULL, NULL, NULL, NULL, NULL), MOELINK_ERR_INVALID_ARGUMENT,
+               "combine on NULL");
+  moelink_moe_config_t c = base_config("mixtral-8x7b", MOELINK_DTYPE_F32, 24, 2, 0);
+  c.max_tokens = 6;
+  ref_layer L;
+  if (ref_layer_make(&L, &c, 401, 0) != 0) {
+    CHECK(0, "ref_layer_make");
+    return;
+  }
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = c;
+  ecfg.recv_capacity = 3;
+  moelink_ep_t ep = NULL;
+  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), "ep_create (capacity 3)");
+  if (!ep) {
+    ref_layer_free(&L);
+    return;
+  }
+  CHECK_STATUS(moelink_ep_combine(ep, NULL, NULL, NULL, NULL), MOELINK_ERR_INVALID_STATE,
+               "combine without a dispatch");
+  const int El = c.num_experts / nranks;
+  moelink_moe_weights_t w = local_weights(&L, rank * El);
+  CHECK_OK(moelink_ep_set_weights(ep, &w), "ep_set_weights");
+  const int H = c.hidden, T = 4, F = 6;
+  const size_t row = (size_t)H * 4;
+  float *x_all = (float *)ct_alloc((size_t)nranks * F * row);
+  float *ref_out = (float *)ct_alloc((size_t)nranks * F * row);
+  float *out = (float *)ct_alloc((size_t)F * row);
+  int32_t ids[2 * 6];
+  float wts[2 * 6];
+  for (int t = 0; t < T; ++t) {
+    ids[2 * t] = 0; /* every token of every rank to rank 0's first expert */
+    ids[2 * t + 1] = -1;
+    wts[2 * t] = 0.5f;
+    wts[2 * t + 1] = 0.25f;
+  }
+  fill_x(&L, x_all, nranks * F, 402);
+  moelink_moe_config_t rc = c;
+  rc.max_tokens = nranks * F;
+  moelink_moe_t single = NULL;
+  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
+  CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
+  CHECK_OK(moelink_moe_forward(single, x_all, nranks * F, ref_out, NULL), "reference");
+  for (int round = 0; round < 2; ++round) {
+    moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+    moelink_status_t s =
+        moelink_ep_dispatch(ep, x_all + (size_t)rank * F * H, ids, wts, T, &recv, NULL);
+    char rows[48];
+    snprintf(rows, sizeof rows, "%d token rows", T * nranks);
+    CHECK(s == MOELINK_ERR_UNSUPPORTED && strstr(moelink_last_error(), "rank 0") &&
+              strstr(moelink_last_error(), rows) &&
+              strstr(moelink_last_error(), "recv_capacity 3"),
+          "dispatch of %d rows to rank 0 with recv_capacity 3 -> %s on every rank (%s)",
+          T * nranks, moelink_status_string(s), moelink_last_error());
+    CHECK_STATUS(moelink_ep_combine(ep, NULL, NULL, NULL, NULL), MOELINK_ERR_INVALID_STATE,
+                 "combine after a refused dispatch");
+    /* Forward takes any count in rounds; the layer still works. */
+    for (size_t i = 0; i < (size_t)F * H; ++i) out[i] = NAN;
+    CHECK_OK(moelink_ep_forward(ep, x_all + (size_t)rank * F * H, F, out, NULL),
+             "forward after a refused dispatch");
+    char what[80];
+    snprintf(what, sizeof what, "forward after a refused dispatch (%d)", round);
+    compare(MOELINK_DTYPE_F32, out, ref_out + (size_t)rank * F * H, (size_t)F * H, what);
+    /* And dispatch/combine of a routing that fits. */
+    const pc_opts fits = {3, 20, 1, round, -1, 0, -1, 0, 0};
+    CHECK(pieces_round(ep, &c, 3, 403, round, &fits, "fitting pieces after a refused dispatch") ==
+              0,
+          "dispatch/combine after a refused dispatch (%d)", round);
+  }
+  free(x_all);
+  free(ref_out);
+  free(out);
+  moelink_moe_destroy(single);
+  CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
+  ref_layer_free(&L);
+}
+
 int main(void) {
   ct_start(&ctx, &comm);
   rank = moelink_comm_rank(comm);
@@ -524,6 +1255,9 @@ int main(void) {
   test_layers();
   test_skew();
   test_iterations();
+  test_pieces_errors();
+  test_pieces_protocol();
+  test_pieces_layers();
   ml_t_diag("%zu of %zu elements bitwise equal to the single-rank layer; largest |d| / allowed "
             "%.3g",
             bitwise_equal, compared, worst_ratio);

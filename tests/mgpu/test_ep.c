@@ -683,6 +683,363 @@ static void run_errors(void) {
   layer_free(&L);
 }
 
+/* ---- the pieces: moelink_ep_dispatch, this rank's experts, moelink_ep_combine ---- */
+
+/* What one rank runs between the two exchanges: its own experts (a plain
+ * moelink_moe layer of E / ranks experts) on the received rows. */
+typedef struct pieces {
+  moelink_moe_t local;
+  int cap, kl;
+  void *plan, *y, *ydense;   /* y: [cap * kl, H] permuted; ydense: by pair */
+  void *ref_plan, *ref_y;    /* the single-GPU layer's pieces (reference) */
+  int32_t *ref_ids;          /* [ranks * M, k] the reference's ids (device) */
+  int32_t *h_ids, *h_ref_ids, *h_rids, *h_prows;
+  float *h_wts, *h_rw;
+  unsigned char *h_x, *h_rows, *h_y;
+} pieces;
+
+static void pieces_make(pieces *P, layer *L) {
+  memset(P, 0, sizeof *P);
+  const moelink_moe_config_t *c = &L->cfg;
+  const int M = c->max_tokens, k = c->top_k;
+  P->cap = W.size * M;
+  P->kl = k < L->El ? k : L->El;
+  moelink_moe_config_t lc = MOELINK_MOE_CONFIG_INIT;
+  lc.hidden = c->hidden;
+  lc.inter = c->inter;
+  lc.num_experts = L->El;
+  lc.top_k = P->kl;
+  lc.dtype = c->dtype;
+  lc.max_tokens = P->cap;
+  MG_MUST(moelink_moe_create(W.ctx, &lc, &P->local), "local experts layer");
+  const size_t es = moelink_dtype_size(c->dtype), H = (size_t)c->hidden, I = (size_t)c->inter;
+  moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
+  lw.dtype = c->dtype;
+  lw.router = L->router; /* never used */
+  lw.gate_up = (const char *)L->gate_up + (size_t)L->first * 2 * I * H * es;
+  lw.down = (const char *)L->down + (size_t)L->first * H * I * es;
+  MG_MUST(moelink_moe_set_weights(P->local, &lw), "local experts weights");
+  const size_t pairs = (size_t)P->cap * (size_t)P->kl, all = (size_t)W.size * (size_t)M;
+  P->plan = mg_dev(moelink_plan_bytes(P->cap, P->kl, L->El, moelink_moe_tile_rows(P->local)));
+  P->y = mg_dev(pairs * L->row);
+  P->ydense = mg_dev(pairs * L->row);
+  P->ref_plan =
+      mg_dev(moelink_plan_bytes((int)all, k, c->num_experts, moelink_moe_tile_rows(L->ref)));
+  P->ref_y = mg_dev(all * (size_t)k * L->row);
+  P->ref_ids = (int32_t *)mg_dev(all * (size_t)k * sizeof(int32_t));
+  P->h_ids = (int32_t *)mg_host(all * (size_t)k * sizeof(int32_t));
+  P->h_ref_ids = (int32_t *)mg_host(all * (size_t)k * sizeof(int32_t));
+  P->h_wts = (float *)mg_host(all * (size_t)k * sizeof(float));
+  P->h_x = (unsigned char *)mg_host(all * L->row);
+  P->h_rows = (unsigned char *)mg_host((size_t)P->cap * L->row);
+  P->h_rids = (int32_t *)mg_host(pairs * sizeof(int32_t));
+  P->h_rw = (float *)mg_host(pairs * sizeof(float));
+  P->h_prows = (int32_t *)mg_host(pairs * sizeof(int32_t));
+  P->h_y = (unsigned char *)mg_host(pairs * L->row);
+}
+
+static void pieces_free(pieces *P) {
+  sync_stream();
+  CHECK_OK(moelink_moe_destroy(P->local), "moe_destroy (local experts)");
+  void *d[] = {P->plan, P->y, P->ydense, P->ref_plan, P->ref_y, P->ref_ids};
+  for (size_t i = 0; i < sizeof d / sizeof d[0]; ++i) cudaFree(d[i]);
+  void *h[] = {P->h_ids, P->h_ref_ids, P->h_wts, P->h_x, P->h_rows,
+               P->h_rids, P->h_rw,      P->h_prows, P->h_y};
+  for (size_t i = 0; i < sizeof h / sizeof h[0]; ++i) free(h[i]);
+}
+
+/* Inputs of call (c, it): every rank's tokens into x_all, routed by the
+ * single-GPU layer (the same batch on every rank, so every rank sees the same
+ * ids), then holes: some slots get -1 or an id >= E (empty slots). The
+ * reference ids are those, with rank `drop`'s experts also removed (>= 0:
+ * that rank's combine sends zeros). Returns where this rank's tokens start. */
+static int pieces_inputs(layer *L, pieces *P, const int *counts, int c, int it, int holes,
+                         int drop) {
+  const int k = L->cfg.top_k, E = L->cfg.num_experts;
+  int total = 0, mine = 0;
+  for (int r = 0; r < W.size; ++r) {
+    if (r == W.rank) mine = total;
+    fill_x(L, (char *)L->x_all + (size_t)total * L->row, counts[r], x_seed(c, it, r));
+    total += counts[r];
+  }
+  fill_x(L, L->x, counts[W.rank], x_seed(c, it, W.rank));
+  const size_t n = (size_t)total * (size_t)k;
+  if (total > 0)
+    MG_MUST(moelink_moe_route(L->ref, L->x_all, total, L->ids, L->wts, W.stream), "route x_all");
+  sync_stream();
+  to_host(P->h_ids, L->ids, n * sizeof(int32_t));
+  to_host(P->h_wts, L->wts, n * sizeof(float));
+  to_host(P->h_x, L->x_all, (size_t)total * L->row);
+  for (int g = 0; g < total && holes; ++g) {
+    if (g % 5 == 1) P->h_ids[(size_t)g * k] = -1;
+    if (g % 7 == 3) P->h_ids[(size_t)g * k + k - 1] = E + 3;
+  }
+  const int El = E / W.size;
+  for (size_t i = 0; i < n; ++i) {
+    const int e = P->h_ids[i];
+    P->h_ref_ids[i] = drop >= 0 && e >= drop * El && e < (drop + 1) * El ? -1 : e;
+  }
+  if (n) {
+    MG_CUDA(cudaMemcpy(L->ids, P->h_ids, n * sizeof(int32_t), cudaMemcpyHostToDevice));
+    MG_CUDA(cudaMemcpy(P->ref_ids, P->h_ref_ids, n * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  return mine;
+}
+
+/* The single-GPU layer's pieces on all ranks' tokens with the reference ids:
+ * plan (empty slots dropped), experts, combine, into ref_out. */
+static void pieces_reference(layer *L, pieces *P, int total) {
+  if (total == 0) return;
+  MG_MUST(moelink_moe_plan(L->ref, P->ref_ids, total, P->ref_plan, W.stream), "reference plan");
+  MG_MUST(moelink_moe_experts(L->ref, L->x_all, total, P->ref_plan, L->wts, P->ref_y, W.stream),
+          "reference experts");
+  MG_MUST(moelink_moe_combine(L->ref, P->ref_y, total, P->ref_plan, L->ref_out, W.stream),
+          "reference combine");
+}
+
+/* What this rank received against what it must have: per source rank s and
+ * token t of s with at least one expert here, one row with t's bytes and its
+ * local ids and weights in slot order; nothing else. Layout-free: rows are
+ * matched by content. */
+static int pieces_check_recv(layer *L, pieces *P, const moelink_ep_recv_t *rv, const int *counts,
+                             const char *what) {
+  const int k = L->cfg.top_k, kl = P->kl, first = L->first, El = L->El;
+  CHECK(rv->capacity == P->cap && rv->top_k == kl && rv->rows && rv->expert_ids && rv->weights,
+        "%s: recv capacity %d (want %d), top_k %d (want %d)", what, rv->capacity, P->cap,
+        rv->top_k, kl);
+  if (rv->capacity != P->cap || rv->top_k != kl) return 0;
+  to_host(P->h_rows, rv->rows, (size_t)P->cap * L->row);
+  to_host(P->h_rids, rv->expert_ids, (size_t)P->cap * kl * sizeof(int32_t));
+  to_host(P->h_rw, rv->weights, (size_t)P->cap * kl * sizeof(float));
+  int total = 0;
+  for (int r = 0; r < W.size; ++r) total += counts[r];
+  char *used = (char *)calloc((size_t)P->cap, 1);
+  int expected = 0, found = 0, malformed = 0;
+  for (int g = 0; g < total; ++g) {
+    int want[64], nq = 0;
+    float ww[64];
+    for (int j = 0; j < k; ++j) {
+      const int e = P->h_ids[(size_t)g * k + j];
+      if (e >= first && e < first + El && nq < kl) {
+        want[nq] = e - first;
+        ww[nq++] = P->h_wts[(size_t)g * k + j];
+      }
+    }
+    if (nq == 0) continue;
+    ++expected;
+    for (int r = 0; r < P->cap; ++r) {
+      if (used[r]) continue;
+      const int32_t *ri = P->h_rids + (size_t)r * kl;
+      const float *rw = P->h_rw + (size_t)r * kl;
+      int same = 1;
+      for (int q = 0; q < kl && same; ++q)
+        same = q < nq ? ri[q] == want[q] && memcmp(&rw[q], &ww[q], 4) == 0 : ri[q] == -1;
+      if (!same || memcmp(P->h_rows + (size_t)r * L->row, P->h_x + (size_t)g * L->row, L->row))
+        continue;
+      used[r] = 1;
+      ++found;
+      break;
+    }
+  }
+  int extra = 0;
+  for (int r = 0; r < P->cap; ++r) {
+    const int32_t *ri = P->h_rids + (size_t)r * kl;
+    const float *rw = P->h_rw + (size_t)r * kl;
+    int seen_empty = 0;
+    for (int q = 0; q < kl; ++q) {
+      if (ri[q] < 0) {
+        seen_empty = 1;
+        malformed += ri[q] != -1 || rw[q] != 0.0f;
+      } else {
+        malformed += seen_empty || ri[q] >= El;
+      }
+    }
+    extra += !used[r] && ri[0] >= 0;
+  }
+  free(used);
+  const int ok = found == expected && extra == 0 && malformed == 0;
+  CHECK(ok, "%s: received %d of the %d expected rows (bytes, local ids, weights), %d unexpected, "
+            "%d malformed slots",
+        what, found, expected, extra, malformed);
+  return ok;
+}
+
+/* dispatch; local plan + experts; combine (y NULL on rank `drop`). */
+static moelink_status_t pieces_layer(layer *L, pieces *P, int T, int drop, moelink_ep_recv_t *rv,
+                                     const int32_t *ids, const float *wts) {
+  moelink_status_t s = moelink_ep_dispatch(L->ep, T ? L->x : NULL, ids, wts, T, rv, W.stream);
+  if (s != MOELINK_SUCCESS) return s;
+  MG_MUST(moelink_moe_plan(P->local, rv->expert_ids, rv->capacity, P->plan, W.stream),
+          "local plan");
+  MG_MUST(moelink_moe_experts(P->local, rv->rows, rv->capacity, P->plan, rv->weights, P->y,
+                              W.stream),
+          "local experts");
+  moelink_plan_t pv;
+  MG_MUST(moelink_plan_view(P->plan, rv->capacity, P->kl, L->El, moelink_moe_tile_rows(P->local),
+                            &pv),
+          "plan view");
+  return moelink_ep_combine(L->ep, W.rank == drop ? NULL : P->y, pv.pair_rows,
+                            T ? L->out : NULL, W.stream);
+}
+
+static void run_pieces(const char *name, const moelink_moe_config_t *cfg) {
+  const int c = g_case++;
+  layer L;
+  layer_make(&L, name, cfg, 0x9e7e0000ull + (uint64_t)c, 0);
+  pieces P;
+  pieces_make(&P, &L);
+  const int M = cfg->max_tokens, k = cfg->top_k;
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L.row;
+  uint64_t st = mg_seed(0, 4242 + c); /* the same on every rank: counts agree */
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  for (int it = 0; it < 8; ++it) {
+    counts_of(it < 4 ? it : 4, M, &st, counts);
+    const int holes = it % 2, T = counts[W.rank];
+    const int mine = pieces_inputs(&L, &P, counts, c, it, holes, -1);
+    char what[200];
+    snprintf(what, sizeof what, "%s pieces call %d (%s), tokens here %d", name, it,
+             holes ? "with empty slots" : "routed", T);
+    poison(L.out, bytes);
+    moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+    moelink_status_t s = moelink_ep_dispatch(L.ep, T ? L.x : NULL, L.ids + (size_t)mine * k,
+                                             L.wts + (size_t)mine * k, T, &rv, W.stream);
+    CHECK_OK(s, "ep_dispatch");
+    if (s != MOELINK_SUCCESS) mg_bail("dispatch failed");
+    sync_stream();
+    pieces_check_recv(&L, &P, &rv, counts, what);
+    MG_MUST(moelink_moe_plan(P.local, rv.expert_ids, rv.capacity, P.plan, W.stream), "plan");
+    MG_MUST(moelink_moe_experts(P.local, rv.rows, rv.capacity, P.plan, rv.weights, P.y, W.stream),
+            "experts");
+    moelink_plan_t pv;
+    MG_MUST(moelink_plan_view(P.plan, rv.capacity, P.kl, L.El, moelink_moe_tile_rows(P.local), &pv),
+            "plan view");
+    /* The same outputs laid out by pair, for the pair_rows NULL call. */
+    sync_stream();
+    const size_t pairs = (size_t)P.cap * P.kl;
+    to_host(P.h_prows, pv.pair_rows, pairs * sizeof(int32_t));
+    to_host(P.h_y, P.y, pairs * L.row);
+    MG_CUDA(cudaMemset(P.ydense, 0x7f, pairs * L.row));
+    for (size_t q = 0; q < pairs; ++q)
+      if (P.h_prows[q] >= 0)
+        MG_CUDA(cudaMemcpy((char *)P.ydense + q * L.row, P.h_y + (size_t)P.h_prows[q] * L.row,
+                           L.row, cudaMemcpyHostToDevice));
+    CHECK_OK(moelink_ep_combine(L.ep, P.y, pv.pair_rows, T ? L.out : NULL, W.stream),
+             "ep_combine");
+    int total = 0;
+    for (int r = 0; r < W.size; ++r) total += counts[r];
+    pieces_reference(&L, &P, total);
+    sync_stream();
+    to_host(L.h_out, L.out, bytes);
+    memset(L.h_ref, 0, (size_t)T * L.row);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    compare(&L, what, L.h_out, L.h_ref, T, 0);
+
+    /* Again by pair (pair_rows NULL): bitwise the same out. */
+    poison(L.out2, bytes);
+    rv = (moelink_ep_recv_t)MOELINK_EP_RECV_INIT;
+    CHECK_OK(moelink_ep_dispatch(L.ep, T ? L.x : NULL, L.ids + (size_t)mine * k,
+                                 L.wts + (size_t)mine * k, T, &rv, W.stream),
+             "ep_dispatch (again)");
+    CHECK_OK(moelink_ep_combine(L.ep, P.ydense, NULL, T ? L.out2 : NULL, W.stream),
+             "ep_combine (outputs by pair)");
+    sync_stream();
+    to_host(L.h_out2, L.out2, bytes);
+    CHECK(memcmp(L.h_out, L.h_out2, (size_t)T * L.row) == 0,
+          "%s: combine with outputs by pair (pair_rows NULL) is bitwise the same", what);
+  }
+
+  /* Interleaved with forward on the same layer, and a rank whose combine has
+   * y NULL: it reports INVALID_ARGUMENT, the others' outputs lack exactly its
+   * experts' contributions. */
+  for (int r = 0; r < W.size; ++r) counts[r] = M - 3 * r;
+  run_call(&L, counts, c, 20, 1);
+  const int drop = W.size - 1;
+  {
+    const int mine = pieces_inputs(&L, &P, counts, c, 21, 1, drop), T = counts[W.rank];
+    poison(L.out, bytes);
+    moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+    const moelink_status_t s = pieces_layer(&L, &P, T, drop, &rv, L.ids + (size_t)mine * k,
+                                            L.wts + (size_t)mine * k);
+    if (W.rank == drop) {
+      CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "zeros"),
+            "%s: combine with y NULL on rank %d -> %s (%s)", name, W.rank,
+            moelink_status_string(s), moelink_last_error());
+      sync_stream();
+    } else {
+      CHECK_OK(s, "dispatch + experts + combine beside a rank with y NULL");
+      int total = 0;
+      for (int r = 0; r < W.size; ++r) total += counts[r];
+      pieces_reference(&L, &P, total);
+      sync_stream();
+      to_host(L.h_out, L.out, bytes);
+      to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+      compare(&L, "beside a rank whose combine had y NULL (its experts' terms are zero)", L.h_out,
+              L.h_ref, T, 0);
+    }
+  }
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "pieces: comm_check");
+
+  /* A captured graph of dispatch + experts + combine, replayed on new inputs
+   * (the token counts are part of the graph). */
+  for (int r = 0; r < W.size; ++r) counts[r] = M / 2 + r;
+  const int T = counts[W.rank];
+  int mine = pieces_inputs(&L, &P, counts, c, 30, 0, -1), gtotal = 0;
+  for (int r = 0; r < W.size; ++r) gtotal += counts[r];
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+  MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeThreadLocal));
+  const moelink_status_t sc = pieces_layer(&L, &P, T, -1, &rv, L.ids + (size_t)mine * k,
+                                           L.wts + (size_t)mine * k);
+  const cudaError_t ec = cudaStreamEndCapture(W.stream, &graph);
+  CHECK(sc == MOELINK_SUCCESS && ec == cudaSuccess, "%s: dispatch + experts + combine captured "
+        "(%s; %s)", name, moelink_status_string(sc), cudaGetErrorString(ec));
+  if (sc == MOELINK_SUCCESS && ec == cudaSuccess) {
+    MG_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int rep = 0; rep < 2; ++rep) {
+      mine = pieces_inputs(&L, &P, counts, c, 31 + rep, rep, -1);
+      poison(L.out, bytes);
+      MG_CUDA(cudaGraphLaunch(exec, W.stream));
+      pieces_reference(&L, &P, gtotal);
+      sync_stream();
+      to_host(L.h_out, L.out, bytes);
+      to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+      char what[160];
+      snprintf(what, sizeof what, "%s: graph replay %d of the pieces", name, rep);
+      compare(&L, what, L.h_out, L.h_ref, T, 0);
+    }
+    MG_CUDA(cudaGraphExecDestroy(exec));
+  }
+  if (graph) MG_CUDA(cudaGraphDestroy(graph));
+  (void)cudaGetLastError();
+
+  /* Order errors, every rank alike (nothing is sent). */
+  CHECK_STATUS(moelink_ep_combine(L.ep, P.y, NULL, L.out, W.stream), MOELINK_ERR_INVALID_STATE,
+               "ep_combine without a dispatch");
+  rv = (moelink_ep_recv_t)MOELINK_EP_RECV_INIT;
+  CHECK_OK(moelink_ep_dispatch(L.ep, L.x, L.ids, L.wts, 4, &rv, W.stream), "ep_dispatch");
+  CHECK_STATUS(moelink_ep_dispatch(L.ep, L.x, L.ids, L.wts, 4, &rv, W.stream),
+               MOELINK_ERR_INVALID_STATE, "ep_dispatch twice");
+  CHECK_STATUS(moelink_ep_forward(L.ep, L.x, 4, L.out, W.stream), MOELINK_ERR_INVALID_STATE,
+               "ep_forward between dispatch and combine");
+  CHECK_OK(moelink_ep_combine(L.ep, P.ydense, NULL, L.out, W.stream), "ep_combine after them");
+  /* A bad argument on one rank: it takes part with no tokens. */
+  rv = (moelink_ep_recv_t)MOELINK_EP_RECV_INIT;
+  const moelink_status_t sb =
+      moelink_ep_dispatch(L.ep, L.x, L.ids, L.wts, W.rank == 0 ? M + 1 : 3, &rv, W.stream);
+  if (W.rank == 0)
+    CHECK(sb == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part"),
+          "ep_dispatch of max_tokens + 1 on rank 0 -> %s (%s)", moelink_status_string(sb),
+          moelink_last_error());
+  else
+    CHECK_OK(sb, "ep_dispatch beside a rank with a bad argument");
+  CHECK_OK(moelink_ep_combine(L.ep, P.ydense, NULL, L.out, W.stream), "ep_combine after it");
+  sync_stream();
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "pieces: comm_check after the errors");
+  pieces_free(&P);
+  layer_free(&L);
+}
+
 int main(void) {
   mg_init(&W);
   const double t0 = mg_now();
@@ -722,6 +1079,13 @@ int main(void) {
   ml_t_diag("stress done in %.1f s", mg_now() - t0);
   run_graph();
   ml_t_diag("graph done in %.1f s", mg_now() - t0);
+
+  /* The pieces, without a shared expert (combine adds none). */
+  moelink_moe_config_t pm = make_config("mixtral-8x7b", bf, 512, 256, 8, 2, 0, 60);
+  run_pieces("pieces mixtral-like E=8 k=2", &pm);
+  moelink_moe_config_t pd = make_config("deepseek-v3", bf, 256, 128, 32, 8, 0, 45);
+  run_pieces("pieces deepseek-like E=32 k=8", &pd);
+  ml_t_diag("pieces done in %.1f s", mg_now() - t0);
 
   ml_t_diag("%zu of %zu compared elements bitwise equal to the single-GPU layer; worst rel L2 "
             "%.3g, worst |d| %.3g; all done in %.1f s",

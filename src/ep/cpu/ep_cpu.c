@@ -13,7 +13,8 @@
  *                         its receive buffer may be refilled and its expert
  *                         outputs for this rank's tokens are in `ret`
  *   counts[2][n][n+1]     row s of a step (parity): tokens s sends to each rank,
- *                         then 1 if s has tokens left for a further step
+ *                         then 1 if s has tokens left for a further step (a
+ *                         dispatch: 1 + a token of s that no row can hold)
  *   meta[cap][2+2k]       per received row: source rank, source token (within
  *                         the step), the k expert ids (-1: not this rank's
  *                         expert), the k routing weights (fp32 bits)
@@ -46,6 +47,22 @@
  * sent in step s+1, after its combine of step s; counts alternate between two
  * parities, and a rank can be at most one step ahead of any other.
  *
+ * The pieces (moelink_ep_dispatch / moelink_ep_combine) are one step of one
+ * round cut after the arrival wait of 4.: dispatch lists destinations from
+ * the caller's ids (an id outside [0, E) goes nowhere) and exchanges counts.
+ * When some rank's incoming rows exceed cap, or a source flagged a token
+ * with more slots on one rank than a row has (min(k, E / n): only repeated
+ * ids can do that), every rank (all hold the same matrix) refuses before
+ * anything is sent, UNSUPPORTED; the step
+ * epoch has advanced everywhere alike, as after a step with no rounds.
+ * Otherwise it pushes the round, waits for it and hands out the received
+ * rows with their local ids and weights. Combine pushes the caller's y rows (fp32) into
+ * the sources' ret, signals sig_back of that round, waits for every rank's,
+ * and adds ret rows of the valid slots only (cpairs: -1 for an empty slot,
+ * whose ret row holds whatever an earlier call left there). The received
+ * rows, meta and lids stay untouched in between: no source refills this
+ * rank's buffer before its sig_back, and forward refuses to run (ep.c).
+ *
  * Memory: the two layers' workspaces (max_tokens and recv_capacity rows), the
  * symmetric buffer above and O(max_tokens * k + cap * k + n^2) host ints: set
  * by the config, never by a call's token count or routing. */
@@ -75,8 +92,10 @@ typedef struct ml_ep_cpu {
   float *lwts;       /* [cap * kl] */
   int32_t *lslot;    /* [cap * kl] slot j of the source token (-1: none) */
   int32_t *ident;    /* [max_tokens * k]: pair p's result is ret row p */
+  int32_t *cpairs;   /* [max_tokens * k]: as ident, -1 for a dispatch's empty slots */
   void *host;
   uint64_t steps, rounds; /* epochs, equal on every rank */
+  int d_tokens, d_recv;   /* the last dispatch: this rank's tokens, rows received */
 } ml_ep_cpu;
 
 static size_t ml_ep_up(size_t v) { return (v + 63) & ~(size_t)63; }
@@ -126,6 +145,7 @@ static size_t ml_ep_host_layout(const moelink_ep_config_t *cfg, int n, ml_ep_cpu
   ML_EP_TAKE(lwts, float, cap * kl);
   ML_EP_TAKE(lslot, int32_t, cap * kl);
   ML_EP_TAKE(ident, int32_t, T * k);
+  ML_EP_TAKE(cpairs, int32_t, T * k);
   ML_EP_TAKE(peer, unsigned char *, nn);
 #undef ML_EP_TAKE
   return off;
@@ -260,9 +280,16 @@ static inline uint64_t *ml_ep_sig(const ml_ep_cpu *w, int rank, size_t off) {
   return (uint64_t *)(void *)(w->peer[rank] + off);
 }
 
-/* Runs the local experts on the nrecv rows of this round and pushes each
- * (row, slot) result into its source rank's ret. */
-static moelink_status_t ml_ep_serve(ml_ep_cpu *w, int nrecv) {
+/* The rank that owns expert id, or -1 for an empty slot (an id outside
+ * [0, E); C's division would put -1 on rank 0). */
+static inline int ml_ep_owner(const ml_ep_cpu *w, int32_t id) {
+  return id >= 0 && id < w->E ? id / w->El : -1;
+}
+
+/* lids / lwts / lslot of the nrecv received rows, from their meta: each
+ * row's slots of this rank's experts, compacted in the source's slot order,
+ * then -1 / 0 / -1. */
+static moelink_status_t ml_ep_prepare(ml_ep_cpu *w, int nrecv) {
   const int k = w->k, kl = w->kl, first = w->me * w->El;
   const int32_t *meta = (const int32_t *)(const void *)(w->symm + w->off_meta);
   for (int i = 0; i < nrecv; ++i) {
@@ -289,6 +316,15 @@ static moelink_status_t ml_ep_serve(ml_ep_cpu *w, int nrecv) {
       w->lslot[p] = -1;
     }
   }
+  return MOELINK_SUCCESS;
+}
+
+/* Runs the local experts on the nrecv rows of this round and pushes each
+ * (row, slot) result into its source rank's ret. */
+static moelink_status_t ml_ep_serve(ml_ep_cpu *w, int nrecv) {
+  const int k = w->k, kl = w->kl;
+  const int32_t *meta = (const int32_t *)(const void *)(w->symm + w->off_meta);
+  ML_TRY(ml_ep_prepare(w, nrecv));
   moelink_moe_t local = w->local;
   ml_cpu_moe *lws = ml_cpu_ws(local);
   moelink_plan_t plan;
@@ -314,16 +350,13 @@ static moelink_status_t ml_ep_serve(ml_ep_cpu *w, int nrecv) {
   return MOELINK_SUCCESS;
 }
 
-/* Routes this step's tokens and lists them per destination rank. */
-static moelink_status_t ml_ep_route_step(ml_ep_cpu *w, const void *x, int ts, const float **x32) {
-  moelink_moe_t front = w->front;
-  ml_cpu_moe *fws = ml_cpu_ws(front);
-  const int n = w->n, k = w->k, El = w->El;
+/* Lists this step's ts tokens per destination rank by their ids [ts, k].
+ * Returns 1 + the first token with more slots on one rank than a received
+ * row has (kl: only repeated ids can do that, when E / n < k), else 0. */
+static int ml_ep_list(ml_ep_cpu *w, const int32_t *ids_all, int ts) {
+  const int n = w->n, k = w->k;
+  int over = 0;
   memset(w->dest_off, 0, sizeof(int32_t) * ((size_t)n + 1));
-  *x32 = NULL;
-  if (ts == 0) return MOELINK_SUCCESS;
-  *x32 = ml_cpu_x_f32(front, x, ts);
-  ML_TRY(ml_cpu_route_f32(front, *x32, ts, fws->ids, fws->wts));
   /* Twice over the tokens: count per destination, then place. A token goes
    * to d once, at its first slot whose expert d owns. */
   for (int pass = 0; pass < 2; ++pass) {
@@ -333,11 +366,13 @@ static moelink_status_t ml_ep_route_step(ml_ep_cpu *w, const void *x, int ts, co
       memcpy(cursor, w->dest_off, sizeof(int32_t) * (size_t)n);
     }
     for (int t = 0; t < ts; ++t) {
-      const int32_t *ids = fws->ids + (size_t)t * k;
+      const int32_t *ids = ids_all + (size_t)t * k;
       for (int j = 0; j < k; ++j) {
-        const int d = ids[j] / El;
+        const int d = ml_ep_owner(w, ids[j]);
+        if (d < 0) continue;
         int seen = 0;
-        for (int q = 0; q < j && !seen; ++q) seen = ids[q] / El == d;
+        for (int q = 0; q < j; ++q) seen += ml_ep_owner(w, ids[q]) == d;
+        if (seen == w->kl && !over) over = t + 1;
         if (seen) continue;
         if (pass == 0)
           ++w->dest_off[d + 1];
@@ -346,15 +381,73 @@ static moelink_status_t ml_ep_route_step(ml_ep_cpu *w, const void *x, int ts, co
       }
     }
   }
+  return over;
+}
+
+/* Routes this step's tokens and lists them per destination rank. */
+static moelink_status_t ml_ep_route_step(ml_ep_cpu *w, const void *x, int ts, const float **x32) {
+  moelink_moe_t front = w->front;
+  ml_cpu_moe *fws = ml_cpu_ws(front);
+  *x32 = NULL;
+  if (ts > 0) {
+    *x32 = ml_cpu_x_f32(front, x, ts);
+    ML_TRY(ml_cpu_route_f32(front, *x32, ts, fws->ids, fws->wts));
+  }
+  (void)ml_ep_list(w, fws->ids, ts); /* the router's ids are distinct */
   return MOELINK_SUCCESS;
 }
 
-/* Pushes this round's rows of every destination (rows [i0, i1) of its list). */
-static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, int64_t lo,
-                                         uint64_t re) {
+/* The counts of step w->steps: pushes this rank's row (tokens per
+ * destination from dest_off, then last_col: forward's "tokens left",
+ * dispatch's "bad token + 1") into every rank's matrix and waits for all
+ * rows; fills mat and pre. Out: the rows this rank receives, the most any
+ * rank receives and the lowest rank that does, and the lowest rank whose
+ * last column is not 0 (-1: none). */
+static moelink_status_t ml_ep_counts(moelink_ep_t ep, int last_col, int64_t *in_me,
+                                     int64_t *in_max, int *max_rank, int *flagged) {
   ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
-  ml_cpu_moe *fws = ml_cpu_ws(w->front);
-  const int n = w->n, k = w->k, El = w->El, me = w->me;
+  const int n = w->n, me = w->me;
+  const size_t row = (size_t)n + 1;
+  const uint64_t st = w->steps;
+  int64_t mine[ML_CPU_MAX_RANKS + 1];
+  for (int d = 0; d < n; ++d) mine[d] = w->dest_off[d + 1] - w->dest_off[d];
+  mine[n] = last_col;
+  const size_t counts_at = w->off_counts + ((st & 1) * (size_t)n + (size_t)me) * row * 8;
+  for (int p = 0; p < n; ++p) {
+    memcpy(w->peer[p] + counts_at, mine, row * 8);
+    ml_cpu_signal_set(ml_ep_sig(w, p, w->off_count) + me, st);
+  }
+  for (int s = 0; s < n; ++s)
+    if (s != me)
+      ML_TRY(ml_cpu_wait(ep->comm, ml_ep_sig(w, me, w->off_count) + s, st, s, "ep: token counts"));
+  memcpy(w->mat, w->symm + w->off_counts + (st & 1) * (size_t)n * row * 8, (size_t)n * row * 8);
+  *in_me = 0;
+  *in_max = 0;
+  *max_rank = 0;
+  *flagged = -1;
+  for (int d = 0; d < n; ++d) {
+    int64_t in = 0;
+    for (int s = 0; s < n; ++s) {
+      if (s == me) w->pre[d] = in;
+      in += w->mat[(size_t)s * row + d];
+    }
+    if (in > *in_max) {
+      *in_max = in;
+      *max_rank = d;
+    }
+    if (d == me) *in_me = in;
+  }
+  for (int s = n - 1; s >= 0; --s)
+    if (w->mat[(size_t)s * row + (size_t)n] != 0) *flagged = s;
+  return MOELINK_SUCCESS;
+}
+
+/* Pushes this round's rows of every destination (incoming positions
+ * [lo, lo + cap) of each), with meta from ids / wts [*, k]. */
+static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, const int32_t *ids_all,
+                                         const float *wts_all, int64_t lo, uint64_t re) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  const int n = w->n, k = w->k, me = w->me;
   for (int d = 0; d < n; ++d) {
     const int64_t p0 = w->pre[d], cnt = w->mat[(size_t)me * (n + 1) + d];
     const int64_t i0 = lo - p0 > 0 ? lo - p0 : 0;
@@ -371,12 +464,12 @@ static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, int64_t
         memcpy(rows + pos * w->row_bytes, (const char *)x + (size_t)t * w->row_bytes,
                w->row_bytes);
         int32_t *m = meta + pos * w->meta_ints;
-        const int32_t *ids = fws->ids + (size_t)t * k;
+        const int32_t *ids = ids_all + (size_t)t * k;
         m[0] = me;
         m[1] = t;
         for (int j = 0; j < k; ++j) {
-          m[2 + j] = ids[j] / El == d ? ids[j] : -1;
-          memcpy(&m[2 + k + j], &fws->wts[(size_t)t * k + j], 4);
+          m[2 + j] = ml_ep_owner(w, ids[j]) == d ? ids[j] : -1;
+          memcpy(&m[2 + k + j], &wts_all[(size_t)t * k + j], 4);
         }
       }
     }
@@ -385,52 +478,47 @@ static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, int64_t
   return MOELINK_SUCCESS;
 }
 
+/* Waits until every source's rows of round re are in. */
+static moelink_status_t ml_ep_wait_arrivals(moelink_ep_t ep, uint64_t re) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  for (int s = 0; s < w->n; ++s)
+    if (s != w->me)
+      ML_TRY(ml_cpu_wait(ep->comm, ml_ep_sig(w, w->me, w->off_arrive) + s, re, s,
+                         "ep: dispatched token rows"));
+  return MOELINK_SUCCESS;
+}
+
+/* Signals this rank done with round re to every rank, then waits for every
+ * rank's: all expert outputs for this rank's tokens are in ret. */
+static moelink_status_t ml_ep_close_round(moelink_ep_t ep, uint64_t re) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  for (int s = 0; s < w->n; ++s) ml_cpu_signal_set(ml_ep_sig(w, s, w->off_back) + w->me, re);
+  for (int d = 0; d < w->n; ++d)
+    if (d != w->me)
+      ML_TRY(ml_cpu_wait(ep->comm, ml_ep_sig(w, w->me, w->off_back) + d, re, d,
+                         "ep: expert outputs returned"));
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int num_tokens,
                                           void *out, void *stream) {
   (void)stream;
   ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
-  moelink_comm_t comm = ep->comm;
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const int n = w->n, me = w->me;
-  const size_t row = (size_t)n + 1;
   ml_cpu_moe *fws = ml_cpu_ws(w->front);
   int done = 0;
   for (;;) {
     const int left = num_tokens - done;
     const int ts = left < w->max_tokens ? left : w->max_tokens;
-    const uint64_t st = ++w->steps;
+    ++w->steps;
     const char *xs = ts ? (const char *)x + (size_t)done * w->row_bytes : NULL;
     const float *x32 = NULL;
     ML_TRY(ml_ep_route_step(w, xs, ts, &x32));
-
-    /* Counts: this rank's row into every rank's matrix. */
-    int64_t mine[ML_CPU_MAX_RANKS + 1];
-    for (int d = 0; d < n; ++d) mine[d] = w->dest_off[d + 1] - w->dest_off[d];
-    mine[n] = left > ts;
-    const size_t counts_at = w->off_counts + ((st & 1) * (size_t)n + (size_t)me) * row * 8;
-    for (int p = 0; p < n; ++p) {
-      memcpy(w->peer[p] + counts_at, mine, row * 8);
-      ml_cpu_signal_set(ml_ep_sig(w, p, w->off_count) + me, st);
-    }
-    for (int s = 0; s < n; ++s)
-      if (s != me)
-        ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_count) + s, st, s, "ep: token counts"));
-    memcpy(w->mat, w->symm + w->off_counts + (st & 1) * (size_t)n * row * 8,
-           (size_t)n * row * 8);
-
-    int64_t in_me = 0, rounds = 0;
-    int more = 0;
-    for (int d = 0; d < n; ++d) {
-      int64_t in = 0;
-      for (int s = 0; s < n; ++s) {
-        if (s == me) w->pre[d] = in;
-        in += w->mat[(size_t)s * row + d];
-      }
-      const int64_t r = (in + w->cap - 1) / w->cap;
-      if (r > rounds) rounds = r;
-      if (d == me) in_me = in;
-    }
-    for (int s = 0; s < n; ++s) more |= w->mat[(size_t)s * row + (size_t)n] != 0;
+    int64_t in_me = 0, in_max = 0;
+    int max_rank = 0, more = -1; /* more: the lowest rank with tokens left */
+    ML_TRY(ml_ep_counts(ep, left > ts, &in_me, &in_max, &max_rank, &more));
+    const int64_t rounds = (in_max + w->cap - 1) / w->cap;
 
     /* The shared expert of this rank's tokens (into front's sh_out). */
     if (ts > 0 && c->shared_inter > 0) {
@@ -451,11 +539,8 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
     for (int64_t j = 0; j < rounds; ++j) {
       const uint64_t re = ++w->rounds;
       const int64_t lo = j * w->cap;
-      ML_TRY(ml_ep_send_round(ep, xs, lo, re));
-      for (int s = 0; s < n; ++s)
-        if (s != me)
-          ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_arrive) + s, re, s,
-                             "ep: dispatched token rows"));
+      ML_TRY(ml_ep_send_round(ep, xs, fws->ids, fws->wts, lo, re));
+      ML_TRY(ml_ep_wait_arrivals(ep, re));
       const int64_t nrecv = in_me - lo < w->cap ? in_me - lo : w->cap;
       if (nrecv > 0) ML_TRY(ml_ep_serve(w, (int)nrecv));
       for (int s = 0; s < n; ++s) ml_cpu_signal_set(ml_ep_sig(w, s, w->off_back) + me, re);
@@ -463,7 +548,7 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
     if (rounds > 0)
       for (int d = 0; d < n; ++d)
         if (d != me)
-          ML_TRY(ml_cpu_wait(comm, ml_ep_sig(w, me, w->off_back) + d, w->rounds, d,
+          ML_TRY(ml_cpu_wait(ep->comm, ml_ep_sig(w, me, w->off_back) + d, w->rounds, d,
                              "ep: expert outputs returned"));
 
     if (ts > 0) {
@@ -475,14 +560,109 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
                                  (char *)out + (size_t)done * w->row_bytes));
     }
     done += ts;
-    if (!more) break;
+    if (more < 0) break;
+  }
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ep_cpu_dispatch(moelink_ep_t ep, const void *x, const int32_t *ids,
+                                           const float *weights, int num_tokens,
+                                           moelink_ep_recv_t *recv, void *stream) {
+  (void)stream;
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  const int k = w->k, kl = w->kl;
+  ++w->steps;
+  const int over = ml_ep_list(w, ids, num_tokens);
+  int64_t in_me = 0, in_max = 0;
+  int max_rank = 0, bad = -1;
+  ML_TRY(ml_ep_counts(ep, over, &in_me, &in_max, &max_rank, &bad));
+  /* Every rank holds the same matrix, so all refuse together, before any
+   * row moves; the next call starts from consistent epochs. */
+  if (bad >= 0)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep_dispatch: rank %d's token %d has more than %d slots on one rank's %d "
+                   "experts (repeated expert ids): every rank refuses, nothing was sent and no "
+                   "combine follows",
+                   bad, (int)w->mat[(size_t)bad * (w->n + 1) + (size_t)w->n] - 1, kl, w->El);
+  if (in_max > w->cap)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep_dispatch: rank %d would receive %lld token rows, more than its "
+                   "recv_capacity %d: on CPU ranks a dispatch is one round (raise recv_capacity, "
+                   "or send fewer tokens per call; moelink_ep_forward takes any count)",
+                   max_rank, (long long)in_max, w->cap);
+  for (int64_t p = 0; p < (int64_t)num_tokens * k; ++p)
+    w->cpairs[p] = ml_ep_owner(w, ids[p]) >= 0 ? (int32_t)p : -1;
+  const uint64_t re = ++w->rounds;
+  ML_TRY(ml_ep_send_round(ep, x, ids, weights, 0, re));
+  ML_TRY(ml_ep_wait_arrivals(ep, re));
+  ML_TRY(ml_ep_prepare(w, (int)in_me));
+  for (size_t p = (size_t)in_me * kl; p < (size_t)w->cap * kl; ++p) {
+    w->lids[p] = -1;
+    w->lwts[p] = 0.0f;
+    w->lslot[p] = -1;
+  }
+  w->d_tokens = num_tokens;
+  w->d_recv = (int)in_me;
+  recv->capacity = w->cap;
+  recv->top_k = kl;
+  recv->rows = w->symm + w->off_rows;
+  recv->expert_ids = w->lids;
+  recv->weights = w->lwts;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_ep_cpu_combine(moelink_ep_t ep, const void *y, const int32_t *pair_rows,
+                                          void *out, void *stream) {
+  (void)stream;
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  const int k = w->k, kl = w->kl, H = w->H;
+  const moelink_dtype_t dt = ep->cfg.moe.dtype;
+  const size_t pairs = (size_t)w->d_recv * kl, y_rows = (size_t)w->cap * kl;
+  const int32_t *meta = (const int32_t *)(const void *)(w->symm + w->off_meta);
+  /* A pair_rows entry that points outside y [cap * top_k, H] is this rank's
+   * bad argument: like a NULL y, it still answers, with zeros. */
+  size_t bad = pairs;
+  if (y && pair_rows)
+    for (size_t p = 0; p < pairs && bad == pairs; ++p)
+      if (w->lslot[p] >= 0 && (pair_rows[p] < 0 || (size_t)pair_rows[p] >= y_rows)) bad = p;
+  const int zeros = !y || bad < pairs;
+  for (size_t p = 0; p < pairs; ++p) {
+    if (w->lslot[p] < 0) continue;
+    const int32_t *m = meta + (p / kl) * w->meta_ints;
+    float *dst = (float *)(void *)(w->peer[m[0]] + w->off_ret) +
+                 ((size_t)m[1] * k + (size_t)w->lslot[p]) * H;
+    if (zeros) {
+      memset(dst, 0, (size_t)H * sizeof(float));
+    } else {
+      const size_t r = pair_rows ? (size_t)pair_rows[p] : p;
+      ml_cpu_to_f32(dt, (const char *)y + r * w->row_bytes, dst, (size_t)H);
+    }
+  }
+  ML_TRY(ml_ep_close_round(ep, w->rounds));
+  if (bad < pairs)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep_combine on rank %d: pair_rows[%zu] = %d for a valid pair is outside y's "
+                   "%zu rows (took part, sending zeros for its experts; no out written)",
+                   w->me, bad, (int)pair_rows[bad], y_rows);
+  if (w->d_tokens > 0 && out) {
+    moelink_plan_t cp;
+    memset(&cp, 0, sizeof cp);
+    cp.pair_rows = w->cpairs;
+    ML_TRY(ml_cpu_combine_rows(w->front, w->symm + w->off_ret, MOELINK_DTYPE_F32, w->d_tokens,
+                               &cp, NULL, out));
   }
   return MOELINK_SUCCESS;
 }
 
 static const ml_ep_ops ml_ep_cpu_table = {
-    "cpu", ml_ep_cpu_size, ml_ep_cpu_init, ml_ep_cpu_fini, ml_ep_cpu_set_weights,
+    "cpu",
+    ml_ep_cpu_size,
+    ml_ep_cpu_init,
+    ml_ep_cpu_fini,
+    ml_ep_cpu_set_weights,
     ml_ep_cpu_forward,
+    ml_ep_cpu_dispatch,
+    ml_ep_cpu_combine,
 };
 
 const ml_ep_ops *ml_ep_cpu_ops(void) { return &ml_ep_cpu_table; }

@@ -7,31 +7,38 @@
  * read), and `local`, its El = E / n experts with top_k kl = min(k, El) and
  * max_tokens = cap = n * max_tokens, run on the rows it receives. And one
  * symmetric buffer, laid out the same on every rank:
- *   arrive[n]        8-byte cells: arrive[s] = call << 32 | rows s sent here
+ *   arrive[n]        8-byte cells: arrive[s] = call: s's rows of the call are in
  *   return[n]        return[d] = call: d has pushed back its outputs of the call
- *   meta[cap][1+2k]  per received row: source token, the k expert ids as local
- *                    ids (-1: another rank's), the k routing weights (fp32 bits)
- *   rows[cap][H]     received token rows; source s owns rows
- *                    [s * max_tokens, (s + 1) * max_tokens)
+ *   meta[cap][2+2k]  per received row: source token, call (low 32 bits), the k
+ *                    expert ids as local ids (-1: another rank's), the k
+ *                    routing weights (fp32 bits)
+ *   rows[cap][H]     received token rows; token t of source s lands in row
+ *                    s * max_tokens + t (rows of tokens not sent keep an older
+ *                    call in their meta)
  *   ret[max_tokens * k][H]  the output of slot j of token t (already times its
  *                    routing weight, rounded to the dtype) at row t*k + j,
  *                    written by the rank that owns that expert
  *
  * A forward (T <= max_tokens tokens on this rank; the call number counts
  * forwards, in device memory):
- *  1. route (front layer); per destination rank, in token order, the tokens
- *     with at least one expert there (each token once per destination);
- *  2. push those rows and their meta into each destination's rows of this
- *     source; the last CTA signals each destination ARRIVE with the count;
+ *  1. route (front layer);
+ *  2. push each token's row and meta into every rank that owns one of its
+ *     experts (once per rank); the last CTA signals each destination ARRIVE;
  *  3. wait for every source's ARRIVE; lay the received rows' local experts out
- *     as a [cap, kl] id list (-1 for empty rows and slots);
+ *     as a [cap, kl] id list (-1 for rows without a token of this call and
+ *     for empty slots);
  *  4. plan + expert GEMMs of the local layer on the cap rows (empty ones cost
  *     nothing: the plan drops them);
  *  5. push each (row, slot) output into its source's ret at (token, slot);
- *     the last CTA signals every source RETURN;
- *  6. meanwhile this rank's shared expert; wait for every rank's RETURN;
- *     combine out[t] = sum_j ret[t*k + j] in slot order (+ gated shared
- *     expert), fp32, one rounding: the single-GPU layer's combine kernel.
+ *     the last CTA signals every source RETURN and waits for every rank's;
+ *  6. (this rank's shared expert ran during 2-3) combine out[t] = sum_j
+ *     ret[t*k + j] in slot order (+ gated shared expert), fp32, one
+ *     rounding: the single-GPU layer's combine kernel.
+ * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the
+ * received rows left in `rows` and their local ids and weights in the
+ * scratch; moelink_ep_combine is steps 5 and 6 without the shared expert, on
+ * the caller's expert outputs. An id outside [0, E) is an empty slot: not
+ * sent, and (slot_rows -1) not added.
  * Reuse is safe without further handshakes: a source writes a destination's
  * rows, meta and ARRIVE cell for call c + 1 only after it saw that
  * destination's RETURN of call c, which the destination sends after it has
@@ -53,11 +60,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Benchmarks only: 1 skips the local experts' plan and GEMMs (the outputs
- * sent back are then meaningless), so that a forward's time is routing, the
- * two exchanges and the combine alone. */
-MOELINK_PARAM(EP_PROBE_NO_EXPERTS, 0)
-
 typedef struct ml_epc {
   moelink_moe_t front, local;
   ml_epc_args a;
@@ -65,7 +67,6 @@ typedef struct ml_epc {
   char *dev;            /* one cudaMalloc for the scratch below */
   int32_t *ids;         /* [max_tokens * k] */
   float *wts;           /* [max_tokens * k] */
-  int32_t *ident;       /* [max_tokens * k]: pair p's output is ret row p */
   void *plan;           /* the local layer's plan for cap rows */
   void *y;              /* [cap * kl][H] expert outputs, permuted */
   void *sh_h;           /* [max_tokens][Is] */
@@ -86,7 +87,7 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
   a->off_return = off;
   off = ml_epc_up(off + (size_t)n * 8);
   a->off_meta = off;
-  off = ml_epc_up(off + cap * (1 + 2 * k) * 4);
+  off = ml_epc_up(off + cap * ML_EPC_META(k) * 4);
   a->off_rows = off;
   off = ml_epc_up(off + cap * H * es);
   a->off_ret = off;
@@ -109,14 +110,12 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   } while (0)
   ML_EPC_TAKE(w->a.epoch, uint64_t *, 64);
   ML_EPC_TAKE(w->a.ticket, unsigned *, 64);
-  ML_EPC_TAKE(w->a.pos, int32_t *, T * (size_t)n * 4);
-  ML_EPC_TAKE(w->a.count, int32_t *, (size_t)n * 4);
   ML_EPC_TAKE(w->a.lids, int32_t *, cap * kl * 4);
   ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
   ML_EPC_TAKE(w->a.lslot, int32_t *, cap * kl * 4);
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
-  ML_EPC_TAKE(w->ident, int32_t *, T * k * 4);
+  ML_EPC_TAKE(w->a.slot_rows, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->plan, void *,
               moelink_plan_bytes((int)cap, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
   ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
@@ -209,10 +208,7 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   if (e != cudaSuccess)
     s = ml_fail(e == cudaErrorMemoryAllocation ? MOELINK_ERR_OUT_OF_MEMORY : MOELINK_ERR_CUDA,
                 "ep (cuda): %zu bytes of scratch: %s", dev_bytes, cudaGetErrorString(e));
-  if (s == MOELINK_SUCCESS) {
-    (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
-    s = ml_epc_iota(w->ident, c->max_tokens * c->top_k, NULL);
-  }
+  if (s == MOELINK_SUCCESS) (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
   if (s == MOELINK_SUCCESS && cudaDeviceSynchronize() != cudaSuccess)
     s = ml_fail(MOELINK_ERR_CUDA, "ep (cuda): setting up the scratch failed");
   return ml_cuda_leave(comm->ctx, prev, s);
@@ -237,36 +233,57 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
   return ml_ep_bind_layers(ep, w->front, w->local);
 }
 
-static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
-                                             void *out, cudaStream_t st) {
+/* Steps 1 (after routing) to 3: the rows go out; this rank's shared expert
+ * (when x is given) runs while the peers' rows come in. */
+static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const void *x,
+                                              const int32_t *ids, const float *wts, int T,
+                                              int shared, cudaStream_t st) {
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const moelink_moe_weights_t *wt = &ep->w;
   const ml_epc_args *a = &w->a;
-  ML_TRY(ml_epc_begin(a, st));
-  if (T > 0) ML_TRY(moelink_moe_route(w->front, x, T, w->ids, w->wts, st));
-  ML_TRY(ml_epc_destinations(a, w->ids, T, st));
-  ML_TRY(ml_epc_send(a, x, w->ids, w->wts, T, st));
-  if (T > 0 && c->shared_inter > 0) {
-    /* the shared expert of this rank's tokens, while the peers send */
+  ML_TRY(ml_epc_send(a, x, ids, wts, T, st));
+  if (shared && T > 0 && c->shared_inter > 0) {
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up,
                                c->shared_inter, c->hidden, NULL, NULL, 0, T, w->sh_h, st));
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
                                c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, st));
   }
-  ML_TRY(ml_epc_receive(a, st));
-  if (!ml_param_EP_PROBE_NO_EXPERTS()) {
-    ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
-    ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
-                               w->y, st));
-  }
+  return ml_epc_receive(a, st);
+}
+
+/* Steps 5 and 6: outputs back, then this rank's T tokens summed (with the
+ * shared expert when x is given). out NULL: nothing written. */
+static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const void *y,
+                                             const int32_t *pair_rows, const void *x, int T,
+                                             void *out, cudaStream_t st) {
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  const ml_epc_args *a = &w->a;
+  ML_TRY(ml_epc_return(a, y, pair_rows, st));
+  if (T == 0 || !out) return MOELINK_SUCCESS;
+  const int shared = x && c->shared_inter > 0;
+  return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, a->slot_rows, T, c->top_k,
+                         c->hidden, shared ? w->sh_out : NULL, x,
+                         shared && c->shared_gate ? ep->w.shared_gate : NULL, out, st);
+}
+
+static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
+                                             void *out, cudaStream_t st) {
+  const ml_epc_args *a = &w->a;
+  if (T > 0) ML_TRY(moelink_moe_route(w->front, x, T, w->ids, w->wts, st));
+  ML_TRY(ml_epc_dispatch_inner(ep, w, x, w->ids, w->wts, T, 1, st));
+  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+  ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
+                             w->y, st));
   moelink_plan_t lp;
   ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
-  ML_TRY(ml_epc_return(a, w->y, lp.pair_rows, st));
-  ML_TRY(ml_epc_wait_returns(a, st));
-  if (T == 0) return MOELINK_SUCCESS;
-  return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, w->ident, T, c->top_k, c->hidden,
-                         c->shared_inter > 0 ? w->sh_out : NULL, x,
-                         c->shared_gate ? wt->shared_gate : NULL, out, st);
+  return ml_epc_combine_inner(ep, w, w->y, lp.pair_rows, x, T, out, st);
+}
+
+static moelink_status_t ml_epc_aligned(const char *what, const void *p, int rank) {
+  if (((uintptr_t)p) & 15)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "ep (cuda) on rank %d: %s %p must be 16-byte aligned",
+                   rank, what, p);
+  return MOELINK_SUCCESS;
 }
 
 static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_tokens, void *out,
@@ -278,16 +295,50 @@ static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_t
                    "max_tokens %d per call (split the batch; every rank must make the same "
                    "number of calls)",
                    num_tokens, ep->comm->rank, ep->cfg.moe.max_tokens);
-  if (num_tokens > 0 && ((((uintptr_t)x) | ((uintptr_t)out)) & 15))
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "ep_forward (cuda): x %p and out %p must be 16-byte aligned", x, out);
+  if (num_tokens > 0) {
+    ML_TRY(ml_epc_aligned("x", x, ep->comm->rank));
+    ML_TRY(ml_epc_aligned("out", out, ep->comm->rank));
+  }
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
   moelink_status_t s = ml_epc_forward_inner(ep, w, x, num_tokens, out, (cudaStream_t)stream);
   return ml_cuda_leave(ep->comm->ctx, prev, s);
 }
 
-static const ml_ep_ops ml_epc_ops = {"cuda", ml_epc_size, ml_epc_init, ml_epc_fini,
-                                     ml_epc_set_weights, ml_epc_forward};
+static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const int32_t *ids,
+                                        const float *weights, int num_tokens,
+                                        moelink_ep_recv_t *recv, void *stream) {
+  ml_epc *w = (ml_epc *)ep->impl;
+  if (num_tokens > 0) ML_TRY(ml_epc_aligned("x", x, ep->comm->rank));
+  int prev;
+  ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
+  moelink_status_t s =
+      ml_epc_dispatch_inner(ep, w, x, ids, weights, num_tokens, 0, (cudaStream_t)stream);
+  s = ml_cuda_leave(ep->comm->ctx, prev, s);
+  if (s != MOELINK_SUCCESS) return s;
+  recv->capacity = w->cap;
+  recv->top_k = w->a.kl;
+  recv->rows = w->a.base[w->a.me] + w->a.off_rows;
+  recv->expert_ids = w->a.lids;
+  recv->weights = w->a.lwts;
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_epc_combine(moelink_ep_t ep, const void *y, const int32_t *pair_rows,
+                                       void *out, void *stream) {
+  ml_epc *w = (ml_epc *)ep->impl;
+  const int T = ep->dispatch_tokens;
+  if (y) ML_TRY(ml_epc_aligned("y", y, ep->comm->rank));
+  if (out && T > 0) ML_TRY(ml_epc_aligned("out", out, ep->comm->rank));
+  int prev;
+  ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
+  moelink_status_t s =
+      ml_epc_combine_inner(ep, w, y, pair_rows, NULL, T, out, (cudaStream_t)stream);
+  return ml_cuda_leave(ep->comm->ctx, prev, s);
+}
+
+static const ml_ep_ops ml_epc_ops = {"cuda",          ml_epc_size,    ml_epc_init,
+                                     ml_epc_fini,     ml_epc_set_weights, ml_epc_forward,
+                                     ml_epc_dispatch, ml_epc_combine};
 
 const ml_ep_ops *ml_ep_cuda_ops(void) { return &ml_epc_ops; }

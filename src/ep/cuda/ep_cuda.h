@@ -20,6 +20,9 @@ extern "C" {
 #define ML_EPC_PRIM_ARRIVE 48
 #define ML_EPC_PRIM_RETURN 49
 
+/* Ints of a received row's meta for top_k k: token, call, k local ids, k weights. */
+#define ML_EPC_META(k) (2 + 2 * (k))
+
 /* Everything a kernel needs about the layer and this rank. */
 typedef struct ml_epc_args {
   moelink_device_comm_t dc;
@@ -32,22 +35,17 @@ typedef struct ml_epc_args {
   uint64_t *epoch;   /* this rank's call count */
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
-  int32_t *pos;      /* [max_tokens][n]: row of token t at rank d (-1: not sent) */
-  int32_t *count;    /* [n]: rows sent to each rank */
+  int32_t *slot_rows; /* [max_tokens][k]: t*k+j, or -1 for an empty slot (its
+                         ret row is never written): the combine's pair rows */
   int32_t *lids;     /* [cap][kl] local expert ids of the received rows (-1: none) */
   float *lwts;       /* [cap][kl] */
   int32_t *lslot;    /* [cap][kl] slot j at the source */
 } ml_epc_args;
 
-/* epoch += 1 (one thread). */
-moelink_status_t ml_epc_begin(const ml_epc_args *a, cudaStream_t stream);
-
-/* Which ranks each of the T tokens goes to and its row there: pos, count. */
-moelink_status_t ml_epc_destinations(const ml_epc_args *a, const int32_t *ids, int T,
-                                     cudaStream_t stream);
-
-/* Pushes the tokens' rows and meta into the destinations' buffers, then
- * signals each destination the count (ARRIVE). */
+/* Call c = epoch + 1 (stored by the kernel's end): pushes the rows of the T
+ * tokens, and their meta, into every destination that owns one of their
+ * experts (an id outside [0, E) is an empty slot), writes slot_rows, then
+ * signals each destination ARRIVE = c. */
 moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t *ids,
                              const float *weights, int T, cudaStream_t stream);
 
@@ -55,16 +53,11 @@ moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t 
  * cap = n * max_tokens received rows. */
 moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
 
-/* Pushes each valid (row, local slot) output y[pair_rows[p]] into its source's
- * return rows, then signals every source (RETURN). */
+/* Pushes each valid (row, local slot) output, y row pair_rows[p] (pair_rows
+ * NULL: row p; y NULL: zeros), into its source's return rows, signals every
+ * source RETURN, and waits until every rank has signalled its RETURN here. */
 moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y, const int32_t *pair_rows,
                                cudaStream_t stream);
-
-/* Waits until every rank has signalled RETURN for this call. */
-moelink_status_t ml_epc_wait_returns(const ml_epc_args *a, cudaStream_t stream);
-
-/* ids[i] = i for i < n (device). */
-moelink_status_t ml_epc_iota(int32_t *ids, int n, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
