@@ -1,11 +1,15 @@
-/* Combine: one CTA per token, each thread owning 8-element (16-byte) column
- * chunks. A thread adds the token's k expert rows in slot order, then the
- * (gated) shared expert, all in fp32, and rounds once: every output element
- * has one fixed summation order, so the result is bitwise reproducible.
+/* Combine: CTA (t, s) owns token t's columns of part s (a small batch is
+ * split along H so that it still fills the GPU), each thread 8-element
+ * (16-byte) chunks. A thread adds the token's k expert rows in slot order,
+ * then the (gated) shared expert, all in fp32, and rounds once: every output
+ * element has one fixed summation order, so the result is bitwise
+ * reproducible. The k row numbers are read once per CTA, and a thread's loads
+ * of up to 8 slots are issued together before their adds: at decode sizes
+ * the kernel is a chain of memory latencies, not of bandwidth.
  *
- * The shared expert's gate sigmoid(x . w_g) is computed here too, by the
- * token's CTA, with a fixed-shape tree reduction; it saves a launch and a
- * [T] buffer. */
+ * The shared expert's gate sigmoid(x . w_g) is computed here too, by each
+ * CTA of the token, with a fixed-shape tree reduction; it saves a launch and
+ * a [T] buffer. */
 #include "core/dtype.cuh"
 #include "cuda/pipeline.h"
 
@@ -30,6 +34,10 @@ template <int DT>
 static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const ml_combine_params p) {
   const int t = (int)blockIdx.x, tid = (int)threadIdx.x;
   const int chunks = p.H / 8;
+  const int per = (chunks + (int)gridDim.y - 1) / (int)gridDim.y;
+  const int q0 = (int)blockIdx.y * per, q1 = q0 + per < chunks ? q0 + per : chunks;
+  __shared__ int s_rows[ML_CUDA_MAX_TOPK];
+  if (tid < p.k) s_rows[tid] = __ldg(p.pair_rows + (size_t)t * p.k + tid);
   float gate = 1.0f;
   if (p.shared_gate != NULL) {
     __shared__ float red[ML_C_THREADS];
@@ -53,20 +61,28 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
     gate = 1.0f / (1.0f + expf(-red[0]));
   }
 
-  const int32_t *rows = p.pair_rows + (size_t)t * p.k;
+  __syncthreads(); /* s_rows */
   const uint4 *y = (const uint4 *)p.y;
   const size_t row_chunks = (size_t)chunks;
-  for (int q = tid; q < chunks; q += ML_C_THREADS) {
+  for (int q = q0 + tid; q < q1; q += ML_C_THREADS) {
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int j = 0; j < p.k; ++j) {
-      const int r = __ldg(rows + j);
-      if (r < 0) continue; /* empty slot */
-      float v[8];
-      ml_dt_unpack16<DT>(__ldg(y + (size_t)r * row_chunks + q), v);
+    for (int j0 = 0; j0 < p.k; j0 += 8) {
+      uint4 raw[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += v[i];
+      for (int u = 0; u < 8; ++u) {
+        const int r = j0 + u < p.k ? s_rows[j0 + u] : -1;
+        raw[u] = r >= 0 ? __ldg(y + (size_t)r * row_chunks + q) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (j0 + u >= p.k || s_rows[j0 + u] < 0) continue; /* empty slot: not added */
+        float v[8];
+        ml_dt_unpack16<DT>(raw[u], v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += v[i];
+      }
     }
     if (p.shared_out != NULL) {
       const float4 *s = (const float4 *)(p.shared_out + (size_t)t * p.H) + 2 * q;
@@ -90,7 +106,7 @@ extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "combine: dtype %s not supported (bf16 or f16)",
                    moelink_dtype_name(dt));
-  if (hidden % 8 != 0 || top_k < 1)
+  if (hidden % 8 != 0 || top_k < 1 || top_k > ML_CUDA_MAX_TOPK)
     return ml_fail(MOELINK_ERR_INTERNAL, "combine: H %d, k %d out of range", hidden, top_k);
   if (shared_gate != NULL && (x == NULL || shared_out == NULL))
     return ml_fail(MOELINK_ERR_INTERNAL, "combine: a shared gate without x or shared output");
@@ -108,11 +124,19 @@ extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
   p.out = out;
   p.k = top_k;
   p.H = hidden;
+  /* Parts along H: about 256 CTAs in all (two per SM), one chunk a thread at
+   * most, none for a batch that fills the GPU by itself. */
+  const int chunks = hidden / 8;
+  int parts = 256 / num_tokens;
+  const int most = (chunks + ML_C_THREADS - 1) / ML_C_THREADS;
+  if (parts > most) parts = most;
+  if (parts < 1) parts = 1;
+  const dim3 grid((unsigned)num_tokens, (unsigned)parts);
   if (dt == MOELINK_DTYPE_BF16) {
-    ml_combine_kernel<MOELINK_DTYPE_BF16><<<(unsigned)num_tokens, ML_C_THREADS, 0, stream>>>(p);
+    ml_combine_kernel<MOELINK_DTYPE_BF16><<<grid, ML_C_THREADS, 0, stream>>>(p);
     ML_CUDA_LAUNCHED("ml_combine_kernel<bf16>");
   } else {
-    ml_combine_kernel<MOELINK_DTYPE_F16><<<(unsigned)num_tokens, ML_C_THREADS, 0, stream>>>(p);
+    ml_combine_kernel<MOELINK_DTYPE_F16><<<grid, ML_C_THREADS, 0, stream>>>(p);
     ML_CUDA_LAUNCHED("ml_combine_kernel<f16>");
   }
   return MOELINK_SUCCESS;

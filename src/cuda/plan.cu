@@ -9,6 +9,9 @@
  * launches a fixed sequence of kernels and memsets on the stream, so it is
  * capturable; its temporary storage is sized at create for max_tokens * k.
  *
+ * Up to ML_P_THREADS pairs (decode) take one block instead: a stable counting
+ * sort in shared memory, then the same schedule.
+ *
  * The finishing kernel has two roles: block 0 finds each expert's range in
  * the sorted keys by binary search (counts and offsets, no atomics), scans the
  * per-expert tile counts and writes the tile list; the other blocks copy the
@@ -58,28 +61,16 @@ static __device__ __forceinline__ int ml_plan_lower_bound(const uint32_t *keys, 
   return lo;
 }
 
-static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_finish(const uint32_t *__restrict__ keys, const int32_t *__restrict__ vals, int pairs,
-                   int num_experts, ml_plan_ptrs plan) {
-  const int tid = (int)threadIdx.x;
-  if (blockIdx.x > 0) {
-    const int r = ((int)blockIdx.x - 1) * ML_P_THREADS + tid;
-    if (r < pairs) {
-      const int32_t pair = vals[r];
-      plan.sorted_pairs[r] = pair;
-      plan.pair_rows[pair] = keys[r] < (uint32_t)num_experts ? r : -1;
-    }
-    return;
-  }
-
+/* Offsets, tile counts and the tile list, by one block of ML_P_THREADS:
+ * thread e < E passes expert e's rows [begin, end) of the sorted order (the
+ * others anything); every thread of the block must call it. */
+static __device__ void ml_plan_schedule(int E, int begin, int end, ml_plan_ptrs plan) {
   __shared__ int s_off[ML_CUDA_MAX_EXPERTS + 1];  /* row offsets */
   __shared__ int s_tile[ML_CUDA_MAX_EXPERTS + 1]; /* first tile of each expert */
   __shared__ int s_warp[ML_P_THREADS / 32];
-  const int E = num_experts, lane = tid & 31, warp = tid >> 5;
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int tiles = 0;
   if (tid < E) {
-    const int begin = ml_plan_lower_bound(keys, pairs, (uint32_t)tid);
-    const int end = ml_plan_lower_bound(keys, pairs, (uint32_t)tid + 1);
     s_off[tid] = begin;
     plan.offsets[tid] = begin;
     if (tid == E - 1) {
@@ -136,6 +127,80 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   }
 }
 
+static __global__ void __launch_bounds__(ML_P_THREADS)
+    ml_plan_finish(const uint32_t *__restrict__ keys, const int32_t *__restrict__ vals, int pairs,
+                   int num_experts, ml_plan_ptrs plan) {
+  const int tid = (int)threadIdx.x;
+  if (blockIdx.x > 0) {
+    const int r = ((int)blockIdx.x - 1) * ML_P_THREADS + tid;
+    if (r < pairs) {
+      const int32_t pair = vals[r];
+      plan.sorted_pairs[r] = pair;
+      plan.pair_rows[pair] = keys[r] < (uint32_t)num_experts ? r : -1;
+    }
+    return;
+  }
+  int begin = 0, end = 0;
+  if (tid < num_experts) {
+    begin = ml_plan_lower_bound(keys, pairs, (uint32_t)tid);
+    end = ml_plan_lower_bound(keys, pairs, (uint32_t)tid + 1);
+  }
+  ml_plan_schedule(num_experts, begin, end, plan);
+}
+
+/* The whole plan of at most ML_P_THREADS pairs in one block (decode sizes:
+ * one launch instead of keys, sort and finish). Thread i holds pair i; its
+ * row is the rows of smaller keys plus the pairs before it with its key: a
+ * stable counting sort, the same order as the radix sort. */
+static __global__ void __launch_bounds__(ML_P_THREADS)
+    ml_plan_small(const int32_t *__restrict__ ids, int pairs, int num_experts, ml_plan_ptrs plan) {
+  __shared__ uint32_t s_key[ML_P_THREADS];
+  __shared__ int s_count[ML_CUDA_MAX_EXPERTS + 1];
+  __shared__ int s_first[ML_CUDA_MAX_EXPERTS + 1];
+  const int tid = (int)threadIdx.x, E = num_experts;
+  uint32_t key = (uint32_t)E;
+  if (tid < pairs) {
+    const int32_t id = ids[tid];
+    key = id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
+  }
+  s_key[tid] = key;
+  for (int e = tid; e <= E; e += ML_P_THREADS) s_count[e] = 0;
+  __syncthreads();
+  if (tid < pairs) atomicAdd(&s_count[key], 1);
+  __syncthreads();
+  /* First row of each key (0..E): an exclusive scan by one warp, E+1 <= 513
+   * entries in 17 steps of 32. */
+  if (tid < 32) {
+    int carry = 0;
+    for (int e0 = 0; e0 <= E; e0 += 32) {
+      const int e = e0 + tid;
+      const int c = e <= E ? s_count[e] : 0;
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(ML_FULL, incl, o);
+        if (tid >= o) incl += v;
+      }
+      if (e <= E) s_first[e] = carry + incl - c;
+      carry += __shfl_sync(ML_FULL, incl, 31);
+    }
+  }
+  __syncthreads();
+  if (tid < pairs) {
+    int before = 0;
+    for (int j = 0; j < tid; ++j) before += s_key[j] == key;
+    const int r = s_first[key] + before;
+    plan.sorted_pairs[r] = tid;
+    plan.pair_rows[tid] = key < (uint32_t)E ? r : -1;
+  }
+  int begin = 0, end = 0;
+  if (tid < E) {
+    begin = s_first[tid];
+    end = begin + s_count[tid];
+  }
+  ml_plan_schedule(E, begin, end, plan);
+}
+
 extern "C" moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts,
                                                    size_t *bytes) {
   *bytes = 0;
@@ -158,7 +223,18 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     return ml_fail(MOELINK_ERR_INTERNAL, "plan: view has tile_rows %d, not %d", plan->tile_rows,
                    ML_CUDA_TILE_ROWS);
   const int pairs = num_tokens * top_k; /* the front end bounds max_tokens * k */
-  if (pairs > 0) {
+  ml_plan_ptrs p;
+  p.offsets = plan->expert_offsets;
+  p.sorted_pairs = plan->sorted_pairs;
+  p.pair_rows = plan->pair_rows;
+  p.tiles = plan->tiles;
+  p.num_tiles = plan->num_tiles;
+  if (pairs <= ML_P_THREADS) {
+    ml_plan_small<<<1, ML_P_THREADS, 0, stream>>>(ids, pairs, num_experts, p);
+    ML_CUDA_LAUNCHED("ml_plan_small");
+    return MOELINK_SUCCESS;
+  }
+  {
     ml_plan_keys<<<(unsigned)((pairs + 255) / 256), 256, 0, stream>>>(ids, pairs, num_experts,
                                                                      ws->keys_in, ws->vals_in);
     ML_CUDA_LAUNCHED("ml_plan_keys");
@@ -170,12 +246,6 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
                                                 (const int32_t *)ws->vals_in, ws->vals_out,
                                                 pairs, 0, ml_plan_key_bits(num_experts), stream));
   }
-  ml_plan_ptrs p;
-  p.offsets = plan->expert_offsets;
-  p.sorted_pairs = plan->sorted_pairs;
-  p.pair_rows = plan->pair_rows;
-  p.tiles = plan->tiles;
-  p.num_tiles = plan->num_tiles;
   const unsigned blocks = 1u + (unsigned)((pairs + ML_P_THREADS - 1) / ML_P_THREADS);
   ml_plan_finish<<<blocks, ML_P_THREADS, 0, stream>>>(ws->keys_out, ws->vals_out, pairs,
                                                       num_experts, p);
