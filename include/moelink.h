@@ -493,6 +493,54 @@ MOELINK_API moelink_status_t moelink_gemm_ar(moelink_tp_t tp, const void *a, con
                                              void *c, int m, int n, int k, void *stream);
 
 /* ------------------------------------------------------------------------ */
+/* 8-bit row formats                                                        */
+/* ------------------------------------------------------------------------ */
+
+/* Token rows as E4M3 bytes (the "fn" variant: largest finite 448, no
+ * infinities) plus a scale per block of a row:
+ *   FP8    one fp32 scale per 128 elements (DeepSeek-V3's activations):
+ *          s = amax / 448 in fp32 (amax: the block's largest |x|, NaN
+ *          ignored), element e4m3(x / s); s = 0 (amax 0, or below ~6e-43):
+ *          elements 0. An infinite element makes s infinite: the block's
+ *          other elements become 0 (and the infinite one NaN);
+ *   MXFP8  one e8m0 byte per 32 elements (OCP MX): X = floor(log2(amax)) - 8
+ *          clamped to [-127, 127] (amax 0: X = 0; infinite: X = 120), byte
+ *          X + 127, element e4m3(x * 2^-X).
+ * e4m3() rounds to nearest even and saturates to +-448, infinities included;
+ * every NaN becomes the code 0x7f. A dequantized element is its e4m3 value
+ * times the block's scale, in fp32, rounded once to the dtype (an e8m0 byte
+ * 255, never written here, is an infinite scale). Every backend writes the
+ * same bytes, scales and values (a NaN's bit pattern aside). */
+typedef enum moelink_quant {
+  MOELINK_QUANT_NONE = 0,
+  MOELINK_QUANT_FP8 = 1,
+  MOELINK_QUANT_MXFP8 = 2
+} moelink_quant_t;
+
+/* Elements per scale block (128 or 32; 0 for NONE or an unknown value). */
+MOELINK_API int moelink_quant_block(moelink_quant_t format);
+
+/* Bytes of one row's scales for cols elements: cols / 128 * 4 (FP8) or
+ * cols / 32 (MXFP8); 0 for NONE or an unknown format. */
+MOELINK_API size_t moelink_quant_scale_bytes(moelink_quant_t format, int cols);
+
+/* x [rows, cols] of dtype (F32, BF16, F16) into q [rows, cols] (e4m3 bytes)
+ * and scales [rows][moelink_quant_scale_bytes] (fp32 or e8m0), as above.
+ * cols a positive multiple of the block; memory of ctx's backend; on CUDA
+ * stream-ordered, 16-byte aligned pointers. Errors: INVALID_ARGUMENT (NULL,
+ * sizes, format NONE), UNSUPPORTED (dtype). */
+MOELINK_API moelink_status_t moelink_quantize(moelink_context_t ctx, moelink_quant_t format,
+                                              moelink_dtype_t dtype, const void *x, int rows,
+                                              int cols, uint8_t *q, void *scales, void *stream);
+
+/* The inverse: x [rows, cols] of dtype = e4m3 value * scale, rounded once to
+ * dtype. Same arguments and errors as moelink_quantize. */
+MOELINK_API moelink_status_t moelink_dequantize(moelink_context_t ctx, moelink_quant_t format,
+                                                moelink_dtype_t dtype, const uint8_t *q,
+                                                const void *scales, int rows, int cols, void *x,
+                                                void *stream);
+
+/* ------------------------------------------------------------------------ */
 /* Expert parallelism                                                       */
 /* ------------------------------------------------------------------------ */
 
@@ -524,10 +572,17 @@ typedef struct moelink_ep_config {
   int recv_capacity;        /* token rows a rank receives per round (>= 1);
                                0: moe.max_tokens * min(ranks, top_k), about
                                one round per step with balanced routing */
+  moelink_quant_t dispatch_quant; /* how token rows travel to the experts' ranks:
+                               MOELINK_QUANT_NONE (moe.dtype, the default), or
+                               FP8 / MXFP8 (moelink_quantize's formats; hidden a
+                               multiple of the block): the routed experts then
+                               compute on moelink_dequantize(moelink_quantize(x))
+                               rounded to moe.dtype, every rank alike (its own
+                               tokens too); routing and the shared expert use x */
 } moelink_ep_config_t;
 
 #define MOELINK_EP_CONFIG_INIT                                                 \
-  { sizeof(moelink_ep_config_t), MOELINK_MOE_CONFIG_INIT, 0 }
+  { sizeof(moelink_ep_config_t), MOELINK_MOE_CONFIG_INIT, 0, MOELINK_QUANT_NONE }
 
 /* Bytes one rank allocates for cfg on comm at create (host memory plus
  * symmetric memory on CPU ranks; device and symmetric memory on CUDA): a
@@ -638,6 +693,20 @@ MOELINK_API moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x,
                                                  const int32_t *topk_ids,
                                                  const float *topk_weights, int num_tokens,
                                                  moelink_ep_recv_t *recv, void *stream);
+
+/* moelink_ep_dispatch of rows already quantized (the layer's dispatch_quant
+ * must be FP8 or MXFP8): xq [T, H] and scales [T][moelink_quant_scale_bytes]
+ * as moelink_quantize writes them for the same format. Each rank receives
+ * bitwise what moelink_ep_dispatch of the original x would give it; a rank may
+ * use either call while its peers use the other. Errors as
+ * moelink_ep_dispatch (dispatch_quant NONE is a bad argument: the rank takes
+ * part with no tokens). */
+MOELINK_API moelink_status_t moelink_ep_dispatch_quantized(moelink_ep_t ep, const uint8_t *xq,
+                                                           const void *scales,
+                                                           const int32_t *topk_ids,
+                                                           const float *topk_weights,
+                                                           int num_tokens,
+                                                           moelink_ep_recv_t *recv, void *stream);
 
 /* Combine (collective, after every dispatch): y holds this rank's expert
  * outputs, one row of H (moe.dtype) per valid (received row r, local slot q),

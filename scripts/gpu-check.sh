@@ -97,6 +97,12 @@ if want ep && [ "$NGPU" -ge 2 ]; then
   log "bench ep (2 ranks)"
   ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
+  for q in fp8 mxfp8; do
+    log "bench ep, rows dispatched as $q"
+    ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
+      --tokens 128,4096 --dispatch-quant $q --json "$OUT/json/bench_ep_$q.json" 2>&1 |
+      tee -a "$OUT/ep.log" || rc=1
+  done
 fi
 # Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
 # (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.

@@ -46,6 +46,7 @@ typedef struct be_opts {
   int iters, warmup, threads;
   uint64_t seed;
   const char *json;
+  moelink_quant_t quant; /* --dispatch-quant */
 } be_opts;
 
 /* One T. Times are the slowest rank's median, us. */
@@ -61,6 +62,8 @@ typedef struct be_row {
   double bytes_rank;      /* (dispatch + combine rows) * H * dtype size, the most over ranks */
   double bytes_total;     /* summed over ranks */
   size_t row_bytes;       /* hidden * dtype size */
+  size_t drow_bytes;      /* a dispatched row on the wire: row_bytes, or hidden + its
+                             scales with --dispatch-quant */
 } be_row;
 
 static const char be_help_text[] =
@@ -91,6 +94,9 @@ static const char be_help_text[] =
     "  --warmup N             untimed iterations first (default cuda 3, cpu 1)\n"
     "  --threads N            CPU threads per rank (cpu; default cores / ranks)\n"
     "  --seed S               weights and inputs generator seed (default 1)\n"
+    "  --dispatch-quant none|fp8|mxfp8   how token rows travel to the experts' ranks\n"
+    "                         (default none: the layer's dtype; fp8: e4m3 + an fp32 scale\n"
+    "                         per 128 elements; mxfp8: e4m3 + an e8m0 scale per 32)\n"
     "  --json FILE            rank 0 writes everything as JSON\n";
 
 void cli_help_bench_ep(void) { fputs(be_help_text, stdout); }
@@ -192,6 +198,15 @@ static void be_parse(int argc, char **argv, be_opts *o) {
       o->seed = (uint64_t)be_int(name, val, 0);
     } else if (IS("--json")) {
       o->json = val;
+    } else if (IS("--dispatch-quant")) {
+      if (strcmp(val, "none") == 0)
+        o->quant = MOELINK_QUANT_NONE;
+      else if (strcmp(val, "fp8") == 0)
+        o->quant = MOELINK_QUANT_FP8;
+      else if (strcmp(val, "mxfp8") == 0)
+        o->quant = MOELINK_QUANT_MXFP8;
+      else
+        cli_usage_error("--dispatch-quant: expected none, fp8 or mxfp8, got '%s'", val);
     } else {
       cli_usage_error("bench ep: unknown option '%s' (moelink bench ep --help)", name);
     }
@@ -260,6 +275,7 @@ enum {
 typedef struct be_case {
   int T, n, me;
   size_t row;             /* bytes of a token row */
+  size_t drow;            /* bytes of a dispatched row (quantized: H + scales) */
   moelink_ep_t ep;
   moelink_moe_t single;
   moelink_moe_t local;    /* this rank's experts, max_tokens = the receive capacity */
@@ -343,10 +359,11 @@ static void be_call(cli_world *w, be_case *c, int variant, be_clock *k) {
          * combine: me -> p comb[p][me], p -> me comb[me][p] */
         const size_t sr = (size_t)(phase == 0 ? c->disp[c->me * c->n + p] : c->comb[p * c->n + c->me]);
         const size_t rr = (size_t)(phase == 0 ? c->disp[p * c->n + c->me] : c->comb[c->me * c->n + p]);
+        const size_t rb = phase == 0 ? c->drow : c->row; /* the bytes the EP layer moves */
         if (sr)
-          CLI_NCCL(ncclSend((char *)c->sbuf + so * c->row, sr * c->row, ncclChar, p, w->nccl, st));
+          CLI_NCCL(ncclSend((char *)c->sbuf + so * rb, sr * rb, ncclChar, p, w->nccl, st));
         if (rr)
-          CLI_NCCL(ncclRecv((char *)c->rbuf + ro * c->row, rr * c->row, ncclChar, p, w->nccl, st));
+          CLI_NCCL(ncclRecv((char *)c->rbuf + ro * rb, rr * rb, ncclChar, p, w->nccl, st));
         so += sr;
         ro += rr;
       }
@@ -452,6 +469,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   const size_t es = moelink_dtype_size(base->dtype);
   const size_t H = (size_t)base->hidden, I = (size_t)base->inter;
   c.row = H * es;
+  c.drow = o->quant ? H + moelink_quant_scale_bytes(o->quant, (int)H) : c.row;
   const int cuda = w->backend == MOELINK_BACKEND_CUDA;
 
   moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
@@ -459,6 +477,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   ecfg.moe.max_tokens = T;
   /* Every rank's whole step fits at once: the pieces need it on CPU ranks. */
   ecfg.recv_capacity = w->nranks * T;
+  ecfg.dispatch_quant = o->quant;
   CLI_CALL("moelink_ep_create", moelink_ep_create(w->comm, &ecfg, &c.ep));
   int first = 0, El = 0;
   CLI_CALL("moelink_ep_get_config", moelink_ep_get_config(c.ep, NULL, &first, &El));
@@ -500,7 +519,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
     }
     if (dr > drows_max) drows_max = dr;
     if (cr > crows_max) crows_max = cr;
-    const double b = (dr + cr) * (double)c.row;
+    const double b = dr * (double)c.drow + cr * (double)c.row;
     if (b > bytes_max) bytes_max = b;
     bytes_total += b;
     if (r == c.me) {
@@ -545,6 +564,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   row->bytes_rank = bytes_max;
   row->bytes_total = bytes_total;
   row->row_bytes = c.row;
+  row->drow_bytes = c.drow;
 
   double t[BE_NV][1 + BE_SEGS];
   for (int v = 0; v < BE_NV; ++v)
@@ -638,6 +658,10 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
           c->renormalize ? "true" : "false", c->n_group, c->topk_group, (double)c->routed_scaling,
           c->correction_bias ? "true" : "false", c->shared_inter,
           c->shared_gate ? "true" : "false", moelink_dtype_name(c->dtype));
+  fprintf(f, ",\n  \"dispatch_quant\": \"%s\"",
+          o->quant == MOELINK_QUANT_FP8     ? "fp8"
+          : o->quant == MOELINK_QUANT_MXFP8 ? "mxfp8"
+                                            : "none");
   fprintf(f, ",\n  \"experts_per_rank\": %d,\n  \"iters\": %d,\n  \"warmup\": %d,\n"
              "  \"seed\": %llu,\n  \"timing\": ",
           c->num_experts / w->nranks, o->iters, o->warmup, (unsigned long long)o->seed);
@@ -688,7 +712,7 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "bytes_sent_per_rank", r->bytes_rank);
     cli_json_field(f, "bytes_sent_total", r->bytes_total);
     cli_json_field(f, "nccl_GBps_per_rank", cuda ? r->bytes_rank / (r->nccl_us * 1e-6) / 1e9 : NAN);
-    const double db = r->dispatch_rows * (double)r->row_bytes;
+    const double db = r->dispatch_rows * (double)r->drow_bytes;
     const double cb = r->combine_rows * (double)r->row_bytes;
     cli_json_field(f, "dispatch_us", r->disp_us);
     cli_json_field(f, "dispatch_GBps", db / (r->disp_us * 1e-6) / 1e9);
@@ -737,6 +761,11 @@ int cli_cmd_bench_ep(int argc, char **argv) {
     printf("layer %s: H %d, I %d, E %d, k %d, %s router, groups %s, shared expert %s, %s\n",
            shape, cfg.hidden, cfg.inter, cfg.num_experts, cfg.top_k, cli_router_name(cfg.router),
            groups, shared, moelink_dtype_name(cfg.dtype));
+    if (o.quant)
+      printf("dispatched rows travel as %s (e4m3 + %s)\n",
+             o.quant == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8",
+             o.quant == MOELINK_QUANT_FP8 ? "an fp32 scale per 128 elements"
+                                          : "an e8m0 scale per 32 elements");
     printf("timing: median of %d after %d warm-up, %s; the slowest rank's median\n", o.iters,
            o.warmup, cuda ? "CUDA events, L2 flushed and ranks lined up before each"
                           : "host clock, ranks lined up before each");
@@ -783,7 +812,7 @@ int cli_cmd_bench_ep(int argc, char **argv) {
     printf(" %9s %11s %11s\n", "d+c_us", "seq_us", "experts_us");
     for (int i = 0; i < o.ntokens; ++i) {
       const be_row *r = &rows[i];
-      const double db = r->dispatch_rows * (double)r->row_bytes;
+      const double db = r->dispatch_rows * (double)r->drow_bytes;
       const double cb = r->combine_rows * (double)r->row_bytes;
       printf("%7d %11.1f %7.1f", r->tokens, r->disp_us, db / r->disp_us * 1e-3);
       if (cuda) printf(" %10.1f %7.1f", r->nccl_disp_us, db / r->nccl_disp_us * 1e-3);

@@ -196,12 +196,13 @@ class EpConfig(ctypes.Structure):
         ("size", ctypes.c_size_t),
         ("moe", MoeConfig),
         ("recv_capacity", ctypes.c_int),
+        ("dispatch_quant", c_enum),
     ]
 
     @classmethod
     def init(cls):
         """MOELINK_EP_CONFIG_INIT"""
-        return cls(ctypes.sizeof(cls), MoeConfig.init(), 0)
+        return cls(ctypes.sizeof(cls), MoeConfig.init(), 0, 0)
 
 
 def address_of(ptr):

@@ -403,22 +403,32 @@ class EP(_OnComm):
     """An expert-parallel MoE layer (moelink_ep_t) over a communicator.
 
     EP(comm, preset=None, hidden=..., inter=..., experts=..., top_k=..., ...,
-    dtype="bf16", max_tokens=1024, recv_capacity=0) takes the keywords of
+    dtype="bf16", max_tokens=1024, recv_capacity=0, dispatch_quant="none")
+    takes the keywords of
     moelink.MoE (the whole layer: experts counts all ranks' experts, a
     multiple of the rank count). Rank r owns experts first_expert ..
     first_expert + local_experts - 1. forward() on every rank gives what
-    MoE.forward gives on all ranks' tokens concatenated in rank order."""
+    MoE.forward gives on all ranks' tokens concatenated in rank order.
+    dispatch_quant "fp8" or "mxfp8" sends the token rows to the experts'
+    ranks as E4M3 with block scales (the routed experts then compute on the
+    dequantized rows; hidden a multiple of 128 or 32)."""
+
+    _QUANT = {"none": 0, "fp8": 1, "mxfp8": 2}
 
     _destroy = "moelink_ep_destroy"
     _what = "EP layer"
 
     def __init__(self, comm, preset=None, *, recv_capacity=0, dtype="bf16", max_tokens=1024,
-                 **fields):
+                 dispatch_quant="none", **fields):
+        if dispatch_quant not in self._QUANT:
+            raise ValueError("dispatch_quant: expected none, fp8 or mxfp8, got %r"
+                             % (dispatch_quant,))
         self._attach(comm)
         self._keep = {}
         c = EpConfig.init()
         c.moe = moe_config(preset, dtype=dtype, max_tokens=max_tokens, **fields)
         c.recv_capacity = int(recv_capacity)
+        c.dispatch_quant = self._QUANT[dispatch_quant]
         h = ctypes.c_void_p()
         check(self._lib.moelink_ep_create(comm._h, ctypes.byref(c), ctypes.byref(h)))
         self._h = h
@@ -435,6 +445,7 @@ class EP(_OnComm):
         self.hidden, self.inter, self.num_experts = m.hidden, m.inter, m.num_experts
         self.top_k, self.shared_inter, self.max_tokens = m.top_k, m.shared_inter, m.max_tokens
         self.dtype = _DTYPE_CODE[m.dtype]
+        self.dispatch_quant = dispatch_quant
         comm._objects.add(self)
 
 

@@ -109,3 +109,17 @@ void ml_from_f32(moelink_dtype_t dtype, const float *src, void *dst, size_t n) {
   default: return;
   }
 }
+
+int moelink_quant_block(moelink_quant_t format) {
+  switch (format) {
+  case MOELINK_QUANT_FP8: return 128;
+  case MOELINK_QUANT_MXFP8: return 32;
+  default: return 0;
+  }
+}
+
+size_t moelink_quant_scale_bytes(moelink_quant_t format, int cols) {
+  const int b = moelink_quant_block(format);
+  if (b == 0 || cols <= 0) return 0;
+  return (size_t)(cols / b) * (format == MOELINK_QUANT_FP8 ? 4u : 1u);
+}

@@ -200,6 +200,8 @@ static const ml_backend_ops ml_cpu_ops = {
     ml_cpu_experts,
     ml_cpu_combine,
     ml_cpu_fill_random,
+    ml_cpu_quantize,
+    ml_cpu_dequantize,
     ml_cpu_forward,
 };
 

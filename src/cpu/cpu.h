@@ -19,6 +19,16 @@
 
 #define ML_CPU_TILE_ROWS 64
 
+#if defined(__x86_64__) || defined(__i386__)
+#define ML_CPU_X86 1
+#endif
+
+/* Up to this many token rows a bf16/f16 expert block goes through
+ * ml_cpu_gemm_small instead of conversion + BLAS: measured on the development
+ * machine, the small kernel is ahead up to ~56 rows on qwen3-30b-a3b shapes
+ * and even at 64 (~15%) on mixtral's long K; BLAS catches up at 64-80. */
+#define ML_CPU_SMALL_ROWS 64
+
 /* Block sizes of the work items, derived from the config alone (see
  * ml_cpu_blocks_for in backend.c). */
 typedef struct ml_cpu_blocks {
@@ -116,6 +126,14 @@ void ml_cpu_shared_gu_item(moelink_moe_t moe, const float *x32, int num_tokens, 
 void ml_cpu_shared_down_item(moelink_moe_t moe, int num_tokens, int item, int tid);
 
 /* Conversions and GEMM (convert.c). */
+/* The SIMD the running CPU offers, detected once: ML_CPU_SIMD_AVX2 (AVX2 and
+ * F16C), with ML_CPU_SIMD_FMA when FMA is there too; 0 off x86. */
+#define ML_CPU_SIMD_AVX2 1
+#define ML_CPU_SIMD_FMA 2
+int ml_cpu_simd(void);
+/* Tests only: what ml_cpu_simd reports is ANDed with mask from now on (-1,
+ * the default, leaves it as detected; 0 takes the scalar and BLAS paths). */
+void ml_cpu_simd_limit(int mask);
 /* ml_to_f32 with a SIMD path for bf16/f16 (exact, same values). */
 void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n);
 
@@ -134,6 +152,19 @@ void ml_cpu_gemm_raw(const float *a, int lda, int m, int K, const float *w, int 
 /* c[m, n] (ldc) = a . w^T in that layout always; tmp: m*n floats. */
 void ml_cpu_gemm(const float *a, int lda, int m, int K, const float *w, int n, float *c, int ldc,
                  float *tmp);
+
+/* The small-M GEMM (gemm_small.c). */
+/* Whether ml_cpu_gemm_small runs weights of dtype here: bf16 or f16 on a CPU
+ * with AVX2, FMA and F16C. */
+int ml_cpu_small_ready(moelink_dtype_t dtype);
+/* Whether a block of m token rows takes ml_cpu_gemm_small: a function of the
+ * shape and the CPU only, so the choice never depends on scheduling. */
+int ml_cpu_use_small(moelink_dtype_t dtype, int m);
+/* c[m, n] (ldc) = a . w^T, a [m, K] fp32 (lda), w [n, K] of dtype read where
+ * it lies, fp32 sums in an order fixed by K alone. Only when
+ * ml_cpu_small_ready(dtype); does nothing otherwise. */
+void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dtype,
+                       const void *w, int n, float *c, int ldc);
 
 /* Expert blocks (experts.c), shared by the routed and the shared expert. */
 /* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T), a [m, K] (lda),
@@ -166,5 +197,23 @@ moelink_status_t ml_cpu_combine(moelink_moe_t moe, const void *y, int num_tokens
 moelink_status_t ml_cpu_fill_random(moelink_context_t ctx, moelink_dtype_t dtype, void *ptr,
                                     size_t n, uint64_t seed, float scale, float offset,
                                     void *stream);
+moelink_status_t ml_cpu_quantize(moelink_context_t ctx, moelink_quant_t format,
+                                 moelink_dtype_t dtype, const void *x, int rows, int cols,
+                                 uint8_t *q, void *scales, void *stream);
+moelink_status_t ml_cpu_dequantize(moelink_context_t ctx, moelink_quant_t format,
+                                   moelink_dtype_t dtype, const uint8_t *q, const void *scales,
+                                   int rows, int cols, void *x, void *stream);
+
+/* 8-bit rows (quant.c), for checked arguments (format FP8 or MXFP8, dtype
+ * F32/BF16/F16, cols a multiple of the block), on up to nthreads threads with
+ * the same results on any count: moelink_quantize, moelink_dequantize, and
+ * out = dequantize(quantize(x)) in x's dtype, bitwise the two in sequence
+ * (out may be x). */
+void ml_cpu_quant_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
+                       int cols, uint8_t *q, void *scales, int nthreads);
+void ml_cpu_dequant_rows(moelink_quant_t format, moelink_dtype_t dtype, const uint8_t *q,
+                         const void *scales, int rows, int cols, void *x, int nthreads);
+void ml_cpu_qdq_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
+                     int cols, void *out, int nthreads);
 
 #endif

@@ -483,6 +483,34 @@ static moelink_status_t ml_cu_fill_impl(moelink_context_t ctx, moelink_dtype_t d
   return ml_cu_step(st, "fill_random");
 }
 
+static moelink_status_t ml_cu_quant_aligned(const char *fn, const void *x, const void *q,
+                                             const void *scales) {
+  if (((uintptr_t)x | (uintptr_t)q) & 15 || (uintptr_t)scales & 3)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: rows %p and bytes %p must be 16-byte aligned, scales %p 4-byte aligned",
+                   fn, x, q, scales);
+  return MOELINK_SUCCESS;
+}
+
+static moelink_status_t ml_cu_quantize_impl(moelink_context_t ctx, moelink_quant_t format,
+                                            moelink_dtype_t dtype, const void *x, int rows,
+                                            int cols, uint8_t *q, void *scales, cudaStream_t st) {
+  ML_TRY(ml_cu_quant_aligned("quantize", x, q, scales));
+  ML_TRY(ml_cuda_quantize(format, dtype, x, rows, cols, q, scales, ml_cu_ctx_of(ctx)->sm_count,
+                          st));
+  return ml_cu_step(st, "quantize");
+}
+
+static moelink_status_t ml_cu_dequantize_impl(moelink_context_t ctx, moelink_quant_t format,
+                                              moelink_dtype_t dtype, const uint8_t *q,
+                                              const void *scales, int rows, int cols, void *x,
+                                              cudaStream_t st) {
+  ML_TRY(ml_cu_quant_aligned("dequantize", x, q, scales));
+  ML_TRY(ml_cuda_dequantize(format, dtype, q, scales, rows, cols, x,
+                            ml_cu_ctx_of(ctx)->sm_count, st));
+  return ml_cu_step(st, "dequantize");
+}
+
 /* ---- the table -------------------------------------------------------------------- */
 
 static moelink_status_t ml_cu_route(moelink_moe_t moe, const void *x, int T, int32_t *ids,
@@ -519,6 +547,21 @@ static moelink_status_t ml_cu_fill(moelink_context_t ctx, moelink_dtype_t dtype,
                                      (cudaStream_t)stream));
 }
 
+static moelink_status_t ml_cu_quantize(moelink_context_t ctx, moelink_quant_t format,
+                                       moelink_dtype_t dtype, const void *x, int rows, int cols,
+                                       uint8_t *q, void *scales, void *stream) {
+  ML_CU_GUARDED(ctx, ml_cu_quantize_impl(ctx, format, dtype, x, rows, cols, q, scales,
+                                         (cudaStream_t)stream));
+}
+
+static moelink_status_t ml_cu_dequantize(moelink_context_t ctx, moelink_quant_t format,
+                                         moelink_dtype_t dtype, const uint8_t *q,
+                                         const void *scales, int rows, int cols, void *x,
+                                         void *stream) {
+  ML_CU_GUARDED(ctx, ml_cu_dequantize_impl(ctx, format, dtype, q, scales, rows, cols, x,
+                                           (cudaStream_t)stream));
+}
+
 static const ml_backend_ops ml_cuda_ops = {
     "cuda",
     ml_cu_context_init,
@@ -531,6 +574,8 @@ static const ml_backend_ops ml_cuda_ops = {
     ml_cu_experts,
     ml_cu_combine,
     ml_cu_fill,
+    ml_cu_quantize,
+    ml_cu_dequantize,
     ml_cu_forward,
 };
 

@@ -91,6 +91,16 @@ moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y, const int32_
 moelink_status_t ml_cuda_fill(moelink_dtype_t dt, void *p, size_t n, uint64_t seed, float scale,
                               float offset, int sm_count, cudaStream_t stream);
 
+/* ---- 8-bit rows (quant.cu) ----------------------------------------------------
+ * moelink_quantize / moelink_dequantize, arguments checked by the caller
+ * (rows >= 1, cols a multiple of the block, 16-byte aligned x and q). */
+moelink_status_t ml_cuda_quantize(moelink_quant_t format, moelink_dtype_t dtype, const void *x,
+                                  int rows, int cols, uint8_t *q, void *scales, int sms,
+                                  cudaStream_t stream);
+moelink_status_t ml_cuda_dequantize(moelink_quant_t format, moelink_dtype_t dtype,
+                                    const uint8_t *q, const void *scales, int rows, int cols,
+                                    void *x, int sms, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -75,6 +75,18 @@ static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep
   if (cfg->recv_capacity < 0)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: recv_capacity %d must be >= 0 (0: default)",
                    cfg->recv_capacity);
+  if (cfg->dispatch_quant != MOELINK_QUANT_NONE) {
+    const int b = moelink_quant_block(cfg->dispatch_quant);
+    if (b == 0)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                     "ep: dispatch_quant %d is not NONE (0), FP8 (1) or MXFP8 (2)",
+                     (int)cfg->dispatch_quant);
+    if (cfg->moe.hidden % b != 0)
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                     "ep: hidden %d is not a multiple of the %s block of %d elements",
+                     cfg->moe.hidden, cfg->dispatch_quant == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8",
+                     b);
+  }
   *out = *cfg;
   if (out->recv_capacity == 0) {
     const int64_t spread = n < cfg->moe.top_k ? n : cfg->moe.top_k;
@@ -215,20 +227,23 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
   return ep->ops->forward(ep, x, num_tokens, out, stream);
 }
 
-moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32_t *topk_ids,
-                                     const float *topk_weights, int num_tokens,
-                                     moelink_ep_recv_t *recv, void *stream) {
+/* Both dispatch calls: x, or xq + xs (quantized). */
+static moelink_status_t ml_ep_dispatch_any(moelink_ep_t ep, const char *fn, const void *x,
+                                           const uint8_t *xq, const void *xs,
+                                           const int32_t *topk_ids, const float *topk_weights,
+                                           int num_tokens, moelink_ep_recv_t *recv,
+                                           void *stream) {
   ml_clear_error();
-  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_dispatch: ep is NULL");
+  if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: ep is NULL", fn);
   if (ep->dispatched)
     return ml_fail(MOELINK_ERR_INVALID_STATE,
-                   "ep_dispatch on rank %d: the previous dispatch has not been combined "
+                   "%s on rank %d: the previous dispatch has not been combined "
                    "(call moelink_ep_combine first)",
-                   ep->comm->rank);
+                   fn, ep->comm->rank);
   /* As in forward, a bad argument is this rank's alone: it takes part with
    * no tokens, and the peers finish (the caller must still combine). */
   char why[200] = "";
-  const int max = ep->cfg.moe.max_tokens;
+  const int max = ep->cfg.moe.max_tokens, qcall = strcmp(fn, "ep_dispatch") != 0;
   if (!recv) {
     snprintf(why, sizeof why, "recv is NULL");
   } else if (recv->size != sizeof *recv) {
@@ -236,9 +251,12 @@ moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32
              recv->size, sizeof *recv);
   } else if (num_tokens < 0 || num_tokens > max) {
     snprintf(why, sizeof why, "num_tokens %d outside [0, max_tokens %d]", num_tokens, max);
-  } else if (num_tokens > 0 && (!x || !topk_ids || !topk_weights)) {
-    snprintf(why, sizeof why, "%s is NULL with num_tokens %d",
-             !x ? "x" : !topk_ids ? "topk_ids" : "topk_weights", num_tokens);
+  } else if (qcall && ep->cfg.dispatch_quant == MOELINK_QUANT_NONE) {
+    snprintf(why, sizeof why, "the layer's dispatch_quant is NONE: rows travel unquantized");
+  } else if (num_tokens > 0) {
+    const char *miss = qcall ? (!xq ? "xq" : !xs ? "scales" : NULL) : !x ? "x" : NULL;
+    if (!miss) miss = !topk_ids ? "topk_ids" : !topk_weights ? "topk_weights" : NULL;
+    if (miss) snprintf(why, sizeof why, "%s is NULL with num_tokens %d", miss, num_tokens);
   }
   if (why[0]) {
     /* Its experts still serve the peers' rows: a usable recv gets them. */
@@ -248,23 +266,41 @@ moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32
     const size_t sz = rv->size;
     memset(rv, 0, sizeof *rv);
     rv->size = sz;
-    moelink_status_t s = ep->ops->dispatch(ep, NULL, NULL, NULL, 0, rv, stream);
+    moelink_status_t s = ep->ops->dispatch(ep, NULL, NULL, NULL, NULL, NULL, 0, rv, stream);
     if (s != MOELINK_SUCCESS) return s;
     ep->dispatched = 1;
     ep->dispatch_tokens = 0;
     ep->dispatch_blind = blind;
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
-                   "ep_dispatch on rank %d: %s (took part with no tokens%s; call combine next)",
-                   ep->comm->rank, why, blind ? " and sends zeros for its experts at combine" : "");
+                   "%s on rank %d: %s (took part with no tokens%s; call combine next)", fn,
+                   ep->comm->rank, why,
+                   blind ? " and sends zeros for its experts at combine" : "");
   }
   const size_t sz = recv->size;
   memset(recv, 0, sizeof *recv);
   recv->size = sz;
-  ML_TRY(ep->ops->dispatch(ep, x, topk_ids, topk_weights, num_tokens, recv, stream));
+  ML_TRY(ep->ops->dispatch(ep, num_tokens ? x : NULL, num_tokens ? xq : NULL,
+                           num_tokens ? xs : NULL, topk_ids, topk_weights, num_tokens, recv,
+                           stream));
   ep->dispatched = 1;
   ep->dispatch_tokens = num_tokens;
   ep->dispatch_blind = 0;
   return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32_t *topk_ids,
+                                     const float *topk_weights, int num_tokens,
+                                     moelink_ep_recv_t *recv, void *stream) {
+  return ml_ep_dispatch_any(ep, "ep_dispatch", x, NULL, NULL, topk_ids, topk_weights,
+                            num_tokens, recv, stream);
+}
+
+moelink_status_t moelink_ep_dispatch_quantized(moelink_ep_t ep, const uint8_t *xq,
+                                               const void *scales, const int32_t *topk_ids,
+                                               const float *topk_weights, int num_tokens,
+                                               moelink_ep_recv_t *recv, void *stream) {
+  return ml_ep_dispatch_any(ep, "ep_dispatch_quantized", NULL, xq, scales, topk_ids,
+                            topk_weights, num_tokens, recv, stream);
 }
 
 moelink_status_t moelink_ep_combine(moelink_ep_t ep, const void *y, const int32_t *pair_rows,

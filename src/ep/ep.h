@@ -40,15 +40,17 @@ typedef struct ml_ep_ops {
    * moe.max_tokens (the backend steps through it). */
   moelink_status_t (*forward)(moelink_ep_t ep, const void *x, int num_tokens, void *out,
                               void *stream);
-  /* The pieces. dispatch: num_tokens in [0, max_tokens], x, ids and weights
-   * non-NULL when it is > 0; fills every field of *recv but size. combine:
+  /* The pieces. dispatch: num_tokens in [0, max_tokens]; the rows are x (of
+   * moe.dtype) or, with the config's dispatch_quant, xq + xs (moelink_quantize
+   * output), exactly one of the two given when num_tokens > 0, ids and
+   * weights too; fills every field of *recv but size. combine:
    * after a dispatch that returned SUCCESS; the T is ep->dispatch_tokens; y
    * NULL (this rank's bad arguments) means: take part, send zeros for this
    * rank's experts' outputs and write no out; otherwise out is non-NULL when
    * T > 0; pair_rows may be NULL (identity). */
-  moelink_status_t (*dispatch)(moelink_ep_t ep, const void *x, const int32_t *ids,
-                               const float *weights, int num_tokens, moelink_ep_recv_t *recv,
-                               void *stream);
+  moelink_status_t (*dispatch)(moelink_ep_t ep, const void *x, const uint8_t *xq,
+                               const void *xs, const int32_t *ids, const float *weights,
+                               int num_tokens, moelink_ep_recv_t *recv, void *stream);
   moelink_status_t (*combine)(moelink_ep_t ep, const void *y, const int32_t *pair_rows, void *out,
                               void *stream);
 } ml_ep_ops;

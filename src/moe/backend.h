@@ -52,6 +52,15 @@ typedef struct ml_backend_ops {
   moelink_status_t (*fill_random)(moelink_context_t ctx, moelink_dtype_t dtype, void *ptr,
                                   size_t n, uint64_t seed, float scale, float offset,
                                   void *stream);
+  /* moelink_quantize / moelink_dequantize on this backend's memory, checked:
+   * format FP8 or MXFP8, dtype F32/BF16/F16, rows >= 1, cols a positive
+   * multiple of the block, pointers non-NULL. */
+  moelink_status_t (*quantize)(moelink_context_t ctx, moelink_quant_t format,
+                               moelink_dtype_t dtype, const void *x, int rows, int cols,
+                               uint8_t *q, void *scales, void *stream);
+  moelink_status_t (*dequantize)(moelink_context_t ctx, moelink_quant_t format,
+                                 moelink_dtype_t dtype, const uint8_t *q, const void *scales,
+                                 int rows, int cols, void *x, void *stream);
   /* The whole layer for 1 <= num_tokens <= max_tokens (the front end chunks). */
   moelink_status_t (*forward)(moelink_moe_t moe, const void *x, int num_tokens, void *out,
                               void *stream);

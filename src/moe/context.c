@@ -97,3 +97,45 @@ moelink_status_t moelink_fill_random(moelink_context_t ctx, moelink_dtype_t dtyp
   if (!ptr) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "fill_random: ptr is NULL");
   return ctx->ops->fill_random(ctx, dtype, ptr, n, seed, scale, offset, stream);
 }
+
+/* The checks moelink_quantize and moelink_dequantize share. */
+static moelink_status_t ml_quant_check(const char *fn, moelink_context_t ctx,
+                                       moelink_quant_t format, moelink_dtype_t dtype,
+                                       const void *in, int rows, int cols, const void *out,
+                                       const void *scales) {
+  if (!ctx) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: context is NULL", fn);
+  const int b = moelink_quant_block(format);
+  if (b == 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: format %d is not FP8 (1) or MXFP8 (2)", fn,
+                   (int)format);
+  if (dtype != MOELINK_DTYPE_F32 && dtype != MOELINK_DTYPE_BF16 && dtype != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (f32, bf16, f16)", fn,
+                   moelink_dtype_name(dtype));
+  if (rows < 0) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d < 0", fn, rows);
+  if (cols <= 0 || cols % b != 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: cols %d must be a positive multiple of the %s block %d", fn, cols,
+                   format == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8", b);
+  if (rows > 0 && (!in || !out || !scales))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn,
+                   !in ? "the input" : !out ? "the output" : "scales");
+  return MOELINK_SUCCESS;
+}
+
+moelink_status_t moelink_quantize(moelink_context_t ctx, moelink_quant_t format,
+                                  moelink_dtype_t dtype, const void *x, int rows, int cols,
+                                  uint8_t *q, void *scales, void *stream) {
+  ml_clear_error();
+  ML_TRY(ml_quant_check("quantize", ctx, format, dtype, x, rows, cols, q, scales));
+  if (rows == 0) return MOELINK_SUCCESS;
+  return ctx->ops->quantize(ctx, format, dtype, x, rows, cols, q, scales, stream);
+}
+
+moelink_status_t moelink_dequantize(moelink_context_t ctx, moelink_quant_t format,
+                                    moelink_dtype_t dtype, const uint8_t *q, const void *scales,
+                                    int rows, int cols, void *x, void *stream) {
+  ml_clear_error();
+  ML_TRY(ml_quant_check("dequantize", ctx, format, dtype, q, rows, cols, x, scales));
+  if (rows == 0) return MOELINK_SUCCESS;
+  return ctx->ops->dequantize(ctx, format, dtype, q, scales, rows, cols, x, stream);
+}

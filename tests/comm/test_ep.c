@@ -601,18 +601,31 @@ typedef struct pc_opts {
   int permute;    /* y laid out through a reversed pair_rows, not by pair */
   int bad_rank;   /* -1, or the rank whose dispatch gets a bad argument */
   int bad_mode;   /* 0: x NULL with T > 0; 1: num_tokens > max_tokens; 2: recv NULL;
-                     3: recv size field */
+                     3: recv size field; 4: dispatch_quantized (on a NONE layer);
+                     5: dispatch_quantized with xq NULL; 6: with scales NULL */
   int y_rank;     /* -1, or the rank whose combine gets a bad argument */
   int y_mode;     /* 0: y NULL; 1: out NULL; 2: a pair_rows entry outside y */
   int misuse;     /* a second dispatch and a forward before the combine */
+  int quant;      /* the layer's dispatch_quant */
+  int qcall;      /* who calls moelink_ep_dispatch_quantized (the others moelink_ep_dispatch):
+                     0 nobody, 1 every rank, 2 rank 0, 3 every rank but 0 */
 } pc_opts;
+
+/* Whether this rank dispatches already quantized rows under o. */
+static int pc_quantized_here(const pc_opts *o) {
+  return o->qcall == 1 || (o->qcall == 2 && rank == 0) || (o->qcall == 3 && rank != 0);
+}
 
 /* One dispatch + combine with synthetic experts (pc_g), checked on every
  * rank against what it computes from every rank's inputs: the rows it
  * received (set of (source, token), bytes, local ids and weights in slot
- * order, empty rows), then its combined output. Returns the failures. */
+ * order, empty rows), then its combined output. With o->quant the rows a
+ * token arrives as are moelink_dequantize(moelink_quantize(x)) of its
+ * source's x, whichever dispatch call the source made. Returns the
+ * failures; digest (may be NULL) gets a hash of the rows received, their
+ * ids and weights, and the combined output. */
 static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap, uint64_t seed,
-                        int it, const pc_opts *o, const char *name) {
+                        int it, const pc_opts *o, const char *name, uint64_t *digest) {
   const int E = c->num_experts, k = c->top_k, H = c->hidden, El = E / nranks;
   const int kl = k < El ? k : El, first = rank * El, maxT = o->max_t;
   const moelink_dtype_t dt = c->dtype;
@@ -622,19 +635,37 @@ static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap,
   unsigned char *xs = (unsigned char *)ct_alloc((size_t)nranks * maxT * row);
   int32_t *ids = (int32_t *)ct_alloc((size_t)nranks * maxT * k * 4);
   float *wts = (float *)ct_alloc((size_t)nranks * maxT * k * 4);
+  /* With a quantized layer: every rank's q, scales and the rows they stand
+   * for (what the experts' ranks must receive). */
+  const moelink_quant_t qf = (moelink_quant_t)o->quant;
+  const size_t sbytes = moelink_quant_scale_bytes(qf, H);
+  uint8_t *xq = (uint8_t *)ct_alloc((size_t)nranks * maxT * H);
+  uint8_t *xsc = (uint8_t *)ct_alloc((size_t)nranks * maxT * sbytes + 1);
+  unsigned char *xdq = (unsigned char *)ct_alloc((size_t)nranks * maxT * row);
   for (int r = 0; r < nranks; ++r) {
     const uint64_t sr = ct_seed(seed * 1000 + (uint64_t)it, r);
     Ts[r] = pc_tokens(seed, it, r, maxT);
     pc_routing(c, o->own ? r : -1, sr, Ts[r], o->empty_pct, ids + (size_t)r * maxT * k,
                wts + (size_t)r * maxT * k);
+    unsigned char *xr = xs + (size_t)r * maxT * row;
     if (Ts[r] > 0 &&
-        moelink_fill_random(ctx, dt, xs + (size_t)r * maxT * row, (size_t)Ts[r] * H, sr ^ 0x55,
-                            1.0f, 0.0f, NULL) != MOELINK_SUCCESS)
+        moelink_fill_random(ctx, dt, xr, (size_t)Ts[r] * H, sr ^ 0x55, 1.0f, 0.0f, NULL) !=
+            MOELINK_SUCCESS)
       CHECK(0, "fill x: %s", moelink_last_error());
+    if (Ts[r] > 0 && qf != MOELINK_QUANT_NONE) {
+      uint8_t *qr = xq + (size_t)r * maxT * H, *sr8 = xsc + (size_t)r * maxT * sbytes;
+      if (moelink_quantize(ctx, qf, dt, xr, Ts[r], H, qr, sr8, NULL) != MOELINK_SUCCESS ||
+          moelink_dequantize(ctx, qf, dt, qr, sr8, Ts[r], H, xdq + (size_t)r * maxT * row,
+                             NULL) != MOELINK_SUCCESS)
+        CHECK(0, "quantize x: %s", moelink_last_error());
+    } else if (Ts[r] > 0) {
+      memcpy(xdq + (size_t)r * maxT * row, xr, (size_t)Ts[r] * row);
+    }
   }
   const int bad = rank == o->bad_rank;
   const int T = Ts[rank];
   const unsigned char *xm = xs + (size_t)rank * maxT * row;
+  const uint8_t *qm = xq + (size_t)rank * maxT * H, *sm = xsc + (size_t)rank * maxT * sbytes;
   const int32_t *im = ids + (size_t)rank * maxT * k;
   const float *wm = wts + (size_t)rank * maxT * k;
   char what[200];
@@ -646,17 +677,33 @@ static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap,
   if (bad) {
     moelink_ep_recv_t sized = recv;
     sized.size = 7;
-    static const char *const why[] = {"x NULL", "num_tokens > max_tokens", "recv NULL",
-                                      "recv size 7"};
+    static const char *const why[] = {"x NULL",      "num_tokens > max_tokens",
+                                      "recv NULL",   "recv size 7",
+                                      "dispatch_quantized on a NONE layer",
+                                      "xq NULL",     "scales NULL"};
+    static const char *const says[] = {"x is NULL",    "max_tokens", "recv is NULL", "recv size",
+                                       "NONE",         "xq is NULL", "scales is NULL"};
+    const int T1 = T > 0 ? T : 1;
     switch (o->bad_mode) {
-    case 0: s = moelink_ep_dispatch(ep, NULL, im, wm, T > 0 ? T : 1, &recv, NULL); break;
+    case 0: s = moelink_ep_dispatch(ep, NULL, im, wm, T1, &recv, NULL); break;
     case 1: s = moelink_ep_dispatch(ep, xm, im, wm, c->max_tokens + 1, &recv, NULL); break;
     case 2: s = moelink_ep_dispatch(ep, xm, im, wm, T, NULL, NULL); break;
-    default: s = moelink_ep_dispatch(ep, xm, im, wm, T, &sized, NULL); break;
+    case 3: s = moelink_ep_dispatch(ep, xm, im, wm, T, &sized, NULL); break;
+    case 4: s = moelink_ep_dispatch_quantized(ep, qm, sm, im, wm, T, &recv, NULL); break;
+    case 5: s = moelink_ep_dispatch_quantized(ep, NULL, sm, im, wm, T1, &recv, NULL); break;
+    default: s = moelink_ep_dispatch_quantized(ep, qm, NULL, im, wm, T1, &recv, NULL); break;
     }
-    CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part"),
+    CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part") &&
+              strstr(moelink_last_error(), says[o->bad_mode]),
           "%s: dispatch with %s on rank %d -> %s (%s)", what, why[o->bad_mode], rank,
           moelink_status_string(s), moelink_last_error());
+  } else if (pc_quantized_here(o)) {
+    s = moelink_ep_dispatch_quantized(ep, T ? qm : NULL, T ? sm : NULL, T ? im : NULL,
+                                      T ? wm : NULL, T, &recv, NULL);
+    if (s != MOELINK_SUCCESS) {
+      CHECK(0, "%s: dispatch_quantized: %s", what, moelink_last_error());
+      ++failures;
+    }
   } else {
     s = moelink_ep_dispatch(ep, T ? xm : NULL, T ? im : NULL, T ? wm : NULL, T, &recv, NULL);
     if (s != MOELINK_SUCCESS) {
@@ -702,6 +749,7 @@ static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap,
   for (size_t i = 0; i < yrows * H; ++i) ref_store(dt, y, i, NAN);
   for (size_t p = 0; p < yrows; ++p) pr[p] = -1;
   int any_pair = 0;
+  uint64_t h = 1469598103934665603ull;
   if (!bad && s == MOELINK_SUCCESS) {
     int ok = recv.capacity == cap && recv.top_k == kl && recv.rows && recv.expert_ids &&
              recv.weights && recv.size == sizeof recv;
@@ -721,10 +769,12 @@ static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap,
       }
       ++rows_held;
       const unsigned char *rb = (const unsigned char *)recv.rows + (size_t)r * row;
+      h = ct_mix(h, ct_hash(rb, row));
+      h = ct_mix(h, ct_hash(li, (size_t)kl * 4) ^ ct_hash(lw, (size_t)kl * 4));
       want_t *m = NULL;
       for (int i = 0; i < nwant && !m; ++i)
         if (!want[i].found &&
-            memcmp(rb, xs + ((size_t)want[i].s * maxT + want[i].t) * row, row) == 0)
+            memcmp(rb, xdq + ((size_t)want[i].s * maxT + want[i].t) * row, row) == 0)
           m = &want[i];
       if (!m) {
         if (!wrong++) CHECK(0, "%s: row %d matches no token sent to rank %d", what, r, rank);
@@ -826,12 +876,16 @@ static int pieces_round(moelink_ep_t ep, const moelink_moe_config_t *c, int cap,
     failures += at >= 0;
     free(want_out);
   }
+  if (digest) *digest = ct_mix(h, ct_hash(out, (size_t)T * row));
   free(out);
   free(y);
   free(pr);
   free(want);
   free(Ts);
   free(xs);
+  free(xq);
+  free(xsc);
+  free(xdq);
   free(ids);
   free(wts);
   return failures;
@@ -860,19 +914,20 @@ static void test_pieces_protocol(void) {
       snprintf(name, sizeof name, "pieces E=%d k=%d", E, c.top_k);
       const int last = nranks - 1, mid = nranks / 2;
       const pc_opts plan[] = {
-          /* max_t empty own permute bad_rank bad_mode y_rank y_mode misuse */
-          {9, 0, 0, 0, -1, 0, -1, 0, 0},   {9, 30, 0, 1, -1, 0, -1, 0, 0},
-          {9, 25, 0, 0, last, 0, -1, 0, 0}, {9, 0, 0, 1, last, 1, -1, 0, 0},
-          {9, 25, 0, 0, -1, 0, mid, 0, 0},  {7, 20, 0, 1, 0, 2, -1, 0, 1},
-          {9, 0, 0, 0, last, 3, 0, 1, 0},   {9, 20, 0, 1, -1, 0, mid, 2, 0},
-          {9, 100, 0, 0, -1, 0, -1, 0, 0},  {9, 40, 0, 1, -1, 0, -1, 0, 0},
-          {9, 0, 1, 0, -1, 0, -1, 0, 0},    {9, 10, 0, 0, -1, 0, -1, 0, 0},
+          /* max_t empty own permute bad_rank bad_mode y_rank y_mode misuse quant qcall */
+          {9, 0, 0, 0, -1, 0, -1, 0, 0, 0, 0},    {9, 30, 0, 1, -1, 0, -1, 0, 0, 0, 0},
+          {9, 25, 0, 0, last, 0, -1, 0, 0, 0, 0}, {9, 0, 0, 1, last, 1, -1, 0, 0, 0, 0},
+          {9, 25, 0, 0, -1, 0, mid, 0, 0, 0, 0},  {7, 20, 0, 1, 0, 2, -1, 0, 1, 0, 0},
+          {9, 0, 0, 0, last, 3, 0, 1, 0, 0, 0},   {9, 20, 0, 1, -1, 0, mid, 2, 0, 0, 0},
+          {9, 100, 0, 0, -1, 0, -1, 0, 0, 0, 0},  {9, 40, 0, 1, -1, 0, -1, 0, 0, 0, 0},
+          {9, 0, 1, 0, -1, 0, -1, 0, 0, 0, 0},    {9, 10, 0, 0, -1, 0, -1, 0, 0, 0, 0},
+          {9, 20, 0, 1, last, 4, -1, 0, 0, 0, 0},
       };
       const int n_plan = (int)(sizeof plan / sizeof plan[0]);
       int failures = 0;
       for (int it = 0; it < n_plan; ++it)
         failures += pieces_round(ep, &c, ecfg.recv_capacity, 500 + (uint64_t)(d * 2 + v), it,
-                                 &plan[it], name);
+                                 &plan[it], name, NULL);
       CHECK(failures == 0, "%s (%s): %d dispatch/combine calls with synthetic experts right",
             name, moelink_dtype_name(dts[d]), n_plan - failures);
       const int El = E / nranks;
@@ -897,7 +952,7 @@ static void test_pieces_protocol(void) {
               c.top_k, El, moelink_status_string(s), moelink_last_error());
         CHECK_STATUS(moelink_ep_combine(ep, NULL, NULL, NULL, NULL), MOELINK_ERR_INVALID_STATE,
                      "combine after the refused dispatch");
-        CHECK(pieces_round(ep, &c, ecfg.recv_capacity, 599, 0, &plan[1], name) == 0,
+        CHECK(pieces_round(ep, &c, ecfg.recv_capacity, 599, 0, &plan[1], name, NULL) == 0,
               "%s: dispatch/combine after the refused dispatch", name);
       }
       CHECK_OK(moelink_ep_destroy(ep), "ep_destroy (pieces)");
@@ -1231,9 +1286,9 @@ static void test_pieces_errors(void) {
     snprintf(what, sizeof what, "forward after a refused dispatch (%d)", round);
     compare(MOELINK_DTYPE_F32, out, ref_out + (size_t)rank * F * H, (size_t)F * H, what);
     /* And dispatch/combine of a routing that fits. */
-    const pc_opts fits = {3, 20, 1, round, -1, 0, -1, 0, 0};
-    CHECK(pieces_round(ep, &c, 3, 403, round, &fits, "fitting pieces after a refused dispatch") ==
-              0,
+    const pc_opts fits = {3, 20, 1, round, -1, 0, -1, 0, 0, 0, 0};
+    CHECK(pieces_round(ep, &c, 3, 403, round, &fits, "fitting pieces after a refused dispatch",
+                       NULL) == 0,
           "dispatch/combine after a refused dispatch (%d)", round);
   }
   free(x_all);
@@ -1242,6 +1297,457 @@ static void test_pieces_errors(void) {
   moelink_moe_destroy(single);
   CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
   ref_layer_free(&L);
+}
+
+/* ---- 8-bit dispatch (dispatch_quant) ------------------------------------ */
+
+/* The pieces on FP8 and MXFP8 layers, with synthetic experts: every rank
+ * receives moelink_dequantize(moelink_quantize(x)) of each source's token
+ * rows (bytes, ids, weights and the combined sums checked as in
+ * pieces_round), and the same calls made with moelink_ep_dispatch, with
+ * moelink_ep_dispatch_quantized, and with the two mixed (rank 0 one, the
+ * others the other) hand out bitwise the same rows and combine to bitwise
+ * the same outputs. Bad quantized arguments on one rank: that rank fails,
+ * its peers finish. */
+static void test_pieces_quant(void) {
+  const moelink_dtype_t dts[] = {MOELINK_DTYPE_F32, MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
+  const moelink_quant_t fmts[] = {MOELINK_QUANT_FP8, MOELINK_QUANT_MXFP8};
+  for (int d = 0; d < 3; ++d)
+    for (int f = 0; f < 2; ++f) {
+      const moelink_quant_t qf = fmts[f];
+      const int E = f == 0 ? 24 : 8;
+      if (E % nranks != 0) continue;
+      moelink_moe_config_t c = base_config(NULL, dts[d], E, f == 0 ? 5 : 3, 0);
+      c.hidden = qf == MOELINK_QUANT_FP8 ? 256 : 96;
+      c.max_tokens = 9;
+      moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+      ecfg.moe = c;
+      ecfg.recv_capacity = nranks * c.max_tokens;
+      ecfg.dispatch_quant = qf;
+      moelink_ep_t ep = NULL;
+      CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), "ep_create (pieces, dispatch_quant)");
+      if (!ep) continue;
+      char name[96];
+      snprintf(name, sizeof name, "pieces %s E=%d k=%d H=%d",
+               qf == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8", E, c.top_k, c.hidden);
+      const int q = (int)qf, last = nranks - 1;
+      int failures = 0, calls = 0;
+      for (int it = 0; it < 4; ++it) {
+        /* The same inputs (seed, it) through every combination of calls. */
+        uint64_t dg[4] = {0, 0, 0, 0};
+        for (int qc = 0; qc < 4; ++qc) {
+          const pc_opts o = {9, it * 15, 0, it & 1, -1, 0, -1, 0, 0, q, qc};
+          failures += pieces_round(ep, &c, ecfg.recv_capacity, 700 + (uint64_t)(d * 2 + f), it,
+                                   &o, name, &dg[qc]);
+          ++calls;
+        }
+        CHECK(dg[0] == dg[1] && dg[0] == dg[2] && dg[0] == dg[3],
+              "%s (%s) call %d: dispatch, dispatch_quantized, and the two mixed give bitwise "
+              "the same received rows, ids, weights and combined output",
+              name, moelink_dtype_name(dts[d]), it);
+      }
+      const pc_opts bad[] = {{9, 10, 0, 0, last, 5, -1, 0, 0, q, 1},
+                             {9, 10, 0, 1, last, 6, -1, 0, 0, q, 3},
+                             {9, 10, 0, 0, 0, 0, -1, 0, 0, q, 1},
+                             {9, 10, 0, 0, -1, 0, last, 0, 0, q, 2}};
+      for (int b = 0; b < 4; ++b, ++calls)
+        failures += pieces_round(ep, &c, ecfg.recv_capacity, 790, b, &bad[b], name, NULL);
+      CHECK(failures == 0, "%s (%s): %d dispatch/combine calls right", name,
+            moelink_dtype_name(dts[d]), calls);
+      CHECK_OK(moelink_ep_destroy(ep), "ep_destroy (pieces, dispatch_quant)");
+    }
+}
+
+/* L's weights in fp32 (exact copies) in w32, the buffers in bufs[6]: a
+ * single-rank f32 layer on them computes what a layer of L's dtype does
+ * inside (fp32 products and sums of the same values) but hands out its
+ * expert outputs unrounded, as the EP ranks send them back. */
+static void widen_weights(const ref_layer *L, moelink_moe_weights_t *w32, float **bufs) {
+  const moelink_moe_config_t *c = &L->cfg;
+  const size_t H = (size_t)c->hidden, I = (size_t)c->inter, E = (size_t)c->num_experts;
+  const size_t Is = (size_t)c->shared_inter;
+  const void *src[6] = {L->router, L->gate_up, L->down, L->shared_gate_up, L->shared_down,
+                        L->shared_gate};
+  const size_t n[6] = {E * H, E * 2 * I * H, E * H * I, 2 * Is * H, H * Is, H};
+  for (int b = 0; b < 6; ++b) {
+    bufs[b] = NULL;
+    if (!src[b]) continue;
+    bufs[b] = (float *)ct_alloc(n[b] * sizeof(float));
+    for (size_t i = 0; i < n[b]; ++i) bufs[b][i] = (float)ref_load(c->dtype, src[b], i);
+  }
+  *w32 = L->w;
+  w32->dtype = MOELINK_DTYPE_F32;
+  w32->router = bufs[0];
+  w32->gate_up = bufs[1];
+  w32->down = bufs[2];
+  w32->shared_gate_up = bufs[3];
+  w32->shared_down = bufs[4];
+  w32->shared_gate = bufs[5];
+}
+
+/* out [T, H] = sum_j y[pair_rows[t*k + j]] in slot order in fp32, plus (with
+ * a shared expert) the reference's shared expert of x in double rounded to
+ * fp32, one rounding to L's dtype: the EP combine's order, with the routed
+ * experts' outputs y (of y_dt) from a single-rank layer. */
+static void quant_combine(const ref_layer *L, const void *x, moelink_dtype_t y_dt, const void *y,
+                          const int32_t *pair_rows, int T, void *out) {
+  const moelink_moe_config_t *c = &L->cfg;
+  const moelink_dtype_t dt = c->dtype;
+  const int H = c->hidden, k = c->top_k;
+  const size_t row = (size_t)H * moelink_dtype_size(dt);
+  double *sh = (double *)ct_alloc(sizeof(double) * (size_t)H);
+  for (int t = 0; t < T; ++t) {
+    if (c->shared_inter > 0) ref_shared_token(c, &L->w, (const char *)x + (size_t)t * row, sh);
+    for (int i = 0; i < H; ++i) {
+      float acc = 0.0f;
+      for (int j = 0; j < k; ++j)
+        acc += (float)ref_load(y_dt, y, (size_t)pair_rows[(size_t)t * k + j] * H + i);
+      if (c->shared_inter > 0) acc += (float)sh[i];
+      ref_store(dt, out, (size_t)t * H + i, acc);
+    }
+  }
+  free(sh);
+}
+
+/* A forward on a dispatch_quant layer against the single-rank layer run as
+ * route(x) -> plan -> experts on dequantize(quantize(x)) -> combine (+ the
+ * shared expert of x), within compare()'s bounds; bitwise the same twice;
+ * measurably not the unquantized layer (f32). The experts of the reference
+ * run on an f32 copy of the layer (exact), so their outputs reach the
+ * combine unrounded, as on the EP ranks. Without a shared expert and when
+ * every rank's step fits recv_capacity, also the pieces: dispatch of x and
+ * dispatch_quantized of its q + scales (each call alternately by rank 0 or
+ * by the others) hand out bitwise the same rows, which the engine's own
+ * local layer turns into outputs that combine within compare()'s bounds of
+ * the single-rank layer's pieces (its dtype's expert outputs, as in
+ * run_pieces_layer), and to bitwise the same out for both calls. */
+static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
+  const moelink_moe_config_t *c = &ec->cfg;
+  const moelink_dtype_t dt = c->dtype;
+  const int E = c->num_experts, k = c->top_k, H = c->hidden, El = E / nranks;
+  const int kl = k < El ? k : El;
+  const size_t es = moelink_dtype_size(dt), row = (size_t)H * es;
+  const size_t sbytes = moelink_quant_scale_bytes(qf, H);
+  const char *qn = qf == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8";
+  ref_layer L;
+  if (ref_layer_make(&L, c, ec->seed, ec->zipf) != 0) {
+    CHECK(0, "%s: ref_layer_make", ec->name);
+    return;
+  }
+  moelink_moe_config_t rc = *c;
+  rc.max_tokens = nranks * ec->max_t + 1;
+  moelink_moe_t single = NULL, single32 = NULL;
+  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
+  if (single) CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
+  float *wide[6];
+  moelink_moe_weights_t w32;
+  widen_weights(&L, &w32, wide);
+  rc.dtype = MOELINK_DTYPE_F32;
+  CHECK_OK(moelink_moe_create(ctx, &rc, &single32), "single-rank layer (f32 copy)");
+  if (single32) CHECK_OK(moelink_moe_set_weights(single32, &w32), "single-rank weights (f32)");
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = *c;
+  ecfg.recv_capacity = ec->recv_capacity;
+  ecfg.dispatch_quant = qf;
+  moelink_ep_t ep = NULL;
+  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), ec->name);
+  moelink_ep_config_t got = MOELINK_EP_CONFIG_INIT;
+  if (ep) CHECK_OK(moelink_ep_get_config(ep, &got, NULL, NULL), "ep_get_config");
+  CHECK(!ep || got.dispatch_quant == qf, "%s: get_config reports dispatch_quant %d",
+        ec->name, (int)got.dispatch_quant);
+  const int cap = got.recv_capacity, first = rank * El;
+  const int pieces = c->shared_inter == 0 && ec->max_t <= c->max_tokens &&
+                     cap >= nranks * ec->max_t;
+  moelink_moe_t local = ep && pieces ? local_layer(&L, first, El, cap) : NULL;
+  if (!ep || !single || !single32 || (pieces && !local)) {
+    moelink_ep_destroy(ep);
+    moelink_moe_destroy(single);
+    moelink_moe_destroy(single32);
+    moelink_moe_destroy(local);
+    for (int b = 0; b < 6; ++b) free(wide[b]);
+    ref_layer_free(&L);
+    return;
+  }
+  moelink_moe_weights_t w = local_weights(&L, first);
+  CHECK_OK(moelink_ep_set_weights(ep, &w), "ep_set_weights");
+
+  const size_t all = (size_t)nranks * ec->max_t + 1;
+  unsigned char *x_all = (unsigned char *)ct_alloc(all * row);
+  unsigned char *xdq = (unsigned char *)ct_alloc(all * row);
+  uint8_t *xq = (uint8_t *)ct_alloc(all * H), *xsc = (uint8_t *)ct_alloc(all * sbytes);
+  int32_t *ids = (int32_t *)ct_alloc(all * k * 4);
+  float *wts = (float *)ct_alloc(all * k * 4);
+  unsigned char *y_single = (unsigned char *)ct_alloc(all * k * row);
+  float *xdq32 = (float *)ct_alloc(all * H * 4), *y32 = (float *)ct_alloc(all * k * H * 4);
+  const int tile = moelink_moe_tile_rows(single), tile32 = moelink_moe_tile_rows(single32);
+  void *plan_single = ct_alloc(moelink_plan_bytes((int)all, k, E, tile));
+  void *plan32 = ct_alloc(moelink_plan_bytes((int)all, k, E, tile32));
+  unsigned char *ref_out = (unsigned char *)ct_alloc(all * row);
+  unsigned char *ref_pc = (unsigned char *)ct_alloc(all * row);
+  unsigned char *plain = (unsigned char *)ct_alloc(all * row);
+  unsigned char *out = (unsigned char *)ct_alloc(all * row);
+  unsigned char *out2 = (unsigned char *)ct_alloc(all * row);
+  const int ltile = local ? moelink_moe_tile_rows(local) : 1;
+  void *plan_local = pieces ? ct_alloc(moelink_plan_bytes(cap, kl, El, ltile)) : NULL;
+  unsigned char *y = pieces ? (unsigned char *)ct_alloc((size_t)cap * kl * row) : NULL;
+  unsigned char *saved_rows = pieces ? (unsigned char *)ct_alloc((size_t)cap * row) : NULL;
+  int32_t *saved_ids = pieces ? (int32_t *)ct_alloc((size_t)cap * kl * 4) : NULL;
+  float *saved_w = pieces ? (float *)ct_alloc((size_t)cap * kl * 4) : NULL;
+  int failures = 0;
+  double off_plain = 0.0;
+  int plain_rows = 0;
+  for (int it = 0; it < ec->iters; ++it) {
+    int total = 0, off = 0, T = 0;
+    for (int r = 0; r < nranks; ++r) {
+      const int t = tokens_of(ec, it, r);
+      if (r == rank) {
+        off = total;
+        T = t;
+      }
+      total += t;
+    }
+    fill_x(&L, x_all, total, ec->seed * 7919 + (uint64_t)it);
+    if (total > 0) {
+      CHECK_OK(moelink_quantize(ctx, qf, dt, x_all, total, H, xq, xsc, NULL), "quantize x");
+      CHECK_OK(moelink_dequantize(ctx, qf, dt, xq, xsc, total, H, xdq, NULL), "dequantize x");
+      for (size_t i = 0; i < (size_t)total * H; ++i) xdq32[i] = (float)ref_load(dt, xdq, i);
+      CHECK_OK(moelink_moe_route(single, x_all, total, ids, wts, NULL), "single route (x)");
+      CHECK_OK(moelink_moe_plan(single32, ids, total, plan32, NULL), "single plan (f32)");
+      CHECK_OK(moelink_moe_experts(single32, xdq32, total, plan32, wts, y32, NULL),
+               "single experts (f32, on dequantize(quantize(x)))");
+      if (pieces) {
+        CHECK_OK(moelink_moe_plan(single, ids, total, plan_single, NULL), "single plan");
+        CHECK_OK(moelink_moe_experts(single, xdq, total, plan_single, wts, y_single, NULL),
+                 "single experts (on dequantize(quantize(x)))");
+      }
+      CHECK_OK(moelink_moe_forward(single, x_all, total, plain, NULL), "single forward (x)");
+    }
+    moelink_plan_t p32, ps;
+    moelink_plan_view(plan32, total, k, E, tile32, &p32);
+    moelink_plan_view(plan_single, total, k, E, tile, &ps);
+    quant_combine(&L, x_all + (size_t)off * row, MOELINK_DTYPE_F32, y32,
+                  p32.pair_rows + (size_t)off * k, T, ref_out);
+    if (pieces)
+      quant_combine(&L, x_all + (size_t)off * row, dt, y_single, ps.pair_rows + (size_t)off * k,
+                    T, ref_pc);
+
+    char what[200];
+    snprintf(what, sizeof what, "%s %s iteration %d (%d of %d tokens)", ec->name, qn, it, T,
+             total);
+    const void *xm = T ? x_all + (size_t)off * row : NULL;
+    for (size_t i = 0; i < (size_t)T * H; ++i) ref_store(dt, out, i, NAN);
+    moelink_status_t s = moelink_ep_forward(ep, xm, T, out, NULL);
+    if (s != MOELINK_SUCCESS) {
+      CHECK(0, "%s: ep_forward: %s", what, moelink_last_error());
+      ++failures;
+      break;
+    }
+    if (!compare(dt, out, ref_out, (size_t)T * H, what)) ++failures;
+    if (dt == MOELINK_DTYPE_F32 && T > 0) {
+      double sd = 0.0, ss = 0.0;
+      for (size_t i = 0; i < (size_t)T * H; ++i) {
+        const double a = ref_load(dt, out, i), b = ref_load(dt, plain + (size_t)off * row, i);
+        sd += (a - b) * (a - b);
+        ss += b * b;
+      }
+      if (ss > 0 && sqrt(sd / ss) > off_plain) off_plain = sqrt(sd / ss);
+      plain_rows += T;
+    }
+    if (it == 0) {
+      for (size_t i = 0; i < (size_t)T * H; ++i) ref_store(dt, out2, i, NAN);
+      CHECK_OK(moelink_ep_forward(ep, xm, T, out2, NULL), "ep_forward again");
+      CHECK(ct_first_diff(out, out2, (size_t)T * H, es) < 0, "%s: two runs bitwise equal", what);
+    }
+    if (!pieces) continue;
+
+    /* The pieces: dispatch (x) then dispatch_quantized (q + scales), and the
+     * reverse on odd iterations, rank 0 making the other call than its
+     * peers in the second one; the engine's local experts in between. */
+    for (int pass = 0; pass < 2; ++pass) {
+      const int quantized = (it & 1) ^ pass ^ (pass == 1 && rank == 0);
+      moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
+      s = quantized ? moelink_ep_dispatch_quantized(ep, T ? xq + (size_t)off * H : NULL,
+                                                    T ? xsc + (size_t)off * sbytes : NULL,
+                                                    T ? ids + (size_t)off * k : NULL,
+                                                    T ? wts + (size_t)off * k : NULL, T, &recv,
+                                                    NULL)
+                    : moelink_ep_dispatch(ep, xm, T ? ids + (size_t)off * k : NULL,
+                                          T ? wts + (size_t)off * k : NULL, T, &recv, NULL);
+      if (s != MOELINK_SUCCESS) {
+        CHECK(0, "%s pass %d: %s: %s", what, pass, quantized ? "dispatch_quantized" : "dispatch",
+              moelink_last_error());
+        ++failures;
+        break;
+      }
+      if (pass == 0) {
+        memcpy(saved_rows, recv.rows, (size_t)cap * row);
+        memcpy(saved_ids, recv.expert_ids, (size_t)cap * kl * 4);
+        memcpy(saved_w, recv.weights, (size_t)cap * kl * 4);
+      } else {
+        int same = memcmp(saved_ids, recv.expert_ids, (size_t)cap * kl * 4) == 0 &&
+                   memcmp(saved_w, recv.weights, (size_t)cap * kl * 4) == 0;
+        int held = 0;
+        for (int r = 0; same && r < cap; ++r)
+          if (saved_ids[(size_t)r * kl] >= 0) {
+            ++held;
+            same = memcmp(saved_rows + (size_t)r * row,
+                          (const char *)recv.rows + (size_t)r * row, row) == 0;
+          }
+        CHECK(same, "%s: rank %d's %d received rows, ids and weights bitwise the same from "
+              "dispatch and dispatch_quantized (rank 0 %s, the others %s)",
+              what, rank, held, (it & 1) ? "dispatch_quantized" : "dispatch",
+              (it & 1) ? "dispatch" : "dispatch_quantized");
+        failures += !same;
+      }
+      CHECK_OK(moelink_moe_plan(local, recv.expert_ids, cap, plan_local, NULL), "local plan");
+      CHECK_OK(moelink_moe_experts(local, recv.rows, cap, plan_local, recv.weights, y, NULL),
+               "local experts");
+      moelink_plan_t pl;
+      moelink_plan_view(plan_local, cap, kl, El, ltile, &pl);
+      unsigned char *o = pass == 0 ? out : out2;
+      for (size_t i = 0; i < (size_t)T * H; ++i) ref_store(dt, o, i, NAN);
+      CHECK_OK(moelink_ep_combine(ep, y, pl.pair_rows, o, NULL), "combine");
+    }
+    char pw[220];
+    snprintf(pw, sizeof pw, "%s pieces", what);
+    if (!compare(dt, out, ref_pc, (size_t)T * H, pw)) ++failures;
+    const long at = ct_first_diff(out, out2, (size_t)T * H, es);
+    CHECK(at < 0, "%s: combined outputs of the two dispatch calls bitwise equal (first "
+          "difference at %ld)", pw, at);
+    failures += at >= 0;
+  }
+  CHECK(failures == 0,
+        "%s %s: %d iterations match route(x) -> experts(dequantize(quantize(x))) -> combine%s "
+        "(%s, recv_capacity %d%s)",
+        ec->name, qn, ec->iters, c->shared_inter > 0 ? " + shared(x)" : "",
+        moelink_dtype_name(dt), cap, pieces ? ", pieces too" : "");
+  if (dt == MOELINK_DTYPE_F32 && plain_rows > 0)
+    CHECK(off_plain > 1e-4, "%s %s: the experts did see quantized rows (relative L2 %.3g from "
+          "the unquantized layer)", ec->name, qn, off_plain);
+  free(x_all);
+  free(xdq);
+  free(xq);
+  free(xsc);
+  free(ids);
+  free(wts);
+  free(y_single);
+  free(xdq32);
+  free(y32);
+  free(plan_single);
+  free(plan32);
+  free(ref_out);
+  free(ref_pc);
+  free(plain);
+  free(out);
+  free(out2);
+  free(plan_local);
+  free(y);
+  free(saved_rows);
+  free(saved_ids);
+  free(saved_w);
+  CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
+  moelink_moe_destroy(local);
+  moelink_moe_destroy(single);
+  moelink_moe_destroy(single32);
+  for (int b = 0; b < 6; ++b) free(wide[b]);
+  ref_layer_free(&L);
+}
+
+static void test_quant_layers(void) {
+  const moelink_dtype_t dts[] = {MOELINK_DTYPE_F32, MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
+  for (int d = 0; d < 3; ++d) {
+    const moelink_dtype_t dt = dts[d];
+    const uint64_t sd = (uint64_t)d;
+    /* Mixtral-like, FP8 (H = 128, one block per row); pieces too. */
+    moelink_moe_config_t m = base_config("mixtral-8x7b", dt, 24, 2, 0);
+    m.hidden = 128;
+    m.max_tokens = 13;
+    ep_case a = {"quant mixtral", m, nranks * 13, 0, 13, 3, 811 + sd, 0};
+    run_quant_case(&a, MOELINK_QUANT_FP8);
+    /* Qwen3-like k = 8, MXFP8 (H = 96, three blocks); pieces too. */
+    moelink_moe_config_t q = base_config("qwen3-30b-a3b", dt, 24, 8, 0);
+    q.hidden = 96;
+    q.max_tokens = 11;
+    ep_case b = {"quant qwen3", q, nranks * 11, 0, 11, 3, 821 + sd, 0};
+    run_quant_case(&b, MOELINK_QUANT_MXFP8);
+    /* Steps and rounds (max_tokens 5, recv_capacity 4) through the buffer
+     * of dequantized rows, both formats, H = 256. */
+    moelink_moe_config_t r = base_config("qwen2-57b-a14b", dt, 24, 4, 0);
+    r.hidden = 256;
+    r.max_tokens = 5;
+    ep_case e = {"quant qwen2 (steps, rounds)", r, 4, 0, 17, 2, 831 + sd, 0};
+    run_quant_case(&e, MOELINK_QUANT_FP8);
+    run_quant_case(&e, MOELINK_QUANT_MXFP8);
+  }
+  /* A shared expert (gated, ungated) takes x itself: f32, against the
+   * reference's shared expert (double) added in the combine's order. */
+  moelink_moe_config_t g = base_config("qwen2-57b-a14b", MOELINK_DTYPE_F32, 24, 4, 40);
+  g.hidden = 128;
+  g.max_tokens = 7;
+  ep_case s1 = {"quant qwen2 + gated shared", g, 0, 0, 15, 2, 841, 0};
+  run_quant_case(&s1, MOELINK_QUANT_MXFP8);
+  moelink_moe_config_t ds = base_config("deepseek-v3", MOELINK_DTYPE_F32, 24, 6, 16);
+  ds.hidden = 256;
+  ep_case s2 = {"quant deepseek + shared", ds, 0, 0, 17, 2, 843, 0};
+  run_quant_case(&s2, MOELINK_QUANT_FP8);
+}
+
+/* Config errors of dispatch_quant, and dispatch_quantized on a NONE layer. */
+static void test_quant_errors(void) {
+  moelink_moe_config_t c = base_config("mixtral-8x7b", MOELINK_DTYPE_BF16, 24, 2, 0);
+  moelink_ep_config_t e = MOELINK_EP_CONFIG_INIT;
+  CHECK(e.dispatch_quant == MOELINK_QUANT_NONE, "MOELINK_EP_CONFIG_INIT: dispatch_quant NONE");
+  e.moe = c;
+  moelink_ep_t ep = (moelink_ep_t)(uintptr_t)1;
+  size_t bytes = 0;
+  e.dispatch_quant = MOELINK_QUANT_FP8; /* hidden 40 */
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+               "FP8 with hidden 40");
+  CHECK(ep == NULL && strstr(moelink_last_error(), "multiple") &&
+            strstr(moelink_last_error(), "128"),
+        "the message names the block: %s", moelink_last_error());
+  CHECK_STATUS(moelink_ep_workspace_size(comm, &e, &bytes), MOELINK_ERR_INVALID_ARGUMENT,
+               "workspace_size, FP8 with hidden 40");
+  e.moe.hidden = 96;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+               "FP8 with hidden 96");
+  e.dispatch_quant = MOELINK_QUANT_MXFP8;
+  e.moe.hidden = 80;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+               "MXFP8 with hidden 80");
+  CHECK(strstr(moelink_last_error(), "32") != NULL, "the message names the block: %s",
+        moelink_last_error());
+  e.moe.hidden = 128;
+  e.dispatch_quant = (moelink_quant_t)5;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+               "dispatch_quant 5");
+  CHECK(strstr(moelink_last_error(), "dispatch_quant") != NULL, "the message names the field: %s",
+        moelink_last_error());
+  e.dispatch_quant = (moelink_quant_t)-1;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+               "dispatch_quant -1");
+  /* Memory stays the config's: the quantized layer adds one buffer of
+   * max_tokens rows, whatever the calls. */
+  size_t none_b = 0, fp8_b = 0, mx_b = 0;
+  e.dispatch_quant = MOELINK_QUANT_NONE;
+  CHECK_OK(moelink_ep_workspace_size(comm, &e, &none_b), "workspace_size NONE");
+  e.dispatch_quant = MOELINK_QUANT_FP8;
+  CHECK_OK(moelink_ep_workspace_size(comm, &e, &fp8_b), "workspace_size FP8");
+  e.dispatch_quant = MOELINK_QUANT_MXFP8;
+  CHECK_OK(moelink_ep_workspace_size(comm, &e, &mx_b), "workspace_size MXFP8");
+  const size_t extra = (size_t)c.max_tokens * 128 * 2;
+  CHECK(fp8_b == mx_b && fp8_b >= none_b && fp8_b <= none_b + extra + 64,
+        "workspace: NONE %zu, FP8 %zu, MXFP8 %zu bytes (at most %zu more)", none_b, fp8_b, mx_b,
+        extra + 64);
+  if (nranks > 1) {
+    /* dispatch_quant differs between ranks: every rank refuses. */
+    e.dispatch_quant = rank == 0 ? MOELINK_QUANT_FP8 : MOELINK_QUANT_NONE;
+    CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+                 "dispatch_quant differs between ranks");
+    CHECK(ep == NULL, "no layer after a refused create");
+  }
+  CHECK_STATUS(moelink_ep_dispatch_quantized(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL),
+               MOELINK_ERR_INVALID_ARGUMENT, "dispatch_quantized on NULL");
 }
 
 int main(void) {
@@ -1258,6 +1764,9 @@ int main(void) {
   test_pieces_errors();
   test_pieces_protocol();
   test_pieces_layers();
+  test_quant_errors();
+  test_pieces_quant();
+  test_quant_layers();
   ml_t_diag("%zu of %zu elements bitwise equal to the single-rank layer; largest |d| / allowed "
             "%.3g",
             bitwise_equal, compared, worst_ratio);

@@ -35,6 +35,9 @@ static mg_world W;
 #define GUARD_ROWS 3
 
 static size_t bitwise_equal, compared;
+/* dispatch_quant of the EP layers layer_make creates (NONE but in the fp8
+ * cases). */
+static moelink_quant_t layer_quant = MOELINK_QUANT_NONE;
 static double worst_rel, worst_abs;
 
 /* One layer: the full weights on this GPU, the single-GPU reference layer,
@@ -164,6 +167,7 @@ static void layer_make(layer *L, const char *name, const moelink_moe_config_t *c
 
   moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
   ecfg.moe = *c;
+  ecfg.dispatch_quant = layer_quant;
   size_t ws = 0;
   CHECK_OK(moelink_ep_workspace_size(W.comm, &ecfg, &ws), "ep_workspace_size");
   const double t0 = mg_now();
@@ -787,14 +791,18 @@ static int pieces_inputs(layer *L, pieces *P, const int *counts, int c, int it, 
 }
 
 /* The single-GPU layer's pieces on all ranks' tokens with the reference ids:
- * plan (empty slots dropped), experts, combine, into ref_out. */
-static void pieces_reference(layer *L, pieces *P, int total) {
+ * plan (empty slots dropped), experts on xe, combine, into ref_out. */
+static void pieces_reference_on(layer *L, pieces *P, int total, const void *xe) {
   if (total == 0) return;
   MG_MUST(moelink_moe_plan(L->ref, P->ref_ids, total, P->ref_plan, W.stream), "reference plan");
-  MG_MUST(moelink_moe_experts(L->ref, L->x_all, total, P->ref_plan, L->wts, P->ref_y, W.stream),
+  MG_MUST(moelink_moe_experts(L->ref, xe, total, P->ref_plan, L->wts, P->ref_y, W.stream),
           "reference experts");
   MG_MUST(moelink_moe_combine(L->ref, P->ref_y, total, P->ref_plan, L->ref_out, W.stream),
           "reference combine");
+}
+
+static void pieces_reference(layer *L, pieces *P, int total) {
+  pieces_reference_on(L, P, total, L->x_all);
 }
 
 /* What this rank received against what it must have: per source rank s and
@@ -1040,6 +1048,160 @@ static void run_pieces(const char *name, const moelink_moe_config_t *cfg) {
   layer_free(&L);
 }
 
+/* ---- rows that travel as FP8 / MXFP8 (dispatch_quant) ----------------------------- */
+
+/* The fused path (moelink_ep_dispatch quantizes on the way) against the
+ * caller-quantized one (moelink_quantize, then moelink_ep_dispatch_quantized):
+ * bitwise the same received rows and outputs, ranks mixing the two; the
+ * CUDA moelink_quantize against the CPU one, bitwise; the outputs against the
+ * single-GPU layer's pieces with the experts on dequantize(quantize(x)). */
+static void run_quant(const char *name, const moelink_moe_config_t *cfg, moelink_quant_t fmt) {
+  const int c = g_case++;
+  layer_quant = fmt;
+  layer L;
+  layer_make(&L, name, cfg, 0x0f8e0000ull + (uint64_t)c, 0);
+  layer_quant = MOELINK_QUANT_NONE;
+  pieces P;
+  pieces_make(&P, &L);
+  const int M = cfg->max_tokens, k = cfg->top_k, H = cfg->hidden;
+  const size_t sb = moelink_quant_scale_bytes(fmt, H), all = (size_t)W.size * M;
+  uint8_t *xq = (uint8_t *)mg_dev(all * (size_t)H);
+  void *xs = mg_dev(all * sb + 16);
+  void *xdq = mg_dev(all * L.row);
+  unsigned char *h_rows1 = (unsigned char *)mg_host((size_t)P.cap * L.row);
+  int32_t *h_ids1 = (int32_t *)mg_host((size_t)P.cap * P.kl * sizeof(int32_t));
+  uint8_t *h_q = (uint8_t *)mg_host(all * (size_t)H), *c_q = (uint8_t *)mg_host(all * (size_t)H);
+  unsigned char *h_s = (unsigned char *)mg_host(all * sb + 16),
+                *c_s = (unsigned char *)mg_host(all * sb + 16);
+  moelink_context_t cpu = NULL;
+  moelink_context_config_t cc = MOELINK_CONTEXT_CONFIG_INIT;
+  cc.backend = MOELINK_BACKEND_CPU;
+  cc.num_threads = 1;
+  MG_MUST(moelink_context_create(&cc, &cpu), "cpu context");
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L.row;
+  uint64_t st = mg_seed(0, 9191 + c);
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+  for (int it = 0; it < 4; ++it) {
+    counts_of(it < 2 ? it + 1 : 4, M, &st, counts);
+    const int T = counts[W.rank];
+    const int mine = pieces_inputs(&L, &P, counts, c, it, it & 1, -1);
+    int total = 0;
+    for (int r = 0; r < W.size; ++r) total += counts[r];
+    char what[200];
+    snprintf(what, sizeof what, "%s %s call %d, tokens here %d", name,
+             fmt == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8", it, T);
+    /* Everyone's rows quantized on the GPU and on the CPU: the same bits. */
+    if (total > 0) {
+      MG_MUST(moelink_quantize(W.ctx, fmt, cfg->dtype, L.x_all, total, H, xq, xs, W.stream),
+              "moelink_quantize (cuda)");
+      MG_MUST(moelink_dequantize(W.ctx, fmt, cfg->dtype, xq, xs, total, H, xdq, W.stream),
+              "moelink_dequantize (cuda)");
+      sync_stream();
+      to_host(h_q, xq, (size_t)total * H);
+      to_host(h_s, xs, (size_t)total * sb);
+      MG_MUST(moelink_quantize(cpu, fmt, cfg->dtype, P.h_x, total, H, c_q, c_s, NULL),
+              "moelink_quantize (cpu)");
+      CHECK(memcmp(h_q, c_q, (size_t)total * H) == 0 && memcmp(h_s, c_s, (size_t)total * sb) == 0,
+            "%s: moelink_quantize on the GPU gives the CPU's bytes and scales", what);
+    }
+    /* Fused: x quantized on the way. */
+    poison(L.out, bytes);
+    moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+    const moelink_status_t s1 = pieces_layer(&L, &P, T, -1, &rv, L.ids + (size_t)mine * k,
+                                             L.wts + (size_t)mine * k);
+    CHECK_OK(s1, "fused-quantize dispatch + experts + combine");
+    sync_stream();
+    to_host(h_rows1, rv.rows, (size_t)P.cap * L.row);
+    to_host(h_ids1, rv.expert_ids, (size_t)P.cap * P.kl * sizeof(int32_t));
+    to_host(L.h_out, L.out, bytes);
+    /* Caller-quantized on odd ranks, fused on even ones. */
+    poison(L.out2, bytes);
+    moelink_ep_recv_t rv2 = MOELINK_EP_RECV_INIT;
+    moelink_status_t s2;
+    if (W.rank % 2)
+      s2 = moelink_ep_dispatch_quantized(L.ep, xq + (size_t)mine * H,
+                                         (char *)xs + (size_t)mine * sb, L.ids + (size_t)mine * k,
+                                         L.wts + (size_t)mine * k, T, &rv2, W.stream);
+    else
+      s2 = moelink_ep_dispatch(L.ep, L.x, L.ids + (size_t)mine * k, L.wts + (size_t)mine * k, T,
+                               &rv2, W.stream);
+    CHECK_OK(s2, W.rank % 2 ? "ep_dispatch_quantized" : "ep_dispatch (beside quantized peers)");
+    sync_stream();
+    to_host(P.h_rows, rv2.rows, (size_t)P.cap * L.row);
+    to_host(P.h_rids, rv2.expert_ids, (size_t)P.cap * P.kl * sizeof(int32_t));
+    size_t diff = 0;
+    for (int r = 0; r < P.cap; ++r)
+      if (h_ids1[(size_t)r * P.kl] >= 0)
+        diff += memcmp(h_rows1 + (size_t)r * L.row, P.h_rows + (size_t)r * L.row, L.row) != 0;
+    CHECK(diff == 0 && memcmp(h_ids1, P.h_rids, (size_t)P.cap * P.kl * 4) == 0,
+          "%s: caller-quantized and fused dispatch receive the same rows (%zu differ)", what,
+          diff);
+    MG_MUST(moelink_moe_plan(P.local, rv2.expert_ids, rv2.capacity, P.plan, W.stream), "plan");
+    MG_MUST(moelink_moe_experts(P.local, rv2.rows, rv2.capacity, P.plan, rv2.weights, P.y,
+                                W.stream),
+            "experts");
+    moelink_plan_t pv;
+    MG_MUST(moelink_plan_view(P.plan, rv2.capacity, P.kl, L.El, moelink_moe_tile_rows(P.local),
+                              &pv),
+            "plan view");
+    CHECK_OK(moelink_ep_combine(L.ep, P.y, pv.pair_rows, T ? L.out2 : NULL, W.stream),
+             "ep_combine");
+    sync_stream();
+    to_host(L.h_out2, L.out2, bytes);
+    CHECK(memcmp(L.h_out, L.h_out2, bytes) == 0, "%s: and the same outputs", what);
+    /* Against the single-GPU layer with its experts on dequantize(quantize(x)). */
+    pieces_reference_on(&L, &P, total, xdq);
+    sync_stream();
+    memset(L.h_ref, 0, (size_t)T * L.row);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    compare(&L, what, L.h_out, L.h_ref, T, 0);
+  }
+  /* dispatch_quantized on a layer whose rows travel unquantized is a bad
+   * argument of this rank's: it takes part with no tokens. */
+  CHECK_OK(moelink_context_destroy(cpu), "cpu context destroy");
+  cudaFree(xq);
+  cudaFree(xs);
+  cudaFree(xdq);
+  free(h_rows1);
+  free(h_ids1);
+  free(h_q);
+  free(c_q);
+  free(h_s);
+  free(c_s);
+  pieces_free(&P);
+  layer_free(&L);
+}
+
+static void run_quant_errors(void) {
+  moelink_moe_config_t cfg = make_config("mixtral-8x7b", MOELINK_DTYPE_BF16, 256, 128, 8, 2, 0, 16);
+  layer L;
+  layer_make(&L, "quant errors", &cfg, 0xe7e7ull, 0);
+  moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+  uint8_t *xq = (uint8_t *)mg_dev(16 * 256);
+  float *xs = (float *)mg_dev(16 * 8);
+  const moelink_status_t s = moelink_ep_dispatch_quantized(L.ep, W.rank == 0 ? xq : NULL, xs,
+                                                           L.ids, L.wts, 4, &rv, W.stream);
+  CHECK(s == MOELINK_ERR_INVALID_ARGUMENT && strstr(moelink_last_error(), "took part"),
+        "ep_dispatch_quantized on a layer with dispatch_quant NONE -> %s (%s)",
+        moelink_status_string(s), moelink_last_error());
+  CHECK_OK(moelink_ep_combine(L.ep, L.out, NULL, L.out2, W.stream), "ep_combine after it");
+  moelink_ep_config_t e = MOELINK_EP_CONFIG_INIT;
+  e.moe = cfg;
+  e.moe.hidden = 96;
+  e.dispatch_quant = MOELINK_QUANT_FP8;
+  moelink_ep_t bad = NULL;
+  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_INVALID_ARGUMENT,
+               "ep_create FP8 dispatch with hidden 96 (not a multiple of 128)");
+  e.moe.hidden = 256;
+  e.dispatch_quant = (moelink_quant_t)7;
+  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_INVALID_ARGUMENT,
+               "ep_create with dispatch_quant 7");
+  sync_stream();
+  cudaFree(xq);
+  cudaFree(xs);
+  layer_free(&L);
+}
+
 int main(void) {
   mg_init(&W);
   const double t0 = mg_now();
@@ -1086,6 +1248,15 @@ int main(void) {
   moelink_moe_config_t pd = make_config("deepseek-v3", bf, 256, 128, 32, 8, 0, 45);
   run_pieces("pieces deepseek-like E=32 k=8", &pd);
   ml_t_diag("pieces done in %.1f s", mg_now() - t0);
+
+  /* Rows that travel as FP8 / MXFP8. */
+  moelink_moe_config_t qd = make_config("deepseek-v3", bf, 512, 128, 32, 8, 0, 40);
+  run_quant("quant deepseek-like E=32 k=8", &qd, MOELINK_QUANT_FP8);
+  run_quant("quant deepseek-like E=32 k=8", &qd, MOELINK_QUANT_MXFP8);
+  moelink_moe_config_t qm = make_config("mixtral-8x7b", f16, 256, 128, 8, 2, 0, 33);
+  run_quant("quant mixtral-like f16 E=8 k=2", &qm, MOELINK_QUANT_MXFP8);
+  run_quant_errors();
+  ml_t_diag("quant done in %.1f s", mg_now() - t0);
 
   ml_t_diag("%zu of %zu compared elements bitwise equal to the single-GPU layer; worst rel L2 "
             "%.3g, worst |d| %.3g; all done in %.1f s",

@@ -523,6 +523,34 @@ def test_ep_forward_matches_single_rank():
 
 
 @test
+def test_ep_fp8_dispatch():
+    # Rows that travel as FP8 / MXFP8: close to the unquantized layer (e4m3
+    # keeps 3 mantissa bits), deterministic, and the config is checked.
+    cfg = dict(EP_CFG, hidden=128, shared_inter=0, shared_gate=False)
+    W = ep_weights(dict(cfg, shared_inter=1), 5)
+    El = cfg["experts"] // P
+    x = rng_of(21, R).standard_normal((5, 128)).astype(np.float32)
+    outs = {}
+    for q in ("none", "fp8", "mxfp8"):
+        with moelink.EP(COMM, dtype="f32", max_tokens=8, dispatch_quant=q, **cfg) as ep:
+            assert ep.dispatch_quant == q
+            f = ep.first_expert
+            ep.set_weights(router=W["router"], correction_bias=W["correction_bias"],
+                           gate_up=np.ascontiguousarray(W["gate_up"][f:f + El]),
+                           down=np.ascontiguousarray(W["down"][f:f + El]))
+            outs[q] = ep.forward(x)
+            assert bits(ep.forward(x)) == bits(outs[q]), q
+    ref = outs["none"].astype(np.float64)
+    for q in ("fp8", "mxfp8"):
+        d = outs[q] - ref
+        rel = np.sqrt(np.sum(d * d) / np.sum(ref * ref))
+        assert 0 < rel < 0.08, (q, rel)
+    expect_raises(ValueError, moelink.EP, COMM, dtype="f32", dispatch_quant="int8", **cfg)
+    expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "multiple of the FP8 block", moelink.EP,
+                         COMM, dtype="f32", max_tokens=8, dispatch_quant="fp8", **EP_CFG)
+
+
+@test
 def test_ep_errors():
     cfg = dict(EP_CFG)
     W = ep_weights(cfg, 4)

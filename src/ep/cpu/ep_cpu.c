@@ -63,9 +63,20 @@
  * rows, meta and lids stay untouched in between: no source refills this
  * rank's buffer before its sig_back, and forward refuses to run (ep.c).
  *
+ * 8-bit dispatch (dispatch_quant FP8 / MXFP8): the experts must compute on
+ * dequantize(quantize(x)) rounded to the layer dtype. On CPU ranks the rows
+ * travel as exactly that: a source turns its step's rows into xdq (one
+ * round trip per token, whatever its destinations, this rank included) and
+ * sends xdq as it would send x; moelink_ep_dispatch_quantized dequantizes
+ * the caller's q + scales into xdq instead. Shipping the 8-bit bytes plus
+ * scales and dequantizing on arrival would give the same bits (the round
+ * trip is deterministic) for less traffic, which shared memory does not need.
+ * Routing and the shared expert read x itself.
+ *
  * Memory: the two layers' workspaces (max_tokens and recv_capacity rows), the
- * symmetric buffer above and O(max_tokens * k + cap * k + n^2) host ints: set
- * by the config, never by a call's token count or routing. */
+ * symmetric buffer above, O(max_tokens * k + cap * k + n^2) host ints and,
+ * with dispatch_quant, xdq [max_tokens][H] of the layer dtype: set by the
+ * config, never by a call's token count or routing. */
 #include "comm/cpu/comm_cpu.h"
 #include "cpu/cpu.h"
 #include "ep/ep.h"
@@ -93,6 +104,7 @@ typedef struct ml_ep_cpu {
   int32_t *lslot;    /* [cap * kl] slot j of the source token (-1: none) */
   int32_t *ident;    /* [max_tokens * k]: pair p's result is ret row p */
   int32_t *cpairs;   /* [max_tokens * k]: as ident, -1 for a dispatch's empty slots */
+  unsigned char *xdq; /* [max_tokens][H] layer dtype: the rows sent (dispatch_quant) */
   void *host;
   uint64_t steps, rounds; /* epochs, equal on every rank */
   int d_tokens, d_recv;   /* the last dispatch: this rank's tokens, rows received */
@@ -147,6 +159,10 @@ static size_t ml_ep_host_layout(const moelink_ep_config_t *cfg, int n, ml_ep_cpu
   ML_EP_TAKE(ident, int32_t, T * k);
   ML_EP_TAKE(cpairs, int32_t, T * k);
   ML_EP_TAKE(peer, unsigned char *, nn);
+  ML_EP_TAKE(xdq, unsigned char,
+             cfg->dispatch_quant != MOELINK_QUANT_NONE
+                 ? T * (size_t)c->hidden * moelink_dtype_size(c->dtype)
+                 : 0);
 #undef ML_EP_TAKE
   return off;
 }
@@ -171,7 +187,8 @@ static uint64_t ml_ep_hash(const moelink_ep_config_t *cfg) {
   const int64_t f[] = {c->hidden,     c->inter,        c->num_experts, c->top_k,
                        c->router,     c->renormalize,  c->n_group,     c->topk_group,
                        scaling,       c->correction_bias, c->shared_inter, c->shared_gate,
-                       c->dtype,      c->max_tokens,   cfg->recv_capacity};
+                       c->dtype,      c->max_tokens,   cfg->recv_capacity,
+                       cfg->dispatch_quant};
   uint64_t h = 1469598103934665603ull;
   for (size_t i = 0; i < sizeof f / sizeof f[0]; ++i)
     h = (h ^ (uint64_t)f[i]) * 1099511628211ull;
@@ -478,6 +495,24 @@ static moelink_status_t ml_ep_send_round(moelink_ep_t ep, const void *x, const i
   return MOELINK_SUCCESS;
 }
 
+/* The ts token rows a step sends: x itself; with dispatch_quant, xdq =
+ * dequantize(quantize(x)) or, from xq + scales, dequantize(xq, scales). */
+static const void *ml_ep_rows_to_send(moelink_ep_t ep, const void *x, const uint8_t *xq,
+                                      const void *scales, int ts) {
+  ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
+  const moelink_quant_t f = ep->cfg.dispatch_quant;
+  const moelink_dtype_t dt = ep->cfg.moe.dtype;
+  const int nt = ep->comm->ctx->num_threads;
+  if (ts <= 0) return NULL;
+  if (xq) {
+    ml_cpu_dequant_rows(f, dt, xq, scales, ts, w->H, w->xdq, nt);
+    return w->xdq;
+  }
+  if (f == MOELINK_QUANT_NONE) return x;
+  ml_cpu_qdq_rows(f, dt, x, ts, w->H, w->xdq, nt);
+  return w->xdq;
+}
+
 /* Waits until every source's rows of round re are in. */
 static moelink_status_t ml_ep_wait_arrivals(moelink_ep_t ep, uint64_t re) {
   ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
@@ -519,6 +554,7 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
     int max_rank = 0, more = -1; /* more: the lowest rank with tokens left */
     ML_TRY(ml_ep_counts(ep, left > ts, &in_me, &in_max, &max_rank, &more));
     const int64_t rounds = (in_max + w->cap - 1) / w->cap;
+    const void *rows = ml_ep_rows_to_send(ep, xs, NULL, NULL, ts);
 
     /* The shared expert of this rank's tokens (into front's sh_out). */
     if (ts > 0 && c->shared_inter > 0) {
@@ -539,7 +575,7 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
     for (int64_t j = 0; j < rounds; ++j) {
       const uint64_t re = ++w->rounds;
       const int64_t lo = j * w->cap;
-      ML_TRY(ml_ep_send_round(ep, xs, fws->ids, fws->wts, lo, re));
+      ML_TRY(ml_ep_send_round(ep, rows, fws->ids, fws->wts, lo, re));
       ML_TRY(ml_ep_wait_arrivals(ep, re));
       const int64_t nrecv = in_me - lo < w->cap ? in_me - lo : w->cap;
       if (nrecv > 0) ML_TRY(ml_ep_serve(w, (int)nrecv));
@@ -565,7 +601,8 @@ static moelink_status_t ml_ep_cpu_forward(moelink_ep_t ep, const void *x, int nu
   return MOELINK_SUCCESS;
 }
 
-static moelink_status_t ml_ep_cpu_dispatch(moelink_ep_t ep, const void *x, const int32_t *ids,
+static moelink_status_t ml_ep_cpu_dispatch(moelink_ep_t ep, const void *x, const uint8_t *xq,
+                                           const void *xs, const int32_t *ids,
                                            const float *weights, int num_tokens,
                                            moelink_ep_recv_t *recv, void *stream) {
   (void)stream;
@@ -593,7 +630,8 @@ static moelink_status_t ml_ep_cpu_dispatch(moelink_ep_t ep, const void *x, const
   for (int64_t p = 0; p < (int64_t)num_tokens * k; ++p)
     w->cpairs[p] = ml_ep_owner(w, ids[p]) >= 0 ? (int32_t)p : -1;
   const uint64_t re = ++w->rounds;
-  ML_TRY(ml_ep_send_round(ep, x, ids, weights, 0, re));
+  const void *rows = ml_ep_rows_to_send(ep, x, xq, xs, num_tokens);
+  ML_TRY(ml_ep_send_round(ep, rows, ids, weights, 0, re));
   ML_TRY(ml_ep_wait_arrivals(ep, re));
   ML_TRY(ml_ep_prepare(w, (int)in_me));
   for (size_t p = (size_t)in_me * kl; p < (size_t)w->cap * kl; ++p) {

@@ -18,6 +18,9 @@
  *   ret[max_tokens * k][H]  the output of slot j of token t (already times its
  *                    routing weight, rounded to the dtype) at row t*k + j,
  *                    written by the rank that owns that expert
+ *   qrows[cap][qrow] with dispatch_quant only: the rows as they travel (H e4m3
+ *                    bytes, then the scales), turned back into `rows` by
+ *                    the receive kernel
  *
  * A forward (T <= max_tokens tokens on this rank; the call number counts
  * forwards, in device memory):
@@ -92,6 +95,11 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
   off = ml_epc_up(off + cap * H * es);
   a->off_ret = off;
   off = ml_epc_up(off + (size_t)c->max_tokens * k * H * es);
+  a->quant = (int)cfg->dispatch_quant;
+  a->sbytes = (int)moelink_quant_scale_bytes(cfg->dispatch_quant, c->hidden);
+  a->qrow = a->quant ? (H + (size_t)a->sbytes + 15) & ~(size_t)15 : 0;
+  a->off_qrows = off;
+  off = ml_epc_up(off + cap * a->qrow);
   return off;
 }
 
@@ -112,7 +120,8 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.ticket, unsigned *, 64);
   ML_EPC_TAKE(w->a.lids, int32_t *, cap * kl * 4);
   ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
-  ML_EPC_TAKE(w->a.lslot, int32_t *, cap * kl * 4);
+  ML_EPC_TAKE(w->a.plist, int4 *, cap * kl * 16);
+  ML_EPC_TAKE(w->a.npairs, int32_t *, 64);
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
   ML_EPC_TAKE(w->a.slot_rows, int32_t *, T * k * 4);
@@ -186,6 +195,7 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->El = ep->local_experts;
   a->H = c->hidden;
   a->es = (int)moelink_dtype_size(c->dtype);
+  a->dtype = (int)c->dtype;
   a->max_tokens = c->max_tokens;
   w->cap = comm->nranks * c->max_tokens;
   if (cudaDeviceGetAttribute(&a->sms, cudaDevAttrMultiProcessorCount, comm->ctx->device) !=
@@ -236,12 +246,13 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
 /* Steps 1 (after routing) to 3: the rows go out; this rank's shared expert
  * (when x is given) runs while the peers' rows come in. */
 static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const void *x,
+                                              const uint8_t *xq, const void *xs,
                                               const int32_t *ids, const float *wts, int T,
                                               int shared, cudaStream_t st) {
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const moelink_moe_weights_t *wt = &ep->w;
   const ml_epc_args *a = &w->a;
-  ML_TRY(ml_epc_send(a, x, ids, wts, T, st));
+  ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
   if (shared && T > 0 && c->shared_inter > 0) {
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up,
                                c->shared_inter, c->hidden, NULL, NULL, 0, T, w->sh_h, st));
@@ -270,7 +281,7 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
                                              void *out, cudaStream_t st) {
   const ml_epc_args *a = &w->a;
   if (T > 0) ML_TRY(moelink_moe_route(w->front, x, T, w->ids, w->wts, st));
-  ML_TRY(ml_epc_dispatch_inner(ep, w, x, w->ids, w->wts, T, 1, st));
+  ML_TRY(ml_epc_dispatch_inner(ep, w, x, NULL, NULL, w->ids, w->wts, T, 1, st));
   ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
   ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
                              w->y, st));
@@ -305,15 +316,16 @@ static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_t
   return ml_cuda_leave(ep->comm->ctx, prev, s);
 }
 
-static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const int32_t *ids,
-                                        const float *weights, int num_tokens,
-                                        moelink_ep_recv_t *recv, void *stream) {
+static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const uint8_t *xq,
+                                        const void *xs, const int32_t *ids, const float *weights,
+                                        int num_tokens, moelink_ep_recv_t *recv, void *stream) {
   ml_epc *w = (ml_epc *)ep->impl;
-  if (num_tokens > 0) ML_TRY(ml_epc_aligned("x", x, ep->comm->rank));
+  if (num_tokens > 0) ML_TRY(ml_epc_aligned(x ? "x" : "xq", x ? x : (const void *)xq,
+                                            ep->comm->rank));
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
-  moelink_status_t s =
-      ml_epc_dispatch_inner(ep, w, x, ids, weights, num_tokens, 0, (cudaStream_t)stream);
+  moelink_status_t s = ml_epc_dispatch_inner(ep, w, x, xq, xs, ids, weights, num_tokens, 0,
+                                             (cudaStream_t)stream);
   s = ml_cuda_leave(ep->comm->ctx, prev, s);
   if (s != MOELINK_SUCCESS) return s;
   recv->capacity = w->cap;

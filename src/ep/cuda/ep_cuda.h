@@ -15,6 +15,8 @@ extern "C" {
 #endif
 
 #define ML_EPC_MAX_RANKS MOELINK_DEVICE_MAX_RANKS
+/* Local slots per received row, at most (the CUDA layer's top_k bound). */
+#define ML_EPC_MAX_KL 16
 
 /* Primitive ids of the waits, for timeout messages. */
 #define ML_EPC_PRIM_ARRIVE 48
@@ -28,10 +30,15 @@ typedef struct ml_epc_args {
   moelink_device_comm_t dc;
   int n, me, k, kl, El, H, es, max_tokens;
   int sms;           /* the device's SMs: grids take at most two CTAs each */
+  int dtype;         /* moe.dtype (bf16 or f16) */
+  int quant;         /* dispatch_quant: rows travel as H e4m3 bytes + sbytes of
+                        scales in payload rows of qrow bytes (off_qrows) */
+  int sbytes;
+  size_t qrow;
   /* Each rank's symmetric buffer, as this rank addresses it, and the offsets
    * of its parts (the same on every rank). */
   char *base[ML_EPC_MAX_RANKS];
-  size_t off_arrive, off_return, off_meta, off_rows, off_ret;
+  size_t off_arrive, off_return, off_meta, off_rows, off_ret, off_qrows;
   uint64_t *epoch;   /* this rank's call count */
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
@@ -39,18 +46,23 @@ typedef struct ml_epc_args {
                          ret row is never written): the combine's pair rows */
   int32_t *lids;     /* [cap][kl] local expert ids of the received rows (-1: none) */
   float *lwts;       /* [cap][kl] */
-  int32_t *lslot;    /* [cap][kl] slot j at the source */
+  int4 *plist;       /* [cap * kl] the valid received (row, slot) pairs:
+                        {pair r*kl+q, source rank, its return row t*k+j} */
+  int32_t *npairs;   /* entries of plist (the send kernel clears it) */
 } ml_epc_args;
 
 /* Call c = epoch + 1 (stored by the kernel's end): pushes the rows of the T
  * tokens, and their meta, into every destination that owns one of their
  * experts (an id outside [0, E) is an empty slot), writes slot_rows, then
- * signals each destination ARRIVE = c. */
-moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t *ids,
-                             const float *weights, int T, cudaStream_t stream);
+ * signals each destination ARRIVE = c. The rows are x (quantized on the way
+ * when quant is set) or, quantized by the caller, xq + xs. */
+moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq,
+                             const void *xs, const int32_t *ids, const float *weights, int T,
+                             cudaStream_t stream);
 
-/* Waits for every source's ARRIVE, then builds lids / lwts / lslot for the
- * cap = n * max_tokens received rows. */
+/* Waits for every source's ARRIVE, then builds lids / lwts and the return
+ * list for the cap = n * max_tokens received rows (and with quant, turns the
+ * received payloads into rows). */
 moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
 
 /* Pushes each valid (row, local slot) output, y row pair_rows[p] (pair_rows

@@ -6,6 +6,7 @@
 #include "ep/cuda/ep_cuda.h"
 
 #include "cuda/cuda.h"
+#include "cuda/quant.cuh"
 
 #define ML_EPC_THREADS 256
 #define ML_EPC_FULL 0xffffffffu
@@ -19,29 +20,33 @@ static __device__ __forceinline__ int32_t *ml_epc_meta(const ml_epc_args *a, int
   return (int32_t *)(a->base[rank] + a->off_meta) + (size_t)row * (size_t)ML_EPC_META(a->k);
 }
 
-/* dst[0, bytes) = src[0, bytes) by one warp, 16 bytes a lane (bytes and both
- * ends 16-byte aligned: H is a multiple of 8); src NULL: zeros. Sources may
- * be another GPU's writes: read through L2. A warp moves one row while the
- * other warps of the CTA are between rows (reading where the next row goes):
- * the stores of a CTA keep the link busy through those latencies. Four loads
- * are in flight per lane before the stores. */
-static __device__ __forceinline__ void ml_epc_warp_copy(char *dst, const char *src, size_t bytes,
-                                                        int lane) {
+/* Rows move in chunks of ML_EPC_CHUNK 16-byte vectors, one chunk per warp
+ * and work item, four per lane: all of a chunk's loads are in flight at once,
+ * and a row is ceil(H * es / 2 KiB) items that different warps move side by
+ * side, so even a few rows keep many warps (and the link) busy. */
+#define ML_EPC_CHUNK 128
+
+static __device__ __forceinline__ int ml_epc_chunks(const ml_epc_args *a) {
+  return (int)(((size_t)a->H * (size_t)a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK);
+}
+
+/* Chunk c of a row of `bytes` (16-byte aligned, both ends): dst = src, or
+ * zeros for src NULL. Sources may be another GPU's writes: read through L2. */
+static __device__ __forceinline__ void ml_epc_warp_chunk(char *dst, const char *src, size_t bytes,
+                                                         int c, int lane) {
   const uint4 *s = (const uint4 *)src;
   uint4 *d = (uint4 *)dst;
-  const size_t n = bytes / 16;
-  for (size_t i = (size_t)lane; i < n; i += 4 * 32) {
-    uint4 v[4];
+  const size_t n = bytes / 16, i = (size_t)c * ML_EPC_CHUNK + (size_t)lane;
+  uint4 v[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const size_t q = i + (size_t)u * 32;
-      v[u] = s && q < n ? __ldcg(s + q) : make_uint4(0u, 0u, 0u, 0u);
-    }
+  for (int u = 0; u < 4; ++u) {
+    const size_t q = i + (size_t)u * 32;
+    v[u] = s && q < n ? __ldcg(s + q) : make_uint4(0u, 0u, 0u, 0u);
+  }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const size_t q = i + (size_t)u * 32;
-      if (q < n) d[q] = v[u];
-    }
+  for (int u = 0; u < 4; ++u) {
+    const size_t q = i + (size_t)u * 32;
+    if (q < n) d[q] = v[u];
   }
 }
 
@@ -59,48 +64,136 @@ static __device__ __forceinline__ int ml_epc_last_cta(const ml_epc_args *a) {
   return 1;
 }
 
-/* Work item i = (token t, destination d), one warp each: when one of t's
- * experts lives on d, the row goes to d's row me * max_tokens + t with its
- * meta (token, call, local ids, weights). Call c is epoch + 1 while the
- * kernel runs; the last CTA stores it and signals every destination ARRIVE. */
+/* The part of a send work item (t, d, chunk c) that is not the row's bytes:
+ * whether t goes to d (one of its experts lives there; the warp agrees),
+ * slot_rows (once per token), and chunk 0's meta (token, call, local ids,
+ * weights) at d's row me * max_tokens + t. Lane j < k looks at slot j. */
+static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const int32_t *ids,
+                                                  const float *weights, int t, int d, int c,
+                                                  uint64_t e, int lane) {
+  const int ex = lane < a->k ? ids[(size_t)t * a->k + lane] : -1;
+  const int here = ex >= 0 && ex / a->El == d; /* false for ex >= E: ex / El >= n */
+  if (d == 0 && c == 0 && lane < a->k)
+    a->slot_rows[(size_t)t * a->k + lane] = ex >= 0 && ex < a->El * a->n ? t * a->k + lane : -1;
+  if (!__any_sync(ML_EPC_FULL, here)) return 0;
+  if (c == 0) {
+    int32_t *m = ml_epc_meta(a, d, a->me * a->max_tokens + t);
+    if (lane == 0) {
+      m[0] = t;
+      m[1] = (int32_t)(uint32_t)e;
+    }
+    if (lane < a->k) {
+      m[2 + lane] = here ? ex - d * a->El : -1;
+      m[2 + a->k + lane] = __float_as_int(weights[(size_t)t * a->k + lane]);
+    }
+  }
+  return 1;
+}
+
+/* The end of every send kernel: the last CTA stores the call, clears the
+ * pair count for the receive kernel and signals every destination ARRIVE. */
+static __device__ __forceinline__ void ml_epc_send_done(const ml_epc_args *a, uint64_t e) {
+  if (!ml_epc_last_cta(a)) return;
+  if (threadIdx.x == 0) {
+    *a->epoch = e;
+    *a->npairs = 0;
+  }
+  if ((int)threadIdx.x < a->n)
+    moelink_signal_set(ml_epc_cell(a, (int)threadIdx.x, a->off_arrive, a->me), e);
+}
+
+#define ML_EPC_WARPS                                                                       \
+  const int lane = (int)threadIdx.x & 31, wpb = (int)blockDim.x >> 5;                      \
+  const int gw = (int)blockIdx.x * wpb + ((int)threadIdx.x >> 5), nw = (int)gridDim.x * wpb
+
+/* Rows as they are: work item (token t, destination d, chunk c), one warp
+ * each; the row lands in d's rows. Call c is epoch + 1 while the kernel
+ * runs. */
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_send_kernel(const __grid_constant__ ml_epc_args a, const char *x, const int32_t *ids,
                        const float *weights, int T) {
   const uint64_t e = *a.epoch + 1;
   const size_t row_bytes = (size_t)a.H * (size_t)a.es;
-  const int lane = (int)threadIdx.x & 31, wpb = (int)blockDim.x >> 5;
-  const int gw = (int)blockIdx.x * wpb + ((int)threadIdx.x >> 5), nw = (int)gridDim.x * wpb;
-  for (int i = gw; i < T * a.n; i += nw) {
-    const int t = i / a.n, d = i % a.n;
-    /* Lane j < k looks at slot j (k <= 32: ML_CUDA_MAX_TOPK). */
-    const int ex = lane < a.k ? ids[(size_t)t * a.k + lane] : -1;
-    const int here = ex >= 0 && ex / a.El == d; /* false for ex >= E: ex / El >= n */
-    if (d == 0 && lane < a.k)
-      a.slot_rows[(size_t)t * a.k + lane] = ex >= 0 && ex < a.El * a.n ? t * a.k + lane : -1;
-    if (!__any_sync(ML_EPC_FULL, here)) continue;
+  const int nc = ml_epc_chunks(&a);
+  ML_EPC_WARPS;
+  const long long items = (long long)T * a.n * nc;
+  for (long long i = gw; i < items; i += nw) {
+    const int c = (int)(i % nc), td = (int)(i / nc);
+    const int t = td / a.n, d = td % a.n;
+    if (!ml_epc_item(&a, ids, weights, t, d, c, e, lane)) continue;
     const int row = a.me * a.max_tokens + t;
-    ml_epc_warp_copy(a.base[d] + a.off_rows + (size_t)row * row_bytes, x + (size_t)t * row_bytes,
-                     row_bytes, lane);
-    int32_t *m = ml_epc_meta(&a, d, row);
-    if (lane == 0) {
-      m[0] = t;
-      m[1] = (int32_t)(uint32_t)e;
-    }
-    if (lane < a.k) {
-      m[2 + lane] = here ? ex - d * a.El : -1;
-      m[2 + a.k + lane] = __float_as_int(weights[(size_t)t * a.k + lane]);
+    ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes,
+                      x + (size_t)t * row_bytes, row_bytes, c, lane);
+  }
+  ml_epc_send_done(&a, e);
+}
+
+/* Rows quantized on the way (dispatch_quant FMT): work item (token t, group
+ * g of 256 elements), 8 elements a lane, quantized once and stored into the
+ * payload row (H e4m3 bytes, then the scales) of every destination that owns
+ * one of t's experts. */
+template <int DT, int FMT>
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_send_q_kernel(const __grid_constant__ ml_epc_args a, const char *x,
+                         const int32_t *ids, const float *weights, int T) {
+  const uint64_t e = *a.epoch + 1;
+  const int ng = (a.H + 255) / 256;
+  ML_EPC_WARPS;
+  const long long items = (long long)T * ng;
+  for (long long i = gw; i < items; i += nw) {
+    const int g = (int)(i % ng), t = (int)(i / ng);
+    const int col = g * 256 + lane * 8, live = col < a.H;
+    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (live) ml_q_load8<DT>(x + ((size_t)t * a.H + col) * 2, f);
+    /* The block's scale goes to a local first (every destination gets it). */
+    float sc_f[256 / ML_MX_BLOCK];
+    const uint2 b = ml_q_quantize8<FMT>(f, col - g * 256, live, sc_f, lane);
+    for (int d = 0; d < a.n; ++d) {
+      if (!ml_epc_item(&a, ids, weights, t, d, g, e, lane)) continue;
+      char *prow = a.base[d] + a.off_qrows + (size_t)(a.me * a.max_tokens + t) * a.qrow;
+      if (live) *(uint2 *)(prow + col) = b;
+      const int lanes = FMT == MOELINK_QUANT_FP8 ? ML_FP8_BLOCK / 8 : ML_MX_BLOCK / 8;
+      if (live && (lane & (lanes - 1)) == 0) {
+        const int blk = (col - g * 256) / (lanes * 8);
+        if (FMT == MOELINK_QUANT_FP8)
+          ((float *)(prow + a.H))[col / ML_FP8_BLOCK] = sc_f[blk];
+        else
+          ((uint8_t *)(prow + a.H))[col / ML_MX_BLOCK] = ((const uint8_t *)sc_f)[blk];
+      }
     }
   }
-  if (!ml_epc_last_cta(&a)) return;
-  if (threadIdx.x == 0) *a.epoch = e;
-  if ((int)threadIdx.x < a.n)
-    moelink_signal_set(ml_epc_cell(&a, (int)threadIdx.x, a.off_arrive, a.me), e);
+  ml_epc_send_done(&a, e);
+}
+
+/* Rows quantized by the caller (xq [T][H] bytes, xs [T][sbytes] scales):
+ * work item (t, d, chunk c of the H bytes) copies them into d's payload row;
+ * chunk 0's warp also copies the scales, a byte a lane. */
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_send_pre_kernel(const __grid_constant__ ml_epc_args a, const uint8_t *xq,
+                           const uint8_t *xs, const int32_t *ids, const float *weights, int T) {
+  const uint64_t e = *a.epoch + 1;
+  const int nc = (int)(((size_t)a.H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK);
+  ML_EPC_WARPS;
+  const long long items = (long long)T * a.n * nc;
+  for (long long i = gw; i < items; i += nw) {
+    const int c = (int)(i % nc), td = (int)(i / nc);
+    const int t = td / a.n, d = td % a.n;
+    if (!ml_epc_item(&a, ids, weights, t, d, c, e, lane)) continue;
+    char *prow = a.base[d] + a.off_qrows + (size_t)(a.me * a.max_tokens + t) * a.qrow;
+    ml_epc_warp_chunk(prow, (const char *)xq + (size_t)t * a.H, (size_t)a.H, c, lane);
+    if (c == 0)
+      for (int b = lane; b < a.sbytes; b += 32) prow[a.H + b] = (char)xs[(size_t)t * a.sbytes + b];
+  }
+  ml_epc_send_done(&a, e);
 }
 
 /* Every CTA waits for all sources (thread s waits for s), then each thread
  * prepares received rows: a row holds a token of this call when its meta
  * says so; its local expert ids compacted to kl slots in slot order, the
- * weights and the source slots; other rows get none. */
+ * weights and the source slots; other rows get none. Each valid (row, slot)
+ * also goes into the return list (in no particular order: every entry has a
+ * return row of its own). */
+template <int DT, int FMT>
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_receive_kernel(const __grid_constant__ ml_epc_args a) {
   const uint64_t e = *a.epoch;
@@ -116,44 +209,76 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     const int32_t *m = ml_epc_meta(&a, a.me, r);
     int q = 0;
     if ((uint32_t)__ldcg(m + 1) == (uint32_t)e) {
+      const int t = __ldcg(m), src = r / a.max_tokens;
+      int slots[ML_EPC_MAX_KL];
       for (int j = 0; j < a.k && q < a.kl; ++j) {
         const int le = __ldcg(m + 2 + j);
         if (le < 0) continue;
         a.lids[(size_t)r * a.kl + q] = le;
         a.lwts[(size_t)r * a.kl + q] = __int_as_float(__ldcg(m + 2 + a.k + j));
-        a.lslot[(size_t)r * a.kl + q] = j;
+        slots[q] = j;
         ++q;
       }
+      const int at = q ? atomicAdd(a.npairs, q) : 0;
+      for (int u = 0; u < q; ++u)
+        a.plist[at + u] = make_int4(r * a.kl + u, src, t * a.k + slots[u], 0);
     }
     for (; q < a.kl; ++q) {
       a.lids[(size_t)r * a.kl + q] = -1;
       a.lwts[(size_t)r * a.kl + q] = 0.f;
-      a.lslot[(size_t)r * a.kl + q] = -1;
+    }
+  }
+  if (FMT == MOELINK_QUANT_NONE) return;
+  /* Quantized rows: the received payloads back to rows of the layer's dtype
+   * for the experts; a warp per row (its call checked once), 8 elements a
+   * lane, four groups of 256 elements in flight. */
+  ML_EPC_WARPS;
+  for (int r = gw; r < cap; r += nw) {
+    if ((uint32_t)__ldcg(ml_epc_meta(&a, a.me, r) + 1) != (uint32_t)e) continue;
+    const char *prow = a.base[a.me] + a.off_qrows + (size_t)r * a.qrow;
+    char *out = a.base[a.me] + a.off_rows + (size_t)r * a.H * 2;
+    for (int c0 = lane * 8; c0 < a.H; c0 += 4 * 256) {
+      uint2 q[4];
+      float sc[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int col = c0 + u * 256;
+        q[u] = col < a.H ? __ldcg((const uint2 *)(prow + col)) : make_uint2(0u, 0u);
+        sc[u] = col < a.H ? ml_q_scale_at<FMT>(prow + a.H, col) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int col = c0 + u * 256;
+        if (col >= a.H) continue;
+        float f[8];
+        ml_q_unpack8(q[u], sc[u], f);
+        ml_q_store8<DT>(out + (size_t)col * 2, f);
+      }
     }
   }
 }
 
-/* Work item p = (received row, local slot), one warp each: its expert output
- * row goes back to the source's return rows at (token, slot). The last CTA
- * signals every source RETURN, then waits for every rank's RETURN to this
- * one (the stream's next kernel, the combine, may then read them). */
+/* Work item i = (entry of the return list, chunk c), one warp each: chunk c
+ * of the expert output of a received (row, slot) goes back to the source's
+ * return row (token, slot). The last CTA signals every source RETURN, then
+ * waits for every rank's RETURN to this one (the stream's next kernel, the
+ * combine, may then read them). */
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_return_kernel(const __grid_constant__ ml_epc_args a, const char *y,
                          const int32_t *pair_rows) {
   const uint64_t e = *a.epoch;
   const size_t row_bytes = (size_t)a.H * (size_t)a.es;
-  const int pairs = a.n * a.max_tokens * a.kl;
+  const int nc = ml_epc_chunks(&a);
   const int lane = (int)threadIdx.x & 31, wpb = (int)blockDim.x >> 5;
   const int gw = (int)blockIdx.x * wpb + ((int)threadIdx.x >> 5), nw = (int)gridDim.x * wpb;
-  for (int p = gw; p < pairs; p += nw) {
-    if (a.lids[p] < 0) continue;
-    const int yr = pair_rows ? pair_rows[p] : p;
+  const long long items = (long long)*a.npairs * nc;
+  for (long long i = gw; i < items; i += nw) {
+    const int c = (int)(i % nc);
+    const int4 en = a.plist[i / nc];
+    const int yr = pair_rows ? pair_rows[en.x] : en.x;
     if (yr < 0) continue;
-    const int r = p / a.kl, src = r / a.max_tokens;
-    const int t = __ldcg(ml_epc_meta(&a, a.me, r));
-    const int j = a.lslot[p];
-    ml_epc_warp_copy(a.base[src] + a.off_ret + ((size_t)t * a.k + j) * row_bytes,
-                     y ? y + (size_t)yr * row_bytes : NULL, row_bytes, lane);
+    ml_epc_warp_chunk(a.base[en.y] + a.off_ret + (size_t)en.z * row_bytes,
+                      y ? y + (size_t)yr * row_bytes : NULL, row_bytes, c, lane);
   }
   if (!ml_epc_last_cta(&a)) return;
   const int d = (int)threadIdx.x;
@@ -165,33 +290,88 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
 
 /* ---- launchers ------------------------------------------------------------------ */
 
-/* CTAs for `items` work items of `per` items a CTA: at most two per SM. */
+/* CTAs for `items` work items of `per` items a CTA: at most two per SM (the
+ * copies: enough bytes in flight), or `per_sm` for the kernels that also
+ * compute on the rows (more warps hide their latencies). */
+static unsigned ml_epc_grid_n(const ml_epc_args *a, long long items, int per, int per_sm) {
+  const long long most = (long long)per_sm * a->sms, want = (items + per - 1) / per;
+  return (unsigned)(want < 1 ? 1 : want < most ? want : most);
+}
+
 static unsigned ml_epc_grid(const ml_epc_args *a, long long items, int per) {
   const long long most = 2LL * a->sms, want = (items + per - 1) / per;
   return (unsigned)(want < 1 ? 1 : want < most ? want : most);
 }
 
-extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const int32_t *ids,
+extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq,
+                                        const void *xs, const int32_t *ids,
                                         const float *weights, int T, cudaStream_t stream) {
   if (a->k > 32)
     return ml_fail(MOELINK_ERR_INTERNAL, "ep (cuda): top_k %d > 32 (a lane per slot)", a->k);
-  ml_epc_send_kernel<<<ml_epc_grid(a, (long long)T * a->n, ML_EPC_THREADS / 32), ML_EPC_THREADS,
-                       0, stream>>>(*a, (const char *)x, ids, weights, T);
+  if (a->kl > ML_EPC_MAX_KL)
+    return ml_fail(MOELINK_ERR_INTERNAL, "ep (cuda): local top_k %d > %d", a->kl, ML_EPC_MAX_KL);
+  const int bf = a->dtype == MOELINK_DTYPE_BF16;
+  if (a->quant == MOELINK_QUANT_NONE) {
+    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    ml_epc_send_kernel<<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
+                         ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights, T);
+  } else if (xq) {
+    const long long nc = ((long long)a->H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    ml_epc_send_pre_kernel<<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
+                             ML_EPC_THREADS, 0, stream>>>(*a, xq, (const uint8_t *)xs, ids,
+                                                          weights, T);
+  } else {
+    const unsigned grid = ml_epc_grid_n(a, (long long)T * ((a->H + 255) / 256),
+                                        ML_EPC_THREADS / 32, 8);
+    const char *xc = (const char *)x;
+    if (a->quant == MOELINK_QUANT_FP8 && bf)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else if (a->quant == MOELINK_QUANT_FP8)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else if (bf)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else
+      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+  }
   ML_CUDA_LAUNCHED("ml_epc_send_kernel");
   return MOELINK_SUCCESS;
 }
 
 extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream) {
   const long long cap = (long long)a->n * a->max_tokens;
-  ml_epc_receive_kernel<<<ml_epc_grid(a, cap, ML_EPC_THREADS), ML_EPC_THREADS, 0, stream>>>(*a);
+  const int bf = a->dtype == MOELINK_DTYPE_BF16;
+  if (a->quant == MOELINK_QUANT_NONE) {
+    ml_epc_receive_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_NONE>
+        <<<ml_epc_grid(a, cap, ML_EPC_THREADS), ML_EPC_THREADS, 0, stream>>>(*a);
+  } else {
+    const unsigned grid = ml_epc_grid_n(a, cap, ML_EPC_THREADS / 32, 8);
+    if (a->quant == MOELINK_QUANT_FP8 && bf)
+      ml_epc_receive_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a);
+    else if (a->quant == MOELINK_QUANT_FP8)
+      ml_epc_receive_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a);
+    else if (bf)
+      ml_epc_receive_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a);
+    else
+      ml_epc_receive_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a);
+  }
   ML_CUDA_LAUNCHED("ml_epc_receive_kernel");
   return MOELINK_SUCCESS;
 }
 
 extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
                                           const int32_t *pair_rows, cudaStream_t stream) {
+  const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
   const long long pairs = (long long)a->n * a->max_tokens * a->kl;
-  ml_epc_return_kernel<<<ml_epc_grid(a, pairs, ML_EPC_THREADS / 32), ML_EPC_THREADS, 0, stream>>>(
+  ml_epc_return_kernel<<<ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32), ML_EPC_THREADS, 0,
+                         stream>>>(
       *a, (const char *)y, pair_rows);
   ML_CUDA_LAUNCHED("ml_epc_return_kernel");
   return MOELINK_SUCCESS;
