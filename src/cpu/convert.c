@@ -1,7 +1,8 @@
-/* Weight blocks as fp32 for the GEMMs, and the GEMM call itself. F32
- * weights are used where they lie; bf16/f16 weights are converted one block
- * of rows at a time into a per-thread buffer that stays in cache while BLAS
- * packs it. */
+/* Weight blocks as fp32 for the GEMMs, the GEMM call itself, and the SIMD
+ * detection of the CPU backend. F32 weights are used where they lie; bf16/f16
+ * weights bound for BLAS (blocks of many token rows, or a CPU without the
+ * small-M kernel's instructions) are converted one block of rows at a time
+ * into a per-thread buffer that stays in cache while BLAS packs it. */
 #include "cpu/cpu.h"
 
 #include <cblas.h>
@@ -12,24 +13,34 @@
  * faster with few tokens than the other orientation. */
 #define ML_CPU_FEW_ROWS 48
 
-#if defined(__x86_64__) || defined(__i386__)
+static int ml_simd_cap = -1;
+
+void ml_cpu_simd_limit(int mask) { __atomic_store_n(&ml_simd_cap, mask, __ATOMIC_RELAXED); }
+
+#ifdef ML_CPU_X86
 #include <cpuid.h>
 #include <immintrin.h>
-#define ML_CPU_X86 1
 
-/* AVX2 (which the builtin also checks the OS enables) and F16C, read from
- * CPUID directly since not every compiler's builtin knows "f16c". */
-static int ml_cpu_has_simd(void) {
+/* AVX2 (which the builtin also checks the OS enables), F16C and FMA, the last
+ * two read from CPUID directly since not every compiler's builtin knows
+ * "f16c". */
+int ml_cpu_simd(void) {
   static int cached = -1;
   int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
   if (v < 0) {
     unsigned a = 0, b = 0, c = 0, d = 0;
     __builtin_cpu_init();
-    v = __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    v = 0;
+    if (__builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C)) {
+      v = ML_CPU_SIMD_AVX2;
+      if (c & bit_FMA) v |= ML_CPU_SIMD_FMA;
+    }
     __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
   }
-  return v;
+  return v & __atomic_load_n(&ml_simd_cap, __ATOMIC_RELAXED);
 }
+
+static int ml_cpu_has_simd(void) { return ml_cpu_simd() & ML_CPU_SIMD_AVX2; }
 
 /* Both conversions are exact, so this matches ml_to_f32 bit for bit (a
  * signaling f16 NaN comes out quiet, still a NaN). */
@@ -65,6 +76,10 @@ void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n)
 #endif
   ml_to_f32(dtype, src, dst, n);
 }
+
+#ifndef ML_CPU_X86
+int ml_cpu_simd(void) { return 0; }
+#endif
 
 const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row0, int rows,
                                 int cols, float *conv) {

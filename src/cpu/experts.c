@@ -1,9 +1,10 @@
 /* Routed experts: gather each expert's token rows into one fp32 matrix, then
  * two phases of work items, each a block of one expert's weight rows (gate/up
  * with SwiGLU on the fly, then down with the routing weight), every item one
- * BLAS call on the calling thread per chunk of token rows. Items are handed
- * out dynamically, heaviest experts first; their boundaries depend only on
- * the shapes, so the results do not depend on scheduling. */
+ * BLAS call on the calling thread per chunk of token rows, or, for bf16/f16
+ * experts with few rows, ml_cpu_gemm_small on the weights as they lie. Items
+ * are handed out dynamically, heaviest experts first; their boundaries depend
+ * only on the shapes, so the results do not depend on scheduling. */
 #include "cpu/cpu.h"
 
 #include <math.h>
@@ -74,6 +75,35 @@ void ml_cpu_down_block(const float *a, int lda, int m, int K, const float *wd, i
         for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
       }
     }
+  }
+}
+
+/* The routed blocks of few token rows, bf16/f16 weights multiplied where they
+ * lie (ml_cpu_gemm_small): the same results as above up to the order of the
+ * fp32 sums. wg, wu, wd: the blocks' first rows in the layer dtype. */
+static void ml_swiglu_small(const float *a, int lda, int m, int K, moelink_dtype_t dt,
+                            const void *wg, const void *wu, int nc, float *h, int ldh,
+                            float *tmp) {
+  /* tmp is [m, 2*nc]: gate columns, then up columns (it holds row_chunk
+   * such rows, and m <= ML_CPU_SMALL_ROWS < row_chunk). */
+  ml_cpu_gemm_small(a, lda, m, K, dt, wg, nc, tmp, 2 * nc);
+  ml_cpu_gemm_small(a, lda, m, K, dt, wu, nc, tmp + nc, 2 * nc);
+  for (int r = 0; r < m; ++r) {
+    const float *g = tmp + (size_t)r * 2 * nc, *u = g + nc;
+    float *o = h + (size_t)r * ldh;
+    for (int j = 0; j < nc; ++j) o[j] = ml_silu(g[j]) * u[j];
+  }
+}
+
+static void ml_down_small(const float *a, int lda, int m, int K, moelink_dtype_t dt,
+                          const void *wd, int nc, float *y, int ldy, const float *row_scale,
+                          const int32_t *map) {
+  ml_cpu_gemm_small(a, lda, m, K, dt, wd, nc, y, ldy);
+  if (!row_scale) return;
+  for (int r = 0; r < m; ++r) {
+    float *o = y + (size_t)r * ldy;
+    const float sc = row_scale[map[r]];
+    for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
   }
 }
 
@@ -149,11 +179,18 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int c0 = (i % gu_blk) * b->gu_cols;
       const int nc = inter - c0 < b->gu_cols ? inter - c0 : b->gu_cols;
       const char *we = gate_up + (size_t)e * 2 * inter * H * es;
+      const int m = off[e + 1] - off[e];
+      const float *a = xg + (size_t)off[e] * H;
+      float *h = hbuf + (size_t)off[e] * inter + c0;
+      if (ml_cpu_use_small(dt, m)) {
+        ml_swiglu_small(a, H, m, H, dt, we + (size_t)c0 * H * es,
+                        we + ((size_t)inter + c0) * H * es, nc, h, inter, tmp);
+        continue;
+      }
       const float *wg = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, H, conv);
       const float *wu =
           ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
-      ml_cpu_swiglu_block(xg + (size_t)off[e] * H, H, off[e + 1] - off[e], H, wg, wu, nc,
-                          hbuf + (size_t)off[e] * inter + c0, inter, b->row_chunk, tmp);
+      ml_cpu_swiglu_block(a, H, m, H, wg, wu, nc, h, inter, b->row_chunk, tmp);
     }
 
 #pragma omp for schedule(dynamic, 1)
@@ -165,12 +202,18 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int i = it - s_dn, e = ml_order_expert(ws->order, i / dn_blk);
       const int c0 = (i % dn_blk) * b->down_cols;
       const int nc = H - c0 < b->down_cols ? H - c0 : b->down_cols;
-      const float *wd = ml_cpu_weight_rows(dt, down + (size_t)e * H * inter * es, (size_t)c0, nc,
-                                           inter, conv);
+      const char *we = down + (size_t)e * H * inter * es;
       const int r0 = off[e], m = off[e + 1] - off[e];
-      ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc,
-                        y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0, b->row_chunk,
-                        tmp);
+      if (ml_cpu_use_small(dt, m)) {
+        ml_down_small(hbuf + (size_t)r0 * inter, inter, m, inter, dt,
+                      we + (size_t)c0 * inter * es, nc, y32 + (size_t)r0 * H + c0, H,
+                      job->weights, pairs + r0);
+      } else {
+        const float *wd = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, inter, conv);
+        ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc,
+                          y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0, b->row_chunk,
+                          tmp);
+      }
       if (job->y_out)
         for (int r = r0; r < r0 + m; ++r)
           ml_from_f32(dt, y32 + (size_t)r * H + c0,
