@@ -6,6 +6,7 @@
 
 #include <math.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,18 @@ static void ml_t_report(int ok, const char *file, int line, const char *fmt, ...
   printf("\n");
   fflush(stdout);
 }
+
+/* xorshift64*: a small deterministic generator for test data (state != 0);
+ * ml_t_unit is uniform in [0, 1) with 24 bits. */
+static uint32_t ml_t_rand(uint64_t *state) __attribute__((unused));
+static uint32_t ml_t_rand(uint64_t *state) {
+  *state ^= *state >> 12;
+  *state ^= *state << 25;
+  *state ^= *state >> 27;
+  return (uint32_t)((*state * 0x2545f4914f6cdd1dull) >> 32);
+}
+static double ml_t_unit(uint64_t *state) __attribute__((unused));
+static double ml_t_unit(uint64_t *state) { return (ml_t_rand(state) >> 8) * (1.0 / 16777216.0); }
 
 /* CHECK(cond, "printf-style description", ...) */
 #define CHECK(cond, ...) ml_t_report(!!(cond), __FILE__, __LINE__, __VA_ARGS__)

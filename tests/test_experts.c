@@ -12,12 +12,7 @@ static moelink_context_t ctx;
 static double tol_for(moelink_dtype_t dt) { return dt == MOELINK_DTYPE_F32 ? 1e-4 : 1e-2; }
 
 static uint64_t rng_state = 0x243f6a8885a308d3ull;
-static uint32_t rng_next(void) {
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
-}
+static uint32_t rng_next(void) { return ml_t_rand(&rng_state); }
 
 typedef struct {
   ref_layer L;

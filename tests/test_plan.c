@@ -8,13 +8,7 @@
 static moelink_context_t ctx;
 
 static uint64_t rng_state;
-static uint32_t rng_next(void) {
-  /* xorshift64*: plenty for test ids. */
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
-}
+static uint32_t rng_next(void) { return ml_t_rand(&rng_state); }
 
 enum { ID_UNIFORM, ID_HOLES, ID_ONE_EXPERT, ID_SKEWED, ID_ALL_EMPTY };
 

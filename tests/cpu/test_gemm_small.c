@@ -9,13 +9,8 @@
 #include <stdint.h>
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint32_t rng_next(void) {
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
-}
-static double rng_unit(void) { return (rng_next() >> 8) * (1.0 / 16777216.0); }
+static uint32_t rng_next(void) { return ml_t_rand(&rng_state); }
+static double rng_unit(void) { return ml_t_unit(&rng_state); }
 
 /* A random weight of either sign: bf16 of magnitude 2^-8 up to 2^4; f16 from
  * its subnormals up to 2^4, so both of its decodings are exercised. */

@@ -28,13 +28,8 @@
 static moelink_context_t ctx1, ctx4;
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-static uint32_t rng_next(void) {
-  rng_state ^= rng_state >> 12;
-  rng_state ^= rng_state << 25;
-  rng_state ^= rng_state >> 27;
-  return (uint32_t)((rng_state * 0x2545f4914f6cdd1dull) >> 32);
-}
-static double rng_unit(void) { return (rng_next() >> 8) * (1.0 / 16777216.0); }
+static uint32_t rng_next(void) { return ml_t_rand(&rng_state); }
+static double rng_unit(void) { return ml_t_unit(&rng_state); }
 
 static float bits_to_float(uint32_t u) {
   float f;
