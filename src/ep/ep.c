@@ -28,7 +28,7 @@ moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nran
 }
 
 moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink_moe_t local) {
-  ML_TRY(moelink_moe_set_weights(front, &ep->w));
+  if (front) ML_TRY(moelink_moe_set_weights(front, &ep->w));
   moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;
   lw.dtype = ep->w.dtype;
   lw.router = ep->w.router; /* the local layer never routes: rows arrive routed */

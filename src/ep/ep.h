@@ -55,12 +55,12 @@ typedef struct ml_ep_ops {
                               void *stream);
 } ml_ep_ops;
 
-/* Both backends run the layer through two MoE layers of their context:
- * `front`, the whole config (routing, the shared expert, the combine), and
- * `local`, this rank's E / n experts with top_k min(k, E / n) on up to
- * max_rows received rows (ml_ep_local_config). ml_ep_bind_layers binds ep->w
- * to both (front gets the local expert slices only because a layer needs
- * expert pointers; it never runs them). */
+/* The backends run the layer through MoE layers of their context: `local`,
+ * this rank's E / n experts with top_k min(k, E / n) on up to max_rows
+ * received rows (ml_ep_local_config), and on CPU ranks `front`, the whole
+ * config (routing, the shared expert, the combine). ml_ep_bind_layers binds
+ * ep->w to both (front, when not NULL, gets the local expert slices only
+ * because a layer needs expert pointers; it never runs them). */
 moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nranks, int max_rows);
 moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink_moe_t local);
 

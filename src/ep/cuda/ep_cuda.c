@@ -2,10 +2,11 @@
  * domain): one stream-ordered sequence of launches per forward, no host
  * synchronization, capturable in a CUDA graph.
  *
- * Each rank holds two CUDA layers of its own: `front`, the whole layer's
- * config, used only for routing (its expert pointers are bound but never
- * read), and `local`, its El = E / n experts with top_k kl = min(k, El) and
- * max_tokens = cap = n * max_tokens, run on the rows it receives. And one
+ * Each rank holds one CUDA layer of its own, `local`: its El = E / n experts
+ * with top_k kl = min(k, El) and max_tokens = cap = n * max_tokens, run on
+ * the rows it receives. Routing calls the CUDA backend's router kernel
+ * directly (a whole layer's workspace would be mostly expert buffers it never
+ * uses: ~0.7 GB per rank for deepseek-v3 at max_tokens 4096). And one
  * symmetric buffer, laid out the same on every rank:
  *   arrive[n]        8-byte cells: arrive[s] = call: s's rows of the call are in
  *   return[n]        return[d] = call: d has pushed back its outputs of the call
@@ -24,7 +25,7 @@
  *
  * A forward (T <= max_tokens tokens on this rank; the call number counts
  * forwards, in device memory):
- *  1. route (front layer);
+ *  1. route (the router kernel, on this rank's scratch);
  *  2. push each token's row and meta into every rank that owns one of its
  *     experts (once per rank); the last CTA signals each destination ARRIVE;
  *  3. wait for every source's ARRIVE; lay the received rows' local experts out
@@ -64,7 +65,7 @@
 #include <string.h>
 
 typedef struct ml_epc {
-  moelink_moe_t front, local;
+  moelink_moe_t local;
   ml_epc_args a;
   char *symm;           /* this rank's symmetric buffer */
   char *dev;            /* one cudaMalloc for the scratch below */
@@ -74,6 +75,8 @@ typedef struct ml_epc {
   void *y;              /* [cap * kl][H] expert outputs, permuted */
   void *sh_h;           /* [max_tokens][Is] */
   float *sh_out;        /* [max_tokens][H] */
+  float *r_partials;    /* the router's split-K partial logits */
+  int32_t *r_tickets;   /* [sms], zero between router launches */
   int cap;
 } ml_epc;
 
@@ -130,6 +133,9 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
   ML_EPC_TAKE(w->sh_h, void *, T * Is * es);
   ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
+  ML_EPC_TAKE(w->r_partials, float *,
+              ml_cuda_router_partial_floats(c->num_experts, w->a.sms) * sizeof(float));
+  ML_EPC_TAKE(w->r_tickets, int32_t *, (size_t)(w->a.sms > 0 ? w->a.sms : 1) * 4);
 #undef ML_EPC_TAKE
   return off;
 }
@@ -146,17 +152,29 @@ static moelink_status_t ml_epc_check(moelink_comm_t comm, const moelink_ep_confi
   return MOELINK_SUCCESS;
 }
 
+static moelink_status_t ml_epc_sms(moelink_comm_t comm, int *sms) {
+  if (cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, comm->ctx->device) !=
+      cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): cannot read device %d's SM count",
+                   comm->ctx->device);
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config_t *cfg,
                                     size_t *bytes) {
   ML_TRY(ml_epc_check(comm, cfg));
   ml_epc w;
   memset(&w, 0, sizeof w);
+  ML_TRY(ml_epc_sms(comm, &w.a.sms));
   size_t a = 0, b = 0;
   const moelink_moe_config_t lc =
       ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
+  /* The whole layer's size is asked only for the CUDA backend's checks of
+   * the config (E, k, sizes, the router's shared memory); nothing of it is
+   * allocated. */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
-  *bytes = a + b + ml_epc_symm_layout(cfg, comm->nranks, &w.a) +
+  *bytes = b + ml_epc_symm_layout(cfg, comm->nranks, &w.a) +
            ml_epc_dev_layout(cfg, comm->nranks, &w, NULL);
   return MOELINK_SUCCESS;
 }
@@ -171,7 +189,6 @@ static void ml_epc_fini(moelink_ep_t ep) {
     (void)ml_cuda_leave(ep->comm->ctx, prev, MOELINK_SUCCESS);
   }
   if (w->symm) (void)moelink_symm_free(ep->comm, w->symm);
-  moelink_moe_destroy(w->front);
   moelink_moe_destroy(w->local);
   free(w);
   ep->impl = NULL;
@@ -184,7 +201,8 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   ML_TRY(ml_epc_check(comm, cfg));
   const moelink_moe_config_t lc =
       ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
-  ML_TRY(moelink_moe_create(comm->ctx, c, &w->front));
+  size_t whole = 0; /* the CUDA backend's checks of the whole config (see ml_epc_size) */
+  ML_TRY(moelink_moe_workspace_size(comm->ctx, c, &whole));
   ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
   ml_epc_args *a = &w->a;
   ML_TRY(moelink_comm_device(comm, &a->dc));
@@ -198,10 +216,7 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->dtype = (int)c->dtype;
   a->max_tokens = c->max_tokens;
   w->cap = comm->nranks * c->max_tokens;
-  if (cudaDeviceGetAttribute(&a->sms, cudaDevAttrMultiProcessorCount, comm->ctx->device) !=
-      cudaSuccess)
-    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): cannot read device %d's SM count",
-                   comm->ctx->device);
+  ML_TRY(ml_epc_sms(comm, &a->sms));
 
   const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
   ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));
@@ -240,7 +255,10 @@ static moelink_status_t ml_epc_init(moelink_ep_t ep) {
 
 static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
   ml_epc *w = (ml_epc *)ep->impl;
-  return ml_ep_bind_layers(ep, w->front, w->local);
+  if (((uintptr_t)ep->w.router) & 15)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep_set_weights (cuda): router %p must be 16-byte aligned", ep->w.router);
+  return ml_ep_bind_layers(ep, NULL, w->local);
 }
 
 /* Steps 1 (after routing) to 3: the rows go out; this rank's shared expert
@@ -277,10 +295,37 @@ static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const v
                          shared && c->shared_gate ? ep->w.shared_gate : NULL, out, st);
 }
 
+/* This rank's T tokens routed as the whole layer routes them: ids, wts. */
+static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, int T,
+                                     cudaStream_t st) {
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  ml_cuda_router_args r;
+  memset(&r, 0, sizeof r);
+  r.dtype = c->dtype;
+  r.x = x;
+  r.w = ep->w.router;
+  r.bias = c->correction_bias ? ep->w.correction_bias : NULL;
+  r.num_tokens = T;
+  r.hidden = c->hidden;
+  r.num_experts = c->num_experts;
+  r.top_k = c->top_k;
+  r.router = c->router;
+  r.renormalize = c->renormalize;
+  r.n_group = c->n_group;
+  r.topk_group = c->topk_group;
+  r.routed_scaling = c->routed_scaling;
+  r.ids = w->ids;
+  r.weights = w->wts;
+  r.splits = ml_cuda_router_splits(T, c->hidden, w->a.sms);
+  r.partials = w->r_partials;
+  r.tickets = w->r_tickets;
+  return ml_cuda_router(&r, st);
+}
+
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                              void *out, cudaStream_t st) {
   const ml_epc_args *a = &w->a;
-  if (T > 0) ML_TRY(moelink_moe_route(w->front, x, T, w->ids, w->wts, st));
+  if (T > 0) ML_TRY(ml_epc_route(ep, w, x, T, st));
   ML_TRY(ml_epc_dispatch_inner(ep, w, x, NULL, NULL, w->ids, w->wts, T, 1, st));
   ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
   ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
