@@ -29,7 +29,8 @@ and the library's own message.
 Under ``moelink launch -n N -- python3 prog.py`` each process joins its
 group with ``moelink.Comm.from_env(ctx)``: collectives (allreduce,
 allgather, reduce_scatter, alltoallv), ``moelink.TP`` (GEMMs fused with
-their collective) and ``moelink.EP`` (the expert-parallel layer).
+their collective) and ``moelink.EP`` (the expert-parallel layer, whole or as
+its two exchanges: EP.dispatch, your experts, EP.combine).
 """
 
 from ._arrays import BF16_NUMPY, from_bf16, to_bf16
@@ -38,13 +39,14 @@ from ._capi import (HEADER_VERSION, Backend, ContextConfig, Dtype, MoeConfig, Mo
 from ._capi import Plan as PlanStruct
 from ._core import (Context, MoE, Plan, backend_available, dtype_size, preset_config, presets,
                     random_values, version, version_code)
-from ._comm import EP, TP, Comm, unique_id
+from ._comm import EP, TP, Comm, Received, unique_id
 
 __version__ = "%d.%d.%d" % HEADER_VERSION
 
 __all__ = [
     "BF16_NUMPY", "Backend", "Comm", "Context", "ContextConfig", "Dtype", "EP", "MoE",
-    "MoeConfig", "MoeWeights", "MoelinkError", "Plan", "PlanStruct", "Router", "Status", "TP",
+    "MoeConfig", "MoeWeights", "MoelinkError", "Plan", "PlanStruct", "Received", "Router",
+    "Status", "TP",
     "backend_available", "dtype_size", "from_bf16", "library_path", "load", "preset_config",
     "presets", "random_values", "to_bf16", "unique_id", "version", "version_code",
 ]

@@ -4,7 +4,7 @@ backend). Nothing is copied: the C side gets the data pointer, so every
 array must be C-contiguous, of the element type the layer expects, and in
 the memory the context's backend reads.
 
-Element types are named "f32", "f16", "bf16", "i32" and "i64". numpy has no
+Element types are named "f32", "f16", "bf16", "i32", "i64" and "u8". numpy has no
 bfloat16 of its own: a bf16 array is either a uint16 array holding the bf16
 bit patterns (see to_bf16 / from_bf16) or, when the ml_dtypes package is
 installed, an array of ml_dtypes.bfloat16.
@@ -28,13 +28,14 @@ _NP_CODES = {
     np.dtype(np.uint16): "bf16",
     np.dtype(np.int32): "i32",
     np.dtype(np.int64): "i64",
+    np.dtype(np.uint8): "u8",
 }
 if BF16_NUMPY is not None:
     _NP_CODES[BF16_NUMPY] = "bf16"
 
 _CODE_NP = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16),
             "bf16": np.dtype(np.uint16), "i32": np.dtype(np.int32),
-            "i64": np.dtype(np.int64)}
+            "i64": np.dtype(np.int64), "u8": np.dtype(np.uint8)}
 
 _TORCH_CODES = None
 
@@ -48,13 +49,13 @@ def _torch_codes(torch):
     global _TORCH_CODES
     if _TORCH_CODES is None:
         _TORCH_CODES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
-                        torch.int32: "i32", torch.int64: "i64"}
+                        torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
     return _TORCH_CODES
 
 
 def _torch_dtype(torch, code):
     return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16,
-            "i32": torch.int32, "i64": torch.int64}[code]
+            "i32": torch.int32, "i64": torch.int64, "u8": torch.uint8}[code]
 
 
 class Buf:
@@ -131,3 +132,37 @@ def from_bf16(bits):
     if b.dtype != np.uint16:
         raise TypeError("from_bf16 needs a uint16 array of bf16 bits, got %s" % b.dtype)
     return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+_TYPESTR = {"f32": "<f4", "f16": "<f2", "bf16": "<u2", "i32": "<i4", "i64": "<i8", "u8": "|u1"}
+
+
+class _DeviceMemory:
+    """Memory the library owns on a CUDA device, as __cuda_array_interface__."""
+
+    def __init__(self, ptr, shape, code):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": _TYPESTR[code],
+                                         "data": (ptr, False), "version": 3, "strides": None}
+
+
+def view(ptr, shape, code, device):
+    """An array over memory the library owns (no copy): numpy on the CPU, a
+    torch tensor on ("cuda", index). It stays valid only as long as the
+    library says that memory is."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if device[0] == "cpu":
+        dt = _CODE_NP[code]
+        if n == 0 or not ptr:
+            return np.empty(shape, dt)
+        import ctypes
+        raw = (ctypes.c_char * (n * dt.itemsize)).from_address(ptr)
+        return np.frombuffer(raw, dt).reshape(shape)
+    torch = _torch()
+    if torch is None:
+        import torch  # noqa: F811 - a CUDA context works on torch tensors
+    if n == 0 or not ptr:
+        return torch.empty(shape, dtype=_torch_dtype(torch, code), device="cuda:%d" % device[1])
+    # bf16 travels as f16 (same two bytes) and is viewed back.
+    t = torch.as_tensor(_DeviceMemory(ptr, shape, "f16" if code == "bf16" else code),
+                        device="cuda:%d" % device[1])
+    return t.view(torch.bfloat16) if code == "bf16" else t

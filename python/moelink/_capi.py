@@ -189,6 +189,24 @@ class TpConfig(ctypes.Structure):
         return cls(ctypes.sizeof(cls), Dtype.BF16, 0, 0, 0, 0)
 
 
+class EpRecv(ctypes.Structure):
+    """moelink_ep_recv_t"""
+
+    _fields_ = [
+        ("size", ctypes.c_size_t),
+        ("capacity", ctypes.c_int),
+        ("top_k", ctypes.c_int),
+        ("rows", ctypes.c_void_p),
+        ("expert_ids", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+    ]
+
+    @classmethod
+    def init(cls):
+        """MOELINK_EP_RECV_INIT"""
+        return cls(ctypes.sizeof(cls), 0, 0, None, None, None)
+
+
 class EpConfig(ctypes.Structure):
     """moelink_ep_config_t"""
 
@@ -275,6 +293,14 @@ _PROTOTYPES = {
                                     ctypes.POINTER(_int)]),
     "moelink_ep_set_weights": (_st, [_vp, ctypes.POINTER(MoeWeights)]),
     "moelink_ep_forward": (_st, [_vp, _vp, _int, _vp, _vp]),
+    "moelink_ep_dispatch": (_st, [_vp, _vp, _vp, _vp, _int, ctypes.POINTER(EpRecv), _vp]),
+    "moelink_ep_dispatch_quantized": (_st, [_vp, _vp, _vp, _vp, _vp, _int,
+                                            ctypes.POINTER(EpRecv), _vp]),
+    "moelink_ep_combine": (_st, [_vp, _vp, _vp, _vp, _vp]),
+    "moelink_quant_block": (_int, [c_enum]),
+    "moelink_quant_scale_bytes": (ctypes.c_size_t, [c_enum, _int]),
+    "moelink_quantize": (_st, [_vp, c_enum, c_enum, _vp, _int, _int, _vp, _vp, _vp]),
+    "moelink_dequantize": (_st, [_vp, c_enum, c_enum, _vp, _vp, _int, _int, _vp, _vp]),
     "moelink_fill_random": (_st, [_vp, c_enum, _vp, ctypes.c_size_t, ctypes.c_uint64,
                                   ctypes.c_float, ctypes.c_float, _vp]),
     "moelink_random_value": (ctypes.c_float, [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_float,

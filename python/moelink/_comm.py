@@ -17,7 +17,8 @@ import weakref
 import numpy as np
 
 from . import _arrays
-from ._capi import UNIQUE_ID_BYTES, EpConfig, TpConfig, UniqueId, check, load
+from ._capi import (UNIQUE_ID_BYTES, EpConfig, EpRecv, MoelinkError, Status, TpConfig, UniqueId,
+                    check, load)
 from ._core import (_DTYPE_CODE, Context, _Closable, _config_dict, _dtype_enum, _need_code,
                     check_arg, moe_config, weights_struct)
 
@@ -513,3 +514,99 @@ class EP(_OnComm):
         return out
 
     __call__ = forward
+
+    def _routing(self, ids, weights, T):
+        bi = check_arg(self.ctx, ids, "ids", (T, self.top_k), "i32")
+        bw = check_arg(self.ctx, weights, "weights", (T, self.top_k), "f32")
+        return bi, bw
+
+    def _dispatched(self, status, rv, T):
+        """After a dispatch call: a bad argument of this rank's still took part
+        (the library then expects a combine), any other failure did not."""
+        try:
+            check(status)
+        except MoelinkError as e:
+            if e.status == Status.ERR_INVALID_ARGUMENT:
+                self._pending = 0
+            raise
+        return self._received(rv, T)
+
+    def _received(self, rv, T):
+        r = Received()
+        r.num_tokens = T
+        r.capacity, r.top_k = rv.capacity, rv.top_k
+        dev = ("cpu", 0) if self.ctx.backend == "cpu" else ("cuda", self.ctx.device)
+        r.rows = _arrays.view(rv.rows, (rv.capacity, self.hidden), self.dtype, dev)
+        r.expert_ids = _arrays.view(rv.expert_ids, (rv.capacity, rv.top_k), "i32", dev)
+        r.weights = _arrays.view(rv.weights, (rv.capacity, rv.top_k), "f32", dev)
+        self._pending = T
+        return r
+
+    def dispatch(self, x, ids, weights, stream=None):
+        """Sends this rank's tokens x [T, H] by their routing (ids [T, k] int32
+        global expert ids, weights [T, k] float32, e.g. from MoE.route) to the
+        ranks that own their experts (moelink_ep_dispatch; collective, and
+        combine() must follow). Returns a Received: the rows this rank's
+        experts must process, as views of the layer's memory valid until
+        combine() returns."""
+        self._alive()
+        bx = check_arg(self.ctx, x, "x", (None, self.hidden), self.dtype)
+        T = bx.shape[0]
+        bi, bw = self._routing(ids, weights, T)
+        rv = EpRecv.init()
+        st = self._lib.moelink_ep_dispatch(self._h, bx.ptr if T else None, bi.ptr if T else None,
+                                           bw.ptr if T else None, T, ctypes.byref(rv),
+                                           self.ctx._stream(stream))
+        return self._dispatched(st, rv, T)
+
+    def dispatch_quantized(self, q, scales, ids, weights, stream=None):
+        """dispatch() of rows already quantized with Context.quantize in the
+        layer's dispatch_quant format (q [T, H] uint8, scales as quantize
+        returns them): the same rows arrive."""
+        self._alive()
+        if self.dispatch_quant == "none":
+            raise ValueError("dispatch_quantized: this layer's rows travel unquantized "
+                             "(create it with dispatch_quant='fp8' or 'mxfp8')")
+        bq = check_arg(self.ctx, q, "q", (None, self.hidden), "u8")
+        T = bq.shape[0]
+        block, code = (128, "f32") if self.dispatch_quant == "fp8" else (32, "u8")
+        bs = check_arg(self.ctx, scales, "scales", (T, self.hidden // block), code)
+        bi, bw = self._routing(ids, weights, T)
+        rv = EpRecv.init()
+        st = self._lib.moelink_ep_dispatch_quantized(
+            self._h, bq.ptr if T else None, bs.ptr if T else None, bi.ptr if T else None,
+            bw.ptr if T else None, T, ctypes.byref(rv), self.ctx._stream(stream))
+        return self._dispatched(st, rv, T)
+
+    def combine(self, y, pair_rows=None, out=None, stream=None):
+        """Sends this rank's expert outputs back and sums each of its own tokens'
+        k contributions in slot order (moelink_ep_combine; collective, after
+        dispatch()). y [rows, H]: the (already weighted) output of received row
+        r's local slot q at row pair_rows[r * top_k + q] (pair_rows None: row
+        r * top_k + q), e.g. MoE.experts' output and its plan's pair_rows.
+        Returns out [T, H] for the T tokens of the dispatch."""
+        self._alive()
+        T = getattr(self, "_pending", None)
+        if T is None:
+            raise ValueError("combine() without a dispatch() before it")
+        by = check_arg(self.ctx, y, "y", (None, self.hidden), self.dtype)
+        bp = None
+        if pair_rows is not None:
+            bp = check_arg(self.ctx, pair_rows, "pair_rows", (None,), "i32")
+        if out is None:
+            out = _arrays.empty(by, (T, self.hidden), self.dtype)
+        bo = check_arg(self.ctx, out, "out", (T, self.hidden), self.dtype, out=True)
+        self._pending = None
+        check(self._lib.moelink_ep_combine(self._h, by.ptr, bp.ptr if bp else None,
+                                           bo.ptr if T else None, self.ctx._stream(stream)))
+        return out
+
+
+class Received:
+    """What EP.dispatch delivered to this rank: capacity rows, each with top_k
+    local slots; expert_ids [capacity, top_k] int32 (local ids, -1: empty;
+    a row with no id >= 0 holds no token), weights [capacity, top_k] float32,
+    rows [capacity, H]. Views of the layer's memory, valid until combine()
+    returns."""
+
+    __slots__ = ("num_tokens", "capacity", "top_k", "rows", "expert_ids", "weights")

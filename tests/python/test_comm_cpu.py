@@ -551,6 +551,121 @@ def test_ep_fp8_dispatch():
 
 
 @test
+def test_ep_dispatch_combine():
+    # The two exchanges with this rank's own experts between them (a plain
+    # MoE of E/P experts on the received rows) give the forward's output; the
+    # received rows are other ranks' token rows with their local ids.
+    cfg = dict(EP_CFG, shared_inter=0, shared_gate=False)
+    W = ep_weights(dict(cfg, shared_inter=1), 6)
+    El, k, H, M = cfg["experts"] // P, cfg["top_k"], cfg["hidden"], 8
+    full = {n: W[n] for n in ("router", "correction_bias", "gate_up", "down")}
+    with moelink.EP(COMM, dtype="f32", max_tokens=M, recv_capacity=P * M, **cfg) as ep, \
+            moelink.MoE(CTX, dtype="f32", max_tokens=M, **cfg) as router, \
+            moelink.MoE(CTX, dtype="f32", max_tokens=P * M, **dict(cfg, experts=El,
+                                                                   top_k=min(k, El),
+                                                                   n_group=1, topk_group=1,
+                                                                   correction_bias=False)) \
+            as local:
+        f = ep.first_expert
+        sl = dict(gate_up=np.ascontiguousarray(W["gate_up"][f:f + El]),
+                  down=np.ascontiguousarray(W["down"][f:f + El]))
+        ep.set_weights(router=W["router"], correction_bias=W["correction_bias"], **sl)
+        router.set_weights(**full)
+        local.set_weights(router=np.zeros((El, H), np.float32), **sl)
+        rng = rng_of(31, 0)  # same on every rank
+        for it in range(3):
+            tokens = [int(t) for t in rng.integers(0, M + 1, size=P)]
+            xs = [rng_of(500 + it, r).standard_normal((tokens[r], H)).astype(np.float32)
+                  for r in range(P)]
+            x = xs[R]
+            ids, w = router.route(x)
+            got = ep.dispatch(x, ids, w)
+            assert got.capacity == P * M and got.top_k == min(k, El) and got.num_tokens == len(x)
+            held = got.expert_ids[:, 0] >= 0
+            # every held row is some rank's token that has an expert here
+            want = 0
+            for r in range(P):
+                rid, _ = router.route(xs[r])
+                mine = (rid >= f) & (rid < f + El)
+                want += int(np.count_nonzero(mine.any(axis=1)))
+                for t in np.nonzero(mine.any(axis=1))[0]:
+                    hit = np.all(got.rows[held] == xs[r][t], axis=1)
+                    assert hit.any(), (r, int(t))
+            assert int(np.count_nonzero(held)) == want, (int(np.count_nonzero(held)), want)
+            plan = local.plan(got.expert_ids)
+            y = local.experts(got.rows, plan, got.weights)
+            out = ep.combine(y, plan.pair_rows)
+            ref = ep.forward(x)
+            err = np.abs(out - ref)
+            assert out.shape == x.shape and np.all(err <= 1e-5 * (np.abs(ref) + 1e-3)), \
+                float(err.max()) if err.size else 0.0
+        expect_raises(ValueError, ep.combine, y)  # no dispatch pending
+        expect_raises(ValueError, ep.dispatch_quantized, np.zeros((1, H), np.uint8),
+                      np.zeros((1, 1), np.float32), ids[:1], w[:1])
+
+
+def _e4m3_table():
+    # All 256 codes, decoded from the bit layout (1-4-3, bias 7, 0x7f/0xff NaN).
+    v = np.zeros(256, np.float64)
+    for b in range(256):
+        e, m = (b >> 3) & 15, b & 7
+        mag = m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        v[b] = np.nan if (e == 15 and m == 7) else (-mag if b & 0x80 else mag)
+    return v
+
+
+def _e4m3_ref(vals):
+    # The nearest magnitude code to |x| (ties to the even code), saturating at
+    # 448, with x's sign bit.
+    mags = _e4m3_table()[:0x7f]
+    out = np.zeros(vals.shape, np.uint8)
+    for i, x in enumerate(vals.ravel()):
+        d = np.abs(mags - min(abs(float(x)), 448.0))
+        best = np.nonzero(d == d.min())[0]
+        if len(best) > 1:
+            best = best[(best & 1) == 0]
+        out.ravel()[i] = int(best[0]) | (0x80 if np.signbit(x) else 0)
+    return out
+
+
+@test
+def test_quantize():
+    # moelink_quantize against a reference written here from the definitions.
+    table = _e4m3_table()
+    g = rng_of(41, R)
+    x = (g.standard_normal((3, 256)) * np.exp(g.uniform(-6, 6, (3, 1)))).astype(np.float32)
+    x[1, :128] = 0.0  # a block of zeros
+    q, s = CTX.quantize(x, "fp8")
+    assert q.shape == (3, 256) and q.dtype == np.uint8 and s.shape == (3, 2)
+    for r in range(3):
+        for b in range(2):
+            blk = x[r, b * 128:(b + 1) * 128]
+            amax = np.float32(np.max(np.abs(blk)))
+            sc = np.float32(amax / np.float32(448.0))
+            assert s[r, b] == sc, (r, b, s[r, b], sc)
+            want = _e4m3_ref((blk / sc).astype(np.float32)) if sc > 0 else np.zeros(128, np.uint8)
+            assert np.array_equal(q[r, b * 128:(b + 1) * 128], want), (r, b)
+    back = CTX.dequantize(q, s, "fp8", dtype="f32")
+    want = (table[q].astype(np.float32) * np.repeat(s, 128, axis=1)).astype(np.float32)
+    assert np.array_equal(back, want)
+    rel = np.abs(back - x) / (np.repeat(np.max(np.abs(x).reshape(3, 2, 128), axis=2), 128,
+                                        axis=1) + 1e-30)
+    assert np.all(rel <= 2.0 ** -4), float(rel.max())
+    q2, e = CTX.quantize(x, "mxfp8")
+    assert e.shape == (3, 8) and e.dtype == np.uint8
+    for r in range(3):
+        for b in range(8):
+            blk = x[r, b * 32:(b + 1) * 32]
+            amax = float(np.max(np.abs(blk)))
+            X = 0 if amax == 0 else int(np.clip(np.floor(np.log2(amax)) - 8, -127, 127))
+            assert e[r, b] == X + 127, (r, b, int(e[r, b]), X)
+            want = _e4m3_ref((blk * np.float32(2.0 ** -X)).astype(np.float32))
+            assert np.array_equal(q2[r, b * 32:(b + 1) * 32], want), (r, b)
+    expect_raises(ValueError, CTX.quantize, x[:, :100], "fp8")
+    expect_raises(ValueError, CTX.quantize, x, "int4")
+
+
+@test
 def test_ep_errors():
     cfg = dict(EP_CFG)
     W = ep_weights(cfg, 4)

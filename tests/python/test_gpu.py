@@ -393,6 +393,46 @@ def test_route_and_pieces():
 
 
 @test
+def test_quantize_matches_cpu():
+    # The 8-bit rows on this backend against the CPU backend: the same bytes,
+    # scales and dequantized values, for bf16 rows with a zero block and
+    # wide magnitudes.
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(5)
+    x = torch.randn(7, 384, generator=gen, device=DEV, dtype=torch.float32)
+    x = (x * torch.exp(torch.linspace(-8, 8, 7, device=DEV))[:, None]).to(torch.bfloat16)
+    x[2, :128] = 0
+    xn = x.cpu().view(torch.int16).numpy().view(np.uint16)
+    with moelink.Context(BACKEND) as gctx, moelink.Context("cpu") as cctx:
+        for fmt in ("fp8", "mxfp8"):
+            q, s = gctx.quantize(x, fmt)
+            qc, sc = cctx.quantize(xn, fmt)
+            assert q.dtype == torch.uint8 and tuple(q.shape) == (7, 384)
+            assert np.array_equal(q.cpu().numpy(), qc), fmt
+            assert np.array_equal(s.cpu().numpy(), sc), fmt
+            back = gctx.dequantize(q, s, fmt, dtype="bf16")
+            backc = cctx.dequantize(qc, sc, fmt, dtype="bf16")
+            assert np.array_equal(back.cpu().view(torch.int16).numpy().view(np.uint16), backc)
+
+
+@test
+def test_library_memory_views():
+    # moelink._arrays.view: an array over memory the library owns (what
+    # EP.dispatch returns), here over a tensor's own memory.
+    from moelink import _arrays
+    t = torch.arange(24, device=DEV, dtype=torch.float32).reshape(4, 6)
+    where = ("cpu", 0) if ON_CPU else ("cuda", 0)
+    for code, src in (("f32", t), ("bf16", t.to(torch.bfloat16)), ("i32", t.to(torch.int32)),
+                      ("u8", t.to(torch.uint8))):
+        v = _arrays.view(src.data_ptr(), (4, 6), code, where)
+        if ON_CPU:
+            v = torch.from_numpy(v.view(np.int16)).view(torch.bfloat16) if code == "bf16" \
+                else torch.from_numpy(v)
+        assert v.dtype == src.dtype and tuple(v.shape) == (4, 6), (code, v.dtype)
+        assert torch.equal(v.cpu(), src.cpu()), code
+
+
+@test
 def test_argument_errors():
     cfg = CASES[0]
     with moelink.Context(BACKEND) as ctx:
