@@ -167,11 +167,19 @@ typedef struct moelink_moe_config {
   moelink_dtype_t dtype;  /* activations and weights */
   int max_tokens;         /* workspace is sized for this many tokens per call;
                              larger calls are processed in chunks of it */
+  int fp8_experts;        /* 1: the routed experts' gate_up and down weights are
+                             FP8, DeepSeek-V3's format: e4m3 bytes with one fp32
+                             scale per 128 x 128 block (hidden and inter multiples
+                             of 128); each expert's inputs (the token row, then
+                             its SwiGLU output) are quantized per 128 elements on
+                             the fly (moelink_quantize's FP8) and the products
+                             summed in fp32. Router, shared expert, activations
+                             and outputs stay in dtype. 0: experts in dtype */
 } moelink_moe_config_t;
 
 #define MOELINK_MOE_CONFIG_INIT                                                \
   { sizeof(moelink_moe_config_t), 0, 0, 0, 0, MOELINK_ROUTER_SOFTMAX_TOPK, 1,  \
-    1, 1, 1.0f, 0, 0, 0, MOELINK_DTYPE_BF16, 1024 }
+    1, 1, 1.0f, 0, 0, 0, MOELINK_DTYPE_BF16, 1024, 0 }
 
 /* Number of named presets. */
 MOELINK_API int moelink_preset_count(void);
@@ -207,16 +215,19 @@ typedef struct moelink_moe_weights {
                                     must equal the layer's (DTYPE_MISMATCH) */
   const void *router;            /* [E, H] dtype */
   const float *correction_bias;  /* [E] fp32; required iff cfg.correction_bias */
-  const void *gate_up;           /* [E, 2*I, H] dtype */
-  const void *down;              /* [E, H, I] dtype */
+  const void *gate_up;           /* [E, 2*I, H] dtype (fp8_experts: e4m3 bytes) */
+  const void *down;              /* [E, H, I] dtype (fp8_experts: e4m3 bytes) */
   const void *shared_gate_up;    /* [2*Is, H] dtype; iff cfg.shared_inter > 0 */
   const void *shared_down;       /* [H, Is] dtype; iff cfg.shared_inter > 0 */
   const void *shared_gate;       /* [H] dtype; iff cfg.shared_gate */
+  const float *gate_up_scale;    /* [E, 2*I/128, H/128] fp32; iff cfg.fp8_experts:
+                                    weight [n, k] = e4m3 value * scale[n/128][k/128] */
+  const float *down_scale;       /* [E, H/128, I/128] fp32; iff cfg.fp8_experts */
 } moelink_moe_weights_t;
 
 #define MOELINK_MOE_WEIGHTS_INIT                                               \
   { sizeof(moelink_moe_weights_t), MOELINK_DTYPE_BF16, NULL, NULL, NULL, NULL, NULL, NULL, \
-    NULL }
+    NULL, NULL, NULL }
 
 /* Bytes of workspace a layer with this config allocates at create (host for
  * CPU, device for CUDA). Grows with max_tokens * top_k * (H + I). */
@@ -621,7 +632,9 @@ MOELINK_API moelink_status_t moelink_ep_get_config(moelink_ep_t ep, moelink_ep_c
  *   every rank;
  *   gate_up [El, 2*I, H] and down [El, H, I]: experts first_expert ..
  *   first_expert + El - 1 only (the slices at offsets first_expert*2*I*H and
- *   first_expert*H*I of the full tensors).
+ *   first_expert*H*I of the full tensors), and with moe.fp8_experts their
+ *   scales likewise (gate_up_scale [El, 2*I/128, H/128], down_scale
+ *   [El, H/128, I/128]).
  * A pointer is required exactly when the config uses it. Errors:
  * INVALID_ARGUMENT (NULL, bad size field, a pointer missing or one the config
  * does not use), DTYPE_MISMATCH (w->dtype is not moe.dtype). Not collective. */

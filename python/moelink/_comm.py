@@ -465,23 +465,28 @@ class EP(_OnComm):
         return n.value
 
     def set_weights(self, router, gate_up, down, correction_bias=None, shared_gate_up=None,
-                    shared_down=None, shared_gate=None):
+                    shared_down=None, shared_gate=None, gate_up_scale=None, down_scale=None):
         """Binds this rank's weights without copying (not collective). router
         [E, H], correction_bias [E] float32 and the shared expert's arrays are
         the whole layer's; gate_up [El, 2I, H] and down [El, H, I] hold only
         this rank's experts (full[first_expert:first_expert + El], made
-        contiguous)."""
+        contiguous), and with fp8_experts their scales likewise
+        (gate_up_scale [El, 2I/128, H/128], down_scale [El, H/128, I/128])."""
         self._alive()
         H, I, E, Is, El = (self.hidden, self.inter, self.num_experts, self.shared_inter,
                            self.local_experts)
         shapes = {
             "router": (E, H), "gate_up": (El, 2 * I, H), "down": (El, H, I),
             "shared_gate_up": (2 * Is, H), "shared_down": (H, Is), "shared_gate": (H,),
+            "gate_up_scale": (El, 2 * I // 128, H // 128),
+            "down_scale": (El, H // 128, I // 128),
         }
         given = {"router": router, "gate_up": gate_up, "down": down,
                  "shared_gate_up": shared_gate_up, "shared_down": shared_down,
-                 "shared_gate": shared_gate}
-        w, keep = weights_struct(self.ctx, shapes, given, correction_bias, E, self._cfg.moe.dtype)
+                 "shared_gate": shared_gate, "gate_up_scale": gate_up_scale,
+                 "down_scale": down_scale}
+        w, keep = weights_struct(self.ctx, shapes, given, correction_bias, E, self._cfg.moe.dtype,
+                                 bool(self._cfg.moe.fp8_experts))
         check(self._lib.moelink_ep_set_weights(self._h, ctypes.byref(w)))
         self._keep = keep
 

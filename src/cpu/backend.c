@@ -36,7 +36,8 @@ void ml_cpu_blocks_for(const moelink_moe_config_t *c, ml_cpu_blocks *b) {
     b->sgu_cols = ml_cols_for(ML_CPU_CONV_TARGET / 2, H, 8, Is);
     b->sdown_cols = ml_cols_for(ML_CPU_CONV_TARGET, Is, 16, H);
   }
-  if (c->dtype != MOELINK_DTYPE_F32) {
+  /* FP8 experts are dequantized into the same buffer, whatever the dtype. */
+  if (c->dtype != MOELINK_DTYPE_F32 || c->fp8_experts) {
     size_t conv = (size_t)b->router_rows * (size_t)H;
     conv = ml_max_sz(conv, 2 * (size_t)b->gu_cols * (size_t)H);
     conv = ml_max_sz(conv, (size_t)b->down_cols * (size_t)I);

@@ -2,10 +2,13 @@
  * detection of the CPU backend. F32 weights are used where they lie; bf16/f16
  * weights bound for BLAS (blocks of many token rows, or a CPU without the
  * small-M kernel's instructions) are converted one block of rows at a time
- * into a per-thread buffer that stays in cache while BLAS packs it. */
+ * into a per-thread buffer that stays in cache while BLAS packs it; FP8
+ * expert weights are dequantized into that buffer the same way. */
+#include "core/fp8.h"
 #include "cpu/cpu.h"
 
 #include <cblas.h>
+#include <math.h>
 
 /* Up to this many token rows the weights go in as BLAS's first operand and
  * the product comes out transposed: BLAS then holds the tokens in its
@@ -88,6 +91,42 @@ const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row
   ml_cpu_to_f32(dtype, (const char *)w + first * moelink_dtype_size(dtype), conv,
                 (size_t)rows * (size_t)cols);
   return conv;
+}
+
+const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t row0, int rows,
+                                    int cols, float *conv) {
+  /* 256 codes: decoding through a table keeps the per-element cost at one
+   * load and one multiply. */
+  float lut[256];
+  for (int b = 0; b < 256; ++b) lut[b] = ml_e4m3_to_f32((uint8_t)b);
+  const size_t nb = (size_t)cols / ML_FP8_BLOCK;
+  for (int r = 0; r < rows; ++r) {
+    const size_t n = row0 + (size_t)r;
+    const uint8_t *src = w + n * (size_t)cols;
+    const float *sr = scale + (n / ML_FP8_BLOCK) * nb;
+    float *dst = conv + (size_t)r * (size_t)cols;
+    for (size_t b = 0; b < nb; ++b) {
+      const float s = sr[b];
+      const size_t at = b * ML_FP8_BLOCK;
+      for (int i = 0; i < ML_FP8_BLOCK; ++i) dst[at + i] = lut[src[at + i]] * s;
+    }
+  }
+  return conv;
+}
+
+void ml_cpu_fp8_qdq_f32(float *x, size_t n) {
+  for (size_t at = 0; at + ML_FP8_BLOCK <= n; at += ML_FP8_BLOCK) {
+    float *v = x + at;
+    /* amax as quant.c takes it (NaNs ignored), so the bits match
+     * ml_cpu_qdq_rows on fp32 rows. */
+    float amax = 0.0f;
+    for (int i = 0; i < ML_FP8_BLOCK; ++i) {
+      const float a = fabsf(v[i]);
+      if (a > amax) amax = a;
+    }
+    const float s = ml_fp8_block_scale(amax);
+    for (int i = 0; i < ML_FP8_BLOCK; ++i) v[i] = ml_e4m3_to_f32(ml_fp8_quant(v[i], s)) * s;
+  }
 }
 
 int ml_cpu_weights_first(int m) { return m <= ML_CPU_FEW_ROWS; }

@@ -142,6 +142,17 @@ void ml_cpu_to_f32(moelink_dtype_t dtype, const void *src, float *dst, size_t n)
 const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row0, int rows,
                                 int cols, float *conv);
 
+/* Rows [row0, row0 + rows) of an FP8 weight matrix [*, cols] (e4m3 bytes,
+ * cols a multiple of 128) as fp32 [rows, cols] in conv: each byte's value
+ * times its 128 x 128 block's scale; scale is [N / 128, cols / 128] fp32 for
+ * an N-row matrix. */
+const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t row0, int rows,
+                                    int cols, float *conv);
+/* x[0, n) = dequantize(quantize(x)) in MOELINK_QUANT_FP8 per 128 elements,
+ * in place, on the calling thread (n a multiple of 128): bitwise what
+ * ml_cpu_qdq_rows gives for fp32 rows. */
+void ml_cpu_fp8_qdq_f32(float *x, size_t n);
+
 /* Whether a GEMM with m token rows puts the weights first, making its
  * product come out transposed, [n, m]. */
 int ml_cpu_weights_first(int m);

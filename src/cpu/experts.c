@@ -4,7 +4,16 @@
  * BLAS call on the calling thread per chunk of token rows, or, for bf16/f16
  * experts with few rows, ml_cpu_gemm_small on the weights as they lie. Items
  * are handed out dynamically, heaviest experts first; their boundaries depend
- * only on the shapes, so the results do not depend on scheduling. */
+ * only on the shapes, so the results do not depend on scheduling.
+ *
+ * FP8 experts (cfg.fp8_experts): each weight block is dequantized into the
+ * conversion buffer (e4m3 value * its 128 x 128 block's scale) where a
+ * bf16/f16 block would be converted, and the GEMM inputs are replaced by
+ * dequantize(quantize(row)) per 128 elements: the gathered token rows right
+ * after the gather, each SwiGLU row once all its gate/up items are done (an
+ * item covers only some columns of I, a block of 128 may span two). The
+ * small-M kernel reads bf16/f16 only, so it is never taken then. */
+#include "core/fp8.h"
 #include "cpu/cpu.h"
 
 #include <math.h>
@@ -134,6 +143,9 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
   const ml_cpu_blocks *b = &ws->blk;
   const moelink_dtype_t dt = c->dtype;
   const size_t es = moelink_dtype_size(dt), xes = moelink_dtype_size(job->x_dtype);
+  const int fp8 = c->fp8_experts;
+  const size_t wes = fp8 ? 1 : es; /* bytes per routed expert weight */
+  const float *gu_scale = moe->w.gate_up_scale, *dn_scale = moe->w.down_scale;
   const int H = c->hidden, inter = c->inter, E = c->num_experts, k = c->top_k;
   const int T = job->num_tokens;
   const moelink_plan_t *plan = job->plan;
@@ -162,6 +174,7 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int t = pairs[r] / k;
       ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes,
                     xg + (size_t)r * H, (size_t)H);
+      if (fp8) ml_cpu_fp8_qdq_f32(xg + (size_t)r * H, (size_t)H);
     }
     if (shared && c->shared_gate) {
 #pragma omp for schedule(static)
@@ -178,19 +191,32 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int i = it - s_gu, e = ml_order_expert(ws->order, i / gu_blk);
       const int c0 = (i % gu_blk) * b->gu_cols;
       const int nc = inter - c0 < b->gu_cols ? inter - c0 : b->gu_cols;
-      const char *we = gate_up + (size_t)e * 2 * inter * H * es;
+      const char *we = gate_up + (size_t)e * 2 * inter * H * wes;
       const int m = off[e + 1] - off[e];
       const float *a = xg + (size_t)off[e] * H;
       float *h = hbuf + (size_t)off[e] * inter + c0;
-      if (ml_cpu_use_small(dt, m)) {
+      if (!fp8 && ml_cpu_use_small(dt, m)) {
         ml_swiglu_small(a, H, m, H, dt, we + (size_t)c0 * H * es,
                         we + ((size_t)inter + c0) * H * es, nc, h, inter, tmp);
         continue;
       }
-      const float *wg = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, H, conv);
-      const float *wu =
-          ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
+      const float *wg, *wu;
+      if (fp8) {
+        const float *se = gu_scale + (size_t)e * (size_t)(2 * inter / ML_FP8_BLOCK) *
+                                         (size_t)(H / ML_FP8_BLOCK);
+        wg = ml_cpu_fp8_weight_rows((const uint8_t *)we, se, (size_t)c0, nc, H, conv);
+        wu = ml_cpu_fp8_weight_rows((const uint8_t *)we, se, (size_t)inter + c0, nc, H,
+                                    conv + (size_t)nc * H);
+      } else {
+        wg = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, H, conv);
+        wu = ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
+      }
       ml_cpu_swiglu_block(a, H, m, H, wg, wu, nc, h, inter, b->row_chunk, tmp);
+    }
+
+    if (fp8) {
+#pragma omp for schedule(static)
+      for (int r = 0; r < R; ++r) ml_cpu_fp8_qdq_f32(hbuf + (size_t)r * inter, (size_t)inter);
     }
 
 #pragma omp for schedule(dynamic, 1)
@@ -202,14 +228,19 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int i = it - s_dn, e = ml_order_expert(ws->order, i / dn_blk);
       const int c0 = (i % dn_blk) * b->down_cols;
       const int nc = H - c0 < b->down_cols ? H - c0 : b->down_cols;
-      const char *we = down + (size_t)e * H * inter * es;
+      const char *we = down + (size_t)e * H * inter * wes;
       const int r0 = off[e], m = off[e + 1] - off[e];
-      if (ml_cpu_use_small(dt, m)) {
+      if (!fp8 && ml_cpu_use_small(dt, m)) {
         ml_down_small(hbuf + (size_t)r0 * inter, inter, m, inter, dt,
                       we + (size_t)c0 * inter * es, nc, y32 + (size_t)r0 * H + c0, H,
                       job->weights, pairs + r0);
       } else {
-        const float *wd = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, inter, conv);
+        const float *wd =
+            fp8 ? ml_cpu_fp8_weight_rows((const uint8_t *)we,
+                                         dn_scale + (size_t)e * (size_t)(H / ML_FP8_BLOCK) *
+                                                        (size_t)(inter / ML_FP8_BLOCK),
+                                         (size_t)c0, nc, inter, conv)
+                : ml_cpu_weight_rows(dt, we, (size_t)c0, nc, inter, conv);
         ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc,
                           y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0, b->row_chunk,
                           tmp);

@@ -146,6 +146,9 @@ static moelink_status_t ml_cu_check_config(const ml_cu_ctx *c, const moelink_moe
   if (cfg->dtype != MOELINK_DTYPE_BF16 && cfg->dtype != MOELINK_DTYPE_F16)
     return ml_fail(no, "dtype %s is not supported by the CUDA backend (bf16 or f16)",
                    moelink_dtype_name(cfg->dtype));
+  if (cfg->fp8_experts)
+    return ml_fail(no, "fp8_experts: the CUDA backend has no FP8 expert GEMM yet (the CPU "
+                       "backend computes the layer)");
   if (cfg->num_experts > ML_CUDA_MAX_EXPERTS)
     return ml_fail(no, "num_experts %d > %d, the CUDA backend's limit", cfg->num_experts,
                    ML_CUDA_MAX_EXPERTS);

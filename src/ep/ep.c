@@ -24,6 +24,7 @@ moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nran
   l.top_k = c->top_k < El ? c->top_k : El;
   l.dtype = c->dtype;
   l.max_tokens = max_rows;
+  l.fp8_experts = c->fp8_experts;
   return l;
 }
 
@@ -34,6 +35,8 @@ moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink
   lw.router = ep->w.router; /* the local layer never routes: rows arrive routed */
   lw.gate_up = ep->w.gate_up;
   lw.down = ep->w.down;
+  lw.gate_up_scale = ep->w.gate_up_scale;
+  lw.down_scale = ep->w.down_scale;
   return moelink_moe_set_weights(local, &lw);
 }
 

@@ -104,6 +104,13 @@ moelink_status_t moelink_moe_config_check(const moelink_moe_config_t *c) {
       c->dtype != MOELINK_DTYPE_F16)
     return ml_fail(bad, "dtype %d is not a moelink_dtype_t", (int)c->dtype);
   if (c->max_tokens <= 0) return ml_fail(bad, "max_tokens %d must be > 0", c->max_tokens);
+  if (c->fp8_experts != 0 && c->fp8_experts != 1)
+    return ml_fail(bad, "fp8_experts %d must be 0 or 1", c->fp8_experts);
+  if (c->fp8_experts && (c->hidden % 128 != 0 || c->inter % 128 != 0))
+    return ml_fail(bad,
+                   "fp8_experts needs hidden (%d) and inter (%d) to be multiples of 128 "
+                   "(one weight scale per 128 x 128 block)",
+                   c->hidden, c->inter);
   /* Indices into [T*k] and [T*k, max(H, I)] arrays are int32 in plans. */
   if ((int64_t)c->max_tokens * c->top_k > INT32_MAX / 4)
     return ml_fail(bad, "max_tokens %d * top_k %d is too large", c->max_tokens, c->top_k);

@@ -87,6 +87,11 @@ moelink_status_t moelink_moe_set_weights(moelink_moe_t moe, const moelink_moe_we
     return ml_fail(ML_BAD, "weights.shared_gate is NULL but config.shared_gate is 1");
   if (!c->shared_gate && w->shared_gate)
     return ml_fail(ML_BAD, "weights.shared_gate given but config.shared_gate is 0");
+  if (c->fp8_experts && (!w->gate_up_scale || !w->down_scale))
+    return ml_fail(ML_BAD, "weights.%s is NULL but config.fp8_experts is 1",
+                   !w->gate_up_scale ? "gate_up_scale" : "down_scale");
+  if (!c->fp8_experts && (w->gate_up_scale || w->down_scale))
+    return ml_fail(ML_BAD, "weight scales given but config.fp8_experts is 0");
   moe->w = *w;
   moe->has_weights = 1;
   return MOELINK_SUCCESS;

@@ -243,8 +243,8 @@ def test_struct_sizes():
     if C(ctypes.c_void_p) == 8 and C(ctypes.c_size_t) == 8:
         # LP64: what gcc lays out for the header's structs
         assert C(moelink.ContextConfig) == 24, C(moelink.ContextConfig)
-        assert C(moelink.MoeConfig) == 64, C(moelink.MoeConfig)
-        assert C(moelink.MoeWeights) == 72, C(moelink.MoeWeights)
+        assert C(moelink.MoeConfig) == 72, C(moelink.MoeConfig)
+        assert C(moelink.MoeWeights) == 88, C(moelink.MoeWeights)
         assert C(moelink.PlanStruct) == 64, C(moelink.PlanStruct)
     lib = moelink.load()
     # The library checks the size field of each config struct against its own sizeof.
@@ -302,7 +302,7 @@ def test_config_field_order():
     assert d == dict(hidden=7168, inter=2048, num_experts=256, top_k=8, router="sigmoid",
                      renormalize=True, n_group=8, topk_group=4, routed_scaling=2.5,
                      correction_bias=True, shared_inter=2048, shared_gate=False, dtype="bf16",
-                     max_tokens=1024), d
+                     max_tokens=1024, fp8_experts=False), d
     q = moelink.preset_config("qwen2-57b-a14b")
     assert (q["hidden"], q["inter"], q["num_experts"], q["top_k"], q["renormalize"],
             q["shared_inter"], q["shared_gate"]) == (3584, 2560, 64, 8, False, 20480, True), q
@@ -311,7 +311,7 @@ def test_config_field_order():
                   n_group=4, topk_group=2, routed_scaling=1.5, correction_bias=True,
                   shared_inter=16, shared_gate=True)
         moe = moelink.MoE(ctx, dtype="f16", max_tokens=77, **kw)
-        want = dict(kw, dtype="f16", max_tokens=77)
+        want = dict(kw, dtype="f16", max_tokens=77, fp8_experts=False)
         want["num_experts"] = want.pop("experts")
         assert moe.config == want, moe.config
         assert moe.flops(10) > 0
@@ -690,6 +690,58 @@ def test_torch_cpu_tensors():
         ok = margin > TIE_EPS
         assert rel_l2(out.double().numpy()[ok], ref[ok]) <= 1e-2
 
+
+def e4m3_blocks(w):
+    """w [E, N, K] float64 (N, K multiples of 128) as e4m3 bytes and fp32
+    scales per 128 x 128 block, written here from the format: s = amax / 448,
+    each value the nearest e4m3 (ties to the even code) of w / s."""
+    mags = np.array([m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+                     for e in range(16) for m in range(8)])[:0x7f]  # codes 0x00..0x7e
+    E, N, K = w.shape
+    blocks = w.reshape(E, N // 128, 128, K // 128, 128)
+    amax = np.abs(blocks).max(axis=(2, 4)).astype(np.float32)
+    s = (amax / np.float32(448.0)).astype(np.float32)
+    v = (blocks.astype(np.float32) / s[:, :, None, :, None]).astype(np.float64)
+    a = np.minimum(np.abs(v), 448.0)
+    hi = np.clip(np.searchsorted(mags, a), 1, len(mags) - 1)
+    lo = hi - 1
+    dlo, dhi = a - mags[lo], mags[hi] - a
+    code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
+    q = (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
+    deq = np.where(np.signbit(v), -mags[code], mags[code]) * s[:, :, None, :, None]
+    return (np.ascontiguousarray(q.reshape(E, N, K)), np.ascontiguousarray(s),
+            deq.reshape(E, N, K))
+
+
+@test
+def test_fp8_experts():
+    # FP8 expert weights on the CPU: against the same layer holding the
+    # dequantized weights in f32, the only difference left is the on-the-fly
+    # quantization of the experts' inputs (per 128 elements): small, not zero.
+    cfg = dict(hidden=256, inter=128, experts=4, top_k=2)
+    rng = np.random.default_rng(7)
+    c, _ = make_weights(cfg, "f32", rng)
+    gq, gs, gdq = e4m3_blocks(c["gate_up"].astype(np.float64))
+    dq, ds, ddq = e4m3_blocks(c["down"].astype(np.float64))
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    with moelink.Context("cpu") as ctx:
+        fp8 = moelink.MoE(ctx, dtype="f32", max_tokens=16, fp8_experts=True, **cfg)
+        assert fp8.fp8_experts and fp8.config["fp8_experts"]
+        fp8.set_weights(router=c["router"], gate_up=gq, down=dq, gate_up_scale=gs,
+                        down_scale=ds)
+        ref = moelink.MoE(ctx, dtype="f32", max_tokens=16, **cfg)
+        ref.set_weights(router=c["router"], gate_up=gdq.astype(np.float32),
+                        down=ddq.astype(np.float32))
+        a, b = fp8.forward(x).astype(np.float64), ref.forward(x).astype(np.float64)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert 0 < rel < 0.08, rel
+        assert np.array_equal(fp8.forward(x).view(np.uint32), a.astype(np.float32).view(np.uint32))
+        expect_raises(TypeError, fp8.set_weights, router=c["router"], gate_up=c["gate_up"],
+                      down=dq, gate_up_scale=gs, down_scale=ds)
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "gate_up_scale", fp8.set_weights,
+                             router=c["router"], gate_up=gq, down=dq, down_scale=ds)
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "multiples of 128", moelink.MoE, ctx,
+                             dtype="f32", fp8_experts=True, **dict(cfg, inter=96))
 
 def main(argv):
     pick = argv[1:]

@@ -357,6 +357,90 @@ static void ref_mlp(moelink_dtype_t dt, int H, int inter, const double *x, const
   free(act);
 }
 
+/* ---- FP8 experts --------------------------------------------------------- */
+
+#define REF_FP8_BLOCK 128
+
+/* fp32 -> e4m3fn byte: round to nearest even, saturating at +-448 (infinity
+ * too), NaN as 0x7f. Worked out on doubles with rint/frexp. */
+static uint8_t ref_e4m3_bits(float f) {
+  if (isnan(f)) return 0x7f;
+  const uint8_t sign = signbit(f) ? 0x80 : 0x00;
+  const double a = fabs((double)f);
+  /* Past 448 nearest-even would give 480, which e4m3fn lacks: saturate. */
+  if (a >= 448.0) return (uint8_t)(sign | 0x7e);
+  if (a < ldexp(1.0, -6)) {
+    /* Subnormals are multiples of 2^-9; 8 * 2^-9 is the smallest normal's
+     * code as it stands. */
+    return (uint8_t)(sign | (uint8_t)rint(a * 512.0));
+  }
+  int e2;
+  (void)frexp(a, &e2); /* a in [2^(e2-1), 2^e2) */
+  int unbiased = e2 - 1;
+  double m = rint(ldexp(a, 3 - unbiased)); /* in [8, 16] */
+  if (m >= 16.0) {
+    m = 8.0;
+    ++unbiased;
+  }
+  return (uint8_t)(sign | (uint8_t)((unbiased + 7) << 3) | (uint8_t)(m - 8.0));
+}
+
+/* v[0, n) = dequantize(quantize(v)) per 128 elements, by the definition: the
+ * values as fp32, s = amax / 448 in fp32, q = e4m3(x / s) with the division
+ * in fp32, result q * s (exact in double). amax 0: all zeros. */
+static void ref_fp8_qdq(double *v, int n) {
+  for (int b0 = 0; b0 < n; b0 += REF_FP8_BLOCK) {
+    float amax = 0.0f;
+    for (int i = b0; i < b0 + REF_FP8_BLOCK; ++i) {
+      const float a = fabsf((float)v[i]);
+      if (a > amax) amax = a;
+    }
+    const float s = amax / 448.0f;
+    for (int i = b0; i < b0 + REF_FP8_BLOCK; ++i)
+      v[i] = s > 0.0f ? ref_e4m3_value(ref_e4m3_bits((float)v[i] / s)) * (double)s : 0.0;
+  }
+}
+
+/* Row n of an FP8 matrix [rows, cols] as doubles: byte * scale[n/128][k/128]. */
+static void ref_fp8_row(const uint8_t *q, const float *scale, int cols, int n, double *dst) {
+  const int nb = cols / REF_FP8_BLOCK;
+  for (int k = 0; k < cols; ++k)
+    dst[k] = ref_e4m3_value(q[(size_t)n * (size_t)cols + (size_t)k]) *
+             (double)scale[(size_t)(n / REF_FP8_BLOCK) * (size_t)nb + (size_t)(k / REF_FP8_BLOCK)];
+}
+
+/* One routed expert with FP8 weights: x and the SwiGLU output quantized per
+ * 128 before their products. */
+static void ref_mlp_fp8(int H, int inter, const double *x_in, const uint8_t *gate_up,
+                        const float *gu_scale, const uint8_t *down, const float *dn_scale,
+                        double *out) {
+  double *x = malloc(sizeof(double) * (size_t)H);
+  double *row = malloc(sizeof(double) * (size_t)(H > inter ? H : inter));
+  double *act = malloc(sizeof(double) * (size_t)inter);
+  if (!x || !row || !act) {
+    for (int h = 0; h < H; ++h) out[h] = NAN;
+    goto done;
+  }
+  memcpy(x, x_in, sizeof(double) * (size_t)H);
+  ref_fp8_qdq(x, H);
+  for (int i = 0; i < inter; ++i) {
+    ref_fp8_row(gate_up, gu_scale, H, i, row);
+    double g = ref_dot(x, row, (size_t)H);
+    ref_fp8_row(gate_up, gu_scale, H, inter + i, row);
+    double u = ref_dot(x, row, (size_t)H);
+    act[i] = ref_silu(g) * u;
+  }
+  ref_fp8_qdq(act, inter);
+  for (int h = 0; h < H; ++h) {
+    ref_fp8_row(down, dn_scale, inter, h, row);
+    out[h] = ref_dot(act, row, (size_t)inter);
+  }
+done:
+  free(x);
+  free(row);
+  free(act);
+}
+
 void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w, int e,
                       const void *x_row, double *out) {
   const int H = cfg->hidden, I = cfg->inter;
@@ -366,10 +450,20 @@ void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
     return;
   }
   ref_load_row(cfg->dtype, x_row, 0, (size_t)H, x);
-  ref_mlp(cfg->dtype, H, I, x, w->gate_up, (size_t)e * 2 * (size_t)I * (size_t)H, w->down,
-          (size_t)e * (size_t)H * (size_t)I, out);
+  if (cfg->fp8_experts) {
+    const size_t gu_blocks = (size_t)(2 * I / REF_FP8_BLOCK) * (size_t)(H / REF_FP8_BLOCK);
+    ref_mlp_fp8(H, I, x, (const uint8_t *)w->gate_up + (size_t)e * 2 * (size_t)I * (size_t)H,
+                w->gate_up_scale + (size_t)e * gu_blocks,
+                (const uint8_t *)w->down + (size_t)e * (size_t)H * (size_t)I,
+                w->down_scale + (size_t)e * (gu_blocks / 2), out);
+  } else {
+    ref_mlp(cfg->dtype, H, I, x, w->gate_up, (size_t)e * 2 * (size_t)I * (size_t)H, w->down,
+            (size_t)e * (size_t)H * (size_t)I, out);
+  }
   free(x);
 }
+
+uint8_t ref_e4m3_encode(float f) { return ref_e4m3_bits(f); }
 
 void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
                       const void *x_row, double *out) {

@@ -22,7 +22,12 @@ double ref_load(moelink_dtype_t dtype, const void *p, size_t i);
 int ref_route_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
                     const void *x_row, int32_t *ids, double *weights);
 
-/* One routed expert e on one token: out[H] = down_e(silu(gate_e x) * up_e x). */
+/* One routed expert e on one token: out[H] = down_e(silu(gate_e x) * up_e x).
+ * With cfg->fp8_experts, w->gate_up / w->down hold e4m3 bytes and
+ * w->gate_up_scale / w->down_scale one fp32 scale per 128 x 128 block
+ * (weight = byte value * scale), and x and the SwiGLU output are replaced by
+ * dequantize(quantize(.)) per 128 elements (s = amax / 448 in fp32, e4m3 of
+ * x / s rounded to nearest even, saturating) before their products. */
 void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w, int e,
                       const void *x_row, double *out);
 
@@ -34,6 +39,10 @@ void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
 /* The whole layer on one token: out[H]. Returns 0 or -1 like ref_route_token. */
 int ref_forward_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
                       const void *x_row, double *out);
+
+/* fp32 -> e4m3fn byte (round to nearest even, saturating at +-448, NaN as
+ * 0x7f): the reference's own encoder, for tests that quantize weights. */
+uint8_t ref_e4m3_encode(float f);
 
 /* Relative L2 error ||got - ref|| / ||ref|| over n elements (got in dtype);
  * NaN or Inf in got gives +Inf. ref all zeros: returns ||got||. */
