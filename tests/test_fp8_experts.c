@@ -53,23 +53,10 @@ typedef struct {
   float *gu_s, *dn_s;
 } fp8_w;
 
-/* Quantizes one expert's [rows, cols] fp32 matrix per 128 x 128 block. */
+/* Quantizes one expert's [rows, cols] fp32 matrix per 128 x 128 block (the
+ * reference's quantizer). */
 static void quantize_matrix(const float *w, int rows, int cols, uint8_t *q, float *sc) {
-  const int nb = cols / BLK;
-  for (int br = 0; br < rows / BLK; ++br)
-    for (int bc = 0; bc < nb; ++bc) {
-      float amax = 0.0f;
-      for (int r = br * BLK; r < (br + 1) * BLK; ++r)
-        for (int c = bc * BLK; c < (bc + 1) * BLK; ++c) {
-          const float a = fabsf(w[(size_t)r * cols + c]);
-          if (a > amax) amax = a;
-        }
-      const float s = amax / 448.0f;
-      sc[(size_t)br * nb + bc] = s;
-      for (int r = br * BLK; r < (br + 1) * BLK; ++r)
-        for (int c = bc * BLK; c < (bc + 1) * BLK; ++c)
-          q[(size_t)r * cols + c] = s > 0.0f ? ref_e4m3_encode(w[(size_t)r * cols + c] / s) : 0;
-    }
+  ref_fp8_quantize(MOELINK_DTYPE_F32, w, rows, cols, q, sc);
 }
 
 /* Draws [rows, cols] uniform in [-scale, scale), each 128 x 128 block times a

@@ -162,6 +162,7 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   const char *cmd = bench ? "bench" : "run";
   cli_shape sh = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1.0};
   moelink_dtype_t dtype = MOELINK_DTYPE_BF16;
+  int fp8_experts = 0;
   moelink_moe_config_t init = MOELINK_MOE_CONFIG_INIT;
 
   memset(o, 0, sizeof *o);
@@ -197,6 +198,11 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
 
 #define IS(s) (strcmp(name, (s)) == 0)
     /* Options that take no value. */
+    if (IS("--fp8-experts")) {
+      if (val) cli_usage_error("%s: takes no value, got '%s'", name, val);
+      fp8_experts = 1;
+      continue;
+    }
     if (IS("--no-renorm") || IS("--bias") || IS("--shared-gate") ||
         (!bench && (IS("--verify") || IS("--no-verify"))) || (bench && IS("--graph"))) {
       if (val) cli_usage_error("%s: takes no value, got '%s'", name, val);
@@ -289,6 +295,10 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   }
   if (sh.shared_gate >= 0) c->shared_gate = sh.shared_gate;
   c->dtype = dtype;
+  c->fp8_experts = fp8_experts;
+  if (fp8_experts && o->backend == MOELINK_BACKEND_CUDA)
+    cli_usage_error("--fp8-experts: the cuda backend has no FP8 expert GEMM yet (use "
+                    "--backend cpu)");
 
   if (bench) {
     if (o->ntokens == 0) {
@@ -350,10 +360,11 @@ void cli_print_config(const cli_opts *o, int tokens) {
          o->backend == MOELINK_BACKEND_CPU ? threads : "",
          o->backend == MOELINK_BACKEND_CPU ? ")" : "");
   if (tokens > 0)
-    printf("data       %s  tokens %d  max_tokens %d  seed %llu  skew %s\n",
-           moelink_dtype_name(c->dtype), tokens, c->max_tokens, (unsigned long long)o->seed,
-           skew);
-  else
-    printf("data       %s  max_tokens %d  seed %llu  skew %s\n", moelink_dtype_name(c->dtype),
+    printf("data       %s%s  tokens %d  max_tokens %d  seed %llu  skew %s\n",
+           moelink_dtype_name(c->dtype), c->fp8_experts ? " (experts fp8)" : "", tokens,
            c->max_tokens, (unsigned long long)o->seed, skew);
+  else
+    printf("data       %s%s  max_tokens %d  seed %llu  skew %s\n", moelink_dtype_name(c->dtype),
+           c->fp8_experts ? " (experts fp8)" : "", c->max_tokens, (unsigned long long)o->seed,
+           skew);
 }

@@ -39,6 +39,7 @@ static size_t cli_tensor_elems(const moelink_moe_config_t *c, int t) {
 }
 
 static size_t cli_tensor_esize(const moelink_moe_config_t *c, int t) {
+  if (c->fp8_experts && (t == REF_T_GATE_UP || t == REF_T_DOWN)) return 1; /* + scales */
   return t == REF_T_BIAS ? sizeof(float) : moelink_dtype_size(c->dtype);
 }
 

@@ -34,6 +34,8 @@ static const char cli_shape_text[] =
     "data:\n"
     "  --backend cpu|cuda     (default cpu)\n"
     "  --dtype f32|bf16|f16   (default bf16)\n"
+    "  --fp8-experts          routed experts' weights in FP8 (e4m3, a scale per 128x128\n"
+    "                         block; their inputs quantized per 128 on the fly); cpu only\n"
     "  --seed S               weights and inputs generator seed (default 1)\n"
     "  --skew uniform|zipf:A  routing skew: expert e's logit gets log((e+1)^-A)\n"
     "  --max-tokens N         layer workspace size in tokens (default: the largest T)\n"

@@ -59,6 +59,8 @@ void ref_layer_free(ref_layer *L) {
   free(L->shared_down);
   free(L->shared_gate);
   free(L->bias);
+  free(L->gate_up_scale);
+  free(L->down_scale);
   memset(L, 0, sizeof *L);
 }
 
@@ -131,6 +133,29 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   if (bad) goto fail;
 
   ref_apply_skew(cfg, L->router, zipf_alpha);
+  /* FP8 experts: the generated values become e4m3 bytes and block scales. */
+  if (cfg->fp8_experts && (cfg->hidden % 128 || cfg->inter % 128)) goto fail;
+  if (cfg->fp8_experts) {
+    void **mats[2] = {&L->gate_up, &L->down};
+    float **scales[2] = {&L->gate_up_scale, &L->down_scale};
+    const int rows[2] = {2 * (int)I, (int)H}, cols[2] = {(int)H, (int)I};
+    for (int m = 0; m < 2; ++m) {
+      const size_t per = (size_t)rows[m] * (size_t)cols[m], nsc = per / (128 * 128);
+      uint8_t *q = malloc(per * E);
+      float *sc = malloc(sizeof(float) * nsc * E);
+      if (!q || !sc) {
+        free(q);
+        free(sc);
+        goto fail;
+      }
+      for (size_t e = 0; e < E; ++e)
+        ref_fp8_quantize(dt, (const char *)*mats[m] + e * per * es, rows[m], cols[m],
+                         q + e * per, sc + e * nsc);
+      free(*mats[m]);
+      *mats[m] = q;
+      *scales[m] = sc;
+    }
+  }
 
   moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
   w.dtype = dt;
@@ -141,6 +166,8 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   w.shared_gate_up = L->shared_gate_up;
   w.shared_down = L->shared_down;
   w.shared_gate = L->shared_gate;
+  w.gate_up_scale = L->gate_up_scale;
+  w.down_scale = L->down_scale;
   L->w = w;
   return 0;
 

@@ -465,6 +465,27 @@ void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
 
 uint8_t ref_e4m3_encode(float f) { return ref_e4m3_bits(f); }
 
+void ref_fp8_quantize(moelink_dtype_t dtype, const void *w, int rows, int cols, uint8_t *q,
+                      float *sc) {
+  const int nb = cols / 128;
+  for (int br = 0; br < rows / 128; ++br)
+    for (int bc = 0; bc < nb; ++bc) {
+      float amax = 0.0f;
+      for (int r = br * 128; r < (br + 1) * 128; ++r)
+        for (int c = bc * 128; c < (bc + 1) * 128; ++c) {
+          const float a = fabsf((float)ref_load(dtype, w, (size_t)r * cols + c));
+          if (a > amax) amax = a;
+        }
+      const float s = amax / 448.0f;
+      sc[(size_t)br * nb + bc] = s;
+      for (int r = br * 128; r < (br + 1) * 128; ++r)
+        for (int c = bc * 128; c < (bc + 1) * 128; ++c) {
+          const size_t i = (size_t)r * cols + c;
+          q[i] = s > 0.0f ? ref_e4m3_bits((float)ref_load(dtype, w, i) / s) : 0;
+        }
+    }
+}
+
 void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
                       const void *x_row, double *out) {
   const int H = cfg->hidden, Is = cfg->shared_inter;

@@ -43,6 +43,11 @@ int ref_forward_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
 /* fp32 -> e4m3fn byte (round to nearest even, saturating at +-448, NaN as
  * 0x7f): the reference's own encoder, for tests that quantize weights. */
 uint8_t ref_e4m3_encode(float f);
+/* One [rows, cols] matrix of dtype (rows, cols multiples of 128) as e4m3
+ * bytes q [rows, cols] and fp32 scales sc [rows/128, cols/128], per 128 x 128
+ * block: s = amax / 448 (fp32), q = e4m3(w / s) (0 where s is 0). */
+void ref_fp8_quantize(moelink_dtype_t dtype, const void *w, int rows, int cols, uint8_t *q,
+                      float *sc);
 
 /* Relative L2 error ||got - ref|| / ||ref|| over n elements (got in dtype);
  * NaN or Inf in got gives +Inf. ref all zeros: returns ||got||. */
@@ -77,6 +82,7 @@ typedef struct ref_layer {
   moelink_moe_weights_t w;   /* points into the buffers below */
   void *router, *gate_up, *down, *shared_gate_up, *shared_down, *shared_gate;
   float *bias;
+  float *gate_up_scale, *down_scale; /* cfg.fp8_experts: gate_up/down hold e4m3 bytes */
   uint64_t seed;
   double zipf_alpha;
 } ref_layer;
