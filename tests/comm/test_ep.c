@@ -184,10 +184,15 @@ static void make_exact(ref_layer *L) {
 /* Binds this rank's slice of L's experts. */
 static moelink_moe_weights_t local_weights(const ref_layer *L, int first) {
   const moelink_moe_config_t *c = &L->cfg;
-  const size_t es = moelink_dtype_size(c->dtype), H = (size_t)c->hidden, I = (size_t)c->inter;
+  const size_t es = c->fp8_experts ? 1 : moelink_dtype_size(c->dtype);
+  const size_t H = (size_t)c->hidden, I = (size_t)c->inter;
   moelink_moe_weights_t w = L->w;
   w.gate_up = (const char *)L->gate_up + (size_t)first * 2 * I * H * es;
   w.down = (const char *)L->down + (size_t)first * H * I * es;
+  if (c->fp8_experts) { /* e4m3 bytes, one scale per 128 x 128 block */
+    w.gate_up_scale = L->gate_up_scale + (size_t)first * (2 * I / 128) * (H / 128);
+    w.down_scale = L->down_scale + (size_t)first * (H / 128) * (I / 128);
+  }
   return w;
 }
 
@@ -353,6 +358,18 @@ static void test_layers(void) {
     }
     for (int i = 0; i < nc; ++i) run_case(&cases[i]);
   }
+  /* FP8 expert weights (bytes and scales sliced per rank), DeepSeek-like with
+   * a shared expert, through steps and rounds. bf16 only: the single-rank
+   * layer's GEMMs see other batches, and a last-bit difference in a SwiGLU
+   * output can move its FP8 rounding by one step, which f32's 1e-5 bound
+   * would not allow. */
+  moelink_moe_config_t f8 = base_config("deepseek-v3", MOELINK_DTYPE_BF16, 24, 6, 16);
+  f8.hidden = 256;
+  f8.inter = 128;
+  f8.fp8_experts = 1;
+  f8.max_tokens = 9;
+  ep_case fc = {"fp8 experts deepseek (steps, rounds)", f8, 7, 0, 19, 2, 97, 0};
+  run_case(&fc);
 }
 
 /* Every token of every rank to rank 0's experts, through a receive buffer of
