@@ -28,19 +28,20 @@ static int cli_parse_long(const char *s, long long lo, long long hi, long long *
 }
 
 /* A number that parses but does not fit is named as such, not as garbage. */
-static int cli_int_in(const char *opt, const char *s, long long lo, const char *what) {
+int cli_int_arg(const char *opt, const char *s, long long lo) {
   long long v;
   if (cli_parse_long(s, lo, INT_MAX, &v) == 0) return (int)v;
   if (cli_parse_long(s, lo, LLONG_MAX, &v) == 0)
     cli_usage_error("%s: %s is out of range (at most %d)", opt, s, INT_MAX);
-  cli_usage_error("%s: expected a %s integer, got '%s'", opt, what, s);
+  if (lo == 0 || lo == 1)
+    cli_usage_error("%s: expected a %s integer, got '%s'", opt, lo ? "positive" : "non-negative",
+                    s ? s : "");
+  cli_usage_error("%s: expected an integer >= %lld, got '%s'", opt, lo, s ? s : "");
 }
 
-static int cli_pos_int(const char *opt, const char *s) { return cli_int_in(opt, s, 1, "positive"); }
+static int cli_pos_int(const char *opt, const char *s) { return cli_int_arg(opt, s, 1); }
 
-static int cli_nonneg_int(const char *opt, const char *s) {
-  return cli_int_in(opt, s, 0, "non-negative");
-}
+static int cli_nonneg_int(const char *opt, const char *s) { return cli_int_arg(opt, s, 0); }
 
 static double cli_pos_double(const char *opt, const char *s) {
   char *end = NULL;
@@ -60,9 +61,9 @@ static uint64_t cli_u64(const char *opt, const char *s) {
   return (uint64_t)v;
 }
 
-static void cli_token_list(const char *opt, const char *s, cli_opts *o) {
+int cli_int_list(const char *opt, const char *s, int *out, int max) {
   const char *p = s;
-  o->ntokens = 0;
+  int n = 0;
   if (!*p) cli_usage_error("%s: expected a comma-separated list of positive integers, got ''", opt);
   while (*p) {
     char item[32];
@@ -76,9 +77,8 @@ static void cli_token_list(const char *opt, const char *s, cli_opts *o) {
     if (cli_parse_long(item, 1, INT_MAX, &v))
       cli_usage_error("%s: expected a comma-separated list of positive integers, got '%s' in '%s'",
                       opt, item, s);
-    if (o->ntokens == CLI_MAX_TOKEN_LIST)
-      cli_usage_error("%s: at most %d values", opt, CLI_MAX_TOKEN_LIST);
-    o->token_list[o->ntokens++] = (int)v;
+    if (n == max) cli_usage_error("%s: at most %d values", opt, max);
+    out[n++] = (int)v;
     p += len;
     if (*p == ',') {
       ++p;
@@ -87,6 +87,7 @@ static void cli_token_list(const char *opt, const char *s, cli_opts *o) {
                         opt, s);
     }
   }
+  return n;
 }
 
 static double cli_skew(const char *opt, const char *s) {
@@ -123,14 +124,14 @@ static moelink_router_t cli_router(const char *opt, const char *s) {
   cli_usage_error("%s: expected softmax, sigmoid or topk-softmax, got '%s'", opt, s);
 }
 
-static moelink_dtype_t cli_dtype(const char *opt, const char *s) {
+moelink_dtype_t cli_dtype(const char *opt, const char *s) {
   if (strcmp(s, "f32") == 0) return MOELINK_DTYPE_F32;
   if (strcmp(s, "bf16") == 0) return MOELINK_DTYPE_BF16;
   if (strcmp(s, "f16") == 0) return MOELINK_DTYPE_F16;
   cli_usage_error("%s: expected f32, bf16 or f16, got '%s'", opt, s);
 }
 
-static moelink_backend_t cli_backend(const char *opt, const char *s) {
+moelink_backend_t cli_backend(const char *opt, const char *s) {
   if (strcmp(s, "cpu") == 0) return MOELINK_BACKEND_CPU;
   if (strcmp(s, "cuda") == 0) return MOELINK_BACKEND_CUDA;
   cli_usage_error("%s: expected cpu or cuda, got '%s'", opt, s);
@@ -157,6 +158,23 @@ typedef struct cli_shape {
       shared_gate;
   double scale;
 } cli_shape;
+
+const char *cli_option_split(const char *cmd, const char *arg, char *name, size_t n) {
+  if (strncmp(arg, "--", 2) != 0)
+    cli_usage_error("%s: unexpected argument '%s' (see moelink %s --help)", cmd, arg, cmd);
+  const char *eq = strchr(arg, '=');
+  size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+  if (len >= n) len = n - 1; /* a name this long is unknown anyway */
+  memcpy(name, arg, len);
+  name[len] = '\0';
+  return eq ? eq + 1 : NULL;
+}
+
+const char *cli_option_value(int argc, char **argv, int *i, const char *name, const char *val) {
+  if (val) return val;
+  if (*i + 1 >= argc) cli_usage_error("%s: missing value", name);
+  return argv[++*i];
+}
 
 void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   const char *cmd = bench ? "bench" : "run";
@@ -187,14 +205,7 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
         cli_help_run();
       exit(0);
     }
-    if (strncmp(arg, "--", 2) != 0)
-      cli_usage_error("%s: unexpected argument '%s' (see moelink %s --help)", cmd, arg, cmd);
-    const char *eq = strchr(arg, '=');
-    size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
-    if (nlen >= sizeof name) nlen = sizeof name - 1;
-    memcpy(name, arg, nlen);
-    name[nlen] = '\0';
-    if (eq) val = eq + 1;
+    val = cli_option_split(cmd, arg, name, sizeof name);
 
 #define IS(s) (strcmp(name, (s)) == 0)
     /* Options that take no value. */
@@ -226,10 +237,7 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
                 (bench && (IS("--iters") || IS("--warmup") || IS("--json")));
     if (!known)
       cli_usage_error("%s: unknown option '%s' (see moelink %s --help)", cmd, name, cmd);
-    if (!val) {
-      if (i + 1 >= argc) cli_usage_error("%s: missing value", name);
-      val = argv[++i];
-    }
+    val = cli_option_value(argc, argv, &i, name, val);
     if (IS("--preset")) o->preset = val;
     else if (IS("--hidden")) sh.hidden = cli_pos_int(name, val);
     else if (IS("--inter")) sh.inter = cli_pos_int(name, val);
@@ -242,7 +250,7 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
     else if (IS("--shared-inter")) sh.shared_inter = cli_nonneg_int(name, val);
     else if (IS("--tokens")) {
       if (bench)
-        cli_token_list(name, val, o);
+        o->ntokens = cli_int_list(name, val, o->token_list, CLI_MAX_TOKEN_LIST);
       else
         o->tokens = cli_pos_int(name, val);
     } else if (IS("--backend")) o->backend = cli_backend(name, val);

@@ -115,15 +115,6 @@ static size_t bc_size(const char *opt, const char *s) {
   return (size_t)(v * mul);
 }
 
-static int bc_int(const char *opt, const char *s, int lo) {
-  char *end = NULL;
-  errno = 0;
-  long v = s && *s ? strtol(s, &end, 10) : 0;
-  if (!s || !*s || errno || *end || v < lo || v > INT_MAX)
-    cli_usage_error("%s: expected an integer >= %d, got '%s'", opt, lo, s ? s : "");
-  return (int)v;
-}
-
 static void bc_ops(const char *opt, const char *s, bc_opts *o) {
   o->nops = 0;
   const char *p = s;
@@ -162,15 +153,8 @@ static void bc_parse(int argc, char **argv, bc_opts *o) {
       bc_help_text();
       exit(0);
     }
-    if (strncmp(arg, "--", 2) != 0)
-      cli_usage_error("bench comm: unexpected argument '%s' (see moelink bench comm --help)", arg);
     char name[32];
-    const char *eq = strchr(arg, '=');
-    size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
-    if (nlen >= sizeof name) nlen = sizeof name - 1;
-    memcpy(name, arg, nlen);
-    name[nlen] = '\0';
-    const char *val = eq ? eq + 1 : NULL;
+    const char *val = cli_option_split("bench comm", arg, name, sizeof name);
 #define IS(s) (strcmp(name, (s)) == 0)
     if (IS("--eager")) {
       if (val) cli_usage_error("--eager: takes no value, got '%s'", val);
@@ -180,21 +164,13 @@ static void bc_parse(int argc, char **argv, bc_opts *o) {
     if (!(IS("--backend") || IS("--ops") || IS("--dtype") || IS("--min") || IS("--max") ||
           IS("--ctas") || IS("--allgather") || IS("--iters") || IS("--warmup") || IS("--json")))
       cli_usage_error("bench comm: unknown option '%s' (see moelink bench comm --help)", name);
-    if (!val) {
-      if (i + 1 >= argc) cli_usage_error("%s: missing value", name);
-      val = argv[++i];
-    }
+    val = cli_option_value(argc, argv, &i, name, val);
     if (IS("--backend")) {
-      if (strcmp(val, "cpu") == 0) o->backend = MOELINK_BACKEND_CPU;
-      else if (strcmp(val, "cuda") == 0) o->backend = MOELINK_BACKEND_CUDA;
-      else cli_usage_error("--backend: expected cpu or cuda, got '%s'", val);
+      o->backend = cli_backend(name, val);
     } else if (IS("--ops")) {
       bc_ops(name, val, o);
     } else if (IS("--dtype")) {
-      if (strcmp(val, "f32") == 0) o->dtype = MOELINK_DTYPE_F32;
-      else if (strcmp(val, "bf16") == 0) o->dtype = MOELINK_DTYPE_BF16;
-      else if (strcmp(val, "f16") == 0) o->dtype = MOELINK_DTYPE_F16;
-      else cli_usage_error("--dtype: expected f32, bf16 or f16, got '%s'", val);
+      o->dtype = cli_dtype(name, val);
     } else if (IS("--min")) {
       o->min = bc_size(name, val);
       have_min = 1;
@@ -202,15 +178,15 @@ static void bc_parse(int argc, char **argv, bc_opts *o) {
       o->max = bc_size(name, val);
       have_max = 1;
     } else if (IS("--ctas")) {
-      o->ctas = bc_int(name, val, 1);
+      o->ctas = cli_int_arg(name, val, 1);
     } else if (IS("--allgather")) {
       if (strcmp(val, "sm") == 0) o->ag_engine = 0;
       else if (strcmp(val, "ce") == 0) o->ag_engine = 1;
       else cli_usage_error("--allgather: expected sm or ce, got '%s'", val);
     } else if (IS("--iters")) {
-      o->reps = bc_int(name, val, 1);
+      o->reps = cli_int_arg(name, val, 1);
     } else if (IS("--warmup")) {
-      o->warmup = bc_int(name, val, 0);
+      o->warmup = cli_int_arg(name, val, 0);
     } else if (IS("--json")) {
       if (!*val) cli_usage_error("--json: expected a file name, got ''");
       o->json = val;

@@ -103,33 +103,6 @@ void cli_help_bench_ep(void) { fputs(be_help_text, stdout); }
 
 /* ---- options --------------------------------------------------------------- */
 
-static int be_int(const char *opt, const char *s, long long lo) {
-  char *end = NULL;
-  errno = 0;
-  long long v = s && *s ? strtoll(s, &end, 10) : 0;
-  if (!s || !*s || errno || *end || v < lo || v > INT_MAX)
-    cli_usage_error("%s: expected an integer in [%lld, %d], got '%s'", opt, lo, INT_MAX,
-                    s ? s : "");
-  return (int)v;
-}
-
-static void be_parse_tokens(const char *s, be_opts *o) {
-  o->ntokens = 0;
-  const char *p = s;
-  while (*p) {
-    char item[32];
-    size_t len = strcspn(p, ",");
-    if (len == 0 || len >= sizeof item) cli_usage_error("--tokens: expected T1,T2,...; got '%s'", s);
-    memcpy(item, p, len);
-    item[len] = '\0';
-    if (o->ntokens == BE_MAX_T) cli_usage_error("--tokens: at most %d values", BE_MAX_T);
-    o->tokens[o->ntokens++] = be_int("--tokens", item, 1);
-    p += len;
-    if (*p == ',') ++p;
-  }
-  if (o->ntokens == 0) cli_usage_error("--tokens: empty list");
-}
-
 static void be_parse(int argc, char **argv, be_opts *o) {
   memset(o, 0, sizeof *o);
   o->backend = moelink_backend_available(MOELINK_BACKEND_CUDA) ? MOELINK_BACKEND_CUDA
@@ -144,41 +117,24 @@ static void be_parse(int argc, char **argv, be_opts *o) {
       cli_help_bench_ep();
       exit(0);
     }
-    if (strncmp(a, "--", 2) != 0) cli_usage_error("bench ep: unexpected argument '%s'", a);
     char name[64];
-    const char *val = NULL;
-    const char *eq = strchr(a, '=');
-    if (eq) {
-      size_t len = (size_t)(eq - a);
-      if (len >= sizeof name) cli_usage_error("bench ep: unknown option '%s'", a);
-      memcpy(name, a, len);
-      name[len] = '\0';
-      val = eq + 1;
-    } else {
-      snprintf(name, sizeof name, "%s", a);
-      if (i + 1 >= argc) cli_usage_error("%s: missing value", a);
-      val = argv[++i];
-    }
+    const char *val = cli_option_value(argc, argv, &i, name,
+                                       cli_option_split("bench ep", a, name, sizeof name));
 #define IS(s) (strcmp(name, (s)) == 0)
     if (IS("--backend")) {
-      if (strcmp(val, "cuda") == 0)
-        o->backend = MOELINK_BACKEND_CUDA;
-      else if (strcmp(val, "cpu") == 0)
-        o->backend = MOELINK_BACKEND_CPU;
-      else
-        cli_usage_error("--backend: expected cpu or cuda, got '%s'", val);
+      o->backend = cli_backend(name, val);
     } else if (IS("--preset")) {
       o->preset = val;
     } else if (IS("--hidden")) {
-      o->hidden = be_int(name, val, 1);
+      o->hidden = cli_int_arg(name, val, 1);
     } else if (IS("--inter")) {
-      o->inter = be_int(name, val, 1);
+      o->inter = cli_int_arg(name, val, 1);
     } else if (IS("--experts")) {
-      o->experts = be_int(name, val, 1);
+      o->experts = cli_int_arg(name, val, 1);
     } else if (IS("--topk")) {
-      o->topk = be_int(name, val, 1);
+      o->topk = cli_int_arg(name, val, 1);
     } else if (IS("--shared-inter")) {
-      o->shared_inter = be_int(name, val, 0);
+      o->shared_inter = cli_int_arg(name, val, 0);
     } else if (IS("--dtype")) {
       if (strcmp(val, "bf16") == 0)
         o->dtype = MOELINK_DTYPE_BF16;
@@ -187,15 +143,15 @@ static void be_parse(int argc, char **argv, be_opts *o) {
       else
         cli_usage_error("--dtype: expected bf16 or f16, got '%s'", val);
     } else if (IS("--tokens")) {
-      be_parse_tokens(val, o);
+      o->ntokens = cli_int_list(name, val, o->tokens, BE_MAX_T);
     } else if (IS("--iters")) {
-      o->iters = be_int(name, val, 1);
+      o->iters = cli_int_arg(name, val, 1);
     } else if (IS("--warmup")) {
-      o->warmup = be_int(name, val, 0);
+      o->warmup = cli_int_arg(name, val, 0);
     } else if (IS("--threads")) {
-      o->threads = be_int(name, val, 0);
+      o->threads = cli_int_arg(name, val, 0);
     } else if (IS("--seed")) {
-      o->seed = (uint64_t)be_int(name, val, 0);
+      o->seed = (uint64_t)cli_int_arg(name, val, 0);
     } else if (IS("--json")) {
       o->json = val;
     } else if (IS("--dispatch-quant")) {

@@ -107,16 +107,6 @@ void cli_help_bench_tp(void) { fputs(bt_help_text, stdout); }
 
 /* ---- options --------------------------------------------------------------- */
 
-static int bt_int(const char *opt, const char *s, long long lo) {
-  char *end = NULL;
-  errno = 0;
-  long long v = s && *s ? strtoll(s, &end, 10) : 0;
-  if (!s || !*s || errno || *end || v < lo || v > INT_MAX)
-    cli_usage_error("%s: expected an integer in [%lld, %d], got '%s'", opt, lo, INT_MAX,
-                    s ? s : "");
-  return (int)v;
-}
-
 static void bt_parse_ops(const char *s, bt_opts *o) {
   memset(o->ops, 0, sizeof o->ops);
   const char *p = s;
@@ -180,38 +170,14 @@ static void bt_parse(int argc, char **argv, bt_opts *o) {
       cli_help_bench_tp();
       exit(0);
     }
-    if (strncmp(a, "--", 2) != 0) cli_usage_error("bench tp: unexpected argument '%s'", a);
     char name[64];
-    const char *val = NULL;
-    const char *eq = strchr(a, '=');
-    if (eq) {
-      size_t len = (size_t)(eq - a);
-      if (len >= sizeof name) cli_usage_error("bench tp: unknown option '%s'", a);
-      memcpy(name, a, len);
-      name[len] = '\0';
-      val = eq + 1;
-    } else {
-      snprintf(name, sizeof name, "%s", a);
-      if (i + 1 >= argc) cli_usage_error("%s: missing value", a);
-      val = argv[++i];
-    }
+    const char *val = cli_option_value(argc, argv, &i, name,
+                                       cli_option_split("bench tp", a, name, sizeof name));
 #define IS(s) (strcmp(name, (s)) == 0)
     if (IS("--backend")) {
-      if (strcmp(val, "cuda") == 0)
-        o->backend = MOELINK_BACKEND_CUDA;
-      else if (strcmp(val, "cpu") == 0)
-        o->backend = MOELINK_BACKEND_CPU;
-      else
-        cli_usage_error("--backend: expected cpu or cuda, got '%s'", val);
+      o->backend = cli_backend(name, val);
     } else if (IS("--dtype")) {
-      if (strcmp(val, "bf16") == 0)
-        o->dtype = MOELINK_DTYPE_BF16;
-      else if (strcmp(val, "f16") == 0)
-        o->dtype = MOELINK_DTYPE_F16;
-      else if (strcmp(val, "f32") == 0)
-        o->dtype = MOELINK_DTYPE_F32;
-      else
-        cli_usage_error("--dtype: expected bf16, f16 or f32, got '%s'", val);
+      o->dtype = cli_dtype(name, val);
     } else if (IS("--ops")) {
       bt_parse_ops(val, o);
     } else if (IS("--shapes")) {
@@ -224,15 +190,15 @@ static void bt_parse(int argc, char **argv, bt_opts *o) {
       else
         cli_usage_error("--dims: expected local or layer, got '%s'", val);
     } else if (IS("--iters")) {
-      o->iters = bt_int(name, val, 1);
+      o->iters = cli_int_arg(name, val, 1);
     } else if (IS("--warmup")) {
-      o->warmup = bt_int(name, val, 0);
+      o->warmup = cli_int_arg(name, val, 0);
     } else if (IS("--comm-ctas")) {
-      o->comm_ctas = bt_int(name, val, 0);
+      o->comm_ctas = cli_int_arg(name, val, 0);
     } else if (IS("--threads")) {
-      o->threads = bt_int(name, val, 0);
+      o->threads = cli_int_arg(name, val, 0);
     } else if (IS("--seed")) {
-      o->seed = (uint64_t)bt_int(name, val, 0);
+      o->seed = (uint64_t)cli_int_arg(name, val, 0);
     } else if (IS("--json")) {
       o->json = val;
     } else {

@@ -39,6 +39,23 @@ typedef struct cli_opts {
   int argc;                      /* 0: the command had no arguments at all */
 } cli_opts;
 
+/* ---- option parsing shared by the commands (args.c) ---------------------
+ * Options are --name VALUE or --name=VALUE; every mistake is a usage error
+ * (one line naming the option, exit code 2). */
+/* The name of option arg (truncated to n - 1) into name; its "=value" part,
+ * or NULL. Anything not starting with "--" is a usage error of cmd. */
+const char *cli_option_split(const char *cmd, const char *arg, char *name, size_t n);
+/* The value of option name: val when it came with '=', else the next
+ * argument (*i advances over it). */
+const char *cli_option_value(int argc, char **argv, int *i, const char *name, const char *val);
+/* An integer in [lo, INT_MAX]. */
+int cli_int_arg(const char *opt, const char *s, long long lo);
+/* A comma-separated list of positive integers into out (at most max);
+ * returns the count (>= 1). */
+int cli_int_list(const char *opt, const char *s, int *out, int max);
+moelink_backend_t cli_backend(const char *opt, const char *s);
+moelink_dtype_t cli_dtype(const char *opt, const char *s);
+
 /* ---- errors (all print one line on stderr and exit) --------------------- */
 void cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 void cli_fail(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
