@@ -230,12 +230,13 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
   return ep->ops->forward(ep, x, num_tokens, out, stream);
 }
 
-/* Both dispatch calls: x, or xq + xs (quantized). */
-static moelink_status_t ml_ep_dispatch_any(moelink_ep_t ep, const char *fn, const void *x,
+/* Both dispatch calls: x, or (quantized) xq + xs. */
+static moelink_status_t ml_ep_dispatch_any(moelink_ep_t ep, int quantized, const void *x,
                                            const uint8_t *xq, const void *xs,
                                            const int32_t *topk_ids, const float *topk_weights,
                                            int num_tokens, moelink_ep_recv_t *recv,
                                            void *stream) {
+  const char *fn = quantized ? "ep_dispatch_quantized" : "ep_dispatch";
   ml_clear_error();
   if (!ep) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: ep is NULL", fn);
   if (ep->dispatched)
@@ -246,64 +247,54 @@ static moelink_status_t ml_ep_dispatch_any(moelink_ep_t ep, const char *fn, cons
   /* As in forward, a bad argument is this rank's alone: it takes part with
    * no tokens, and the peers finish (the caller must still combine). */
   char why[200] = "";
-  const int max = ep->cfg.moe.max_tokens, qcall = strcmp(fn, "ep_dispatch") != 0;
+  const int max = ep->cfg.moe.max_tokens;
+  const int blind = !recv || recv->size != sizeof *recv;
   if (!recv) {
     snprintf(why, sizeof why, "recv is NULL");
-  } else if (recv->size != sizeof *recv) {
+  } else if (blind) {
     snprintf(why, sizeof why, "recv size %zu != %zu: initialize with MOELINK_EP_RECV_INIT",
              recv->size, sizeof *recv);
   } else if (num_tokens < 0 || num_tokens > max) {
     snprintf(why, sizeof why, "num_tokens %d outside [0, max_tokens %d]", num_tokens, max);
-  } else if (qcall && ep->cfg.dispatch_quant == MOELINK_QUANT_NONE) {
+  } else if (quantized && ep->cfg.dispatch_quant == MOELINK_QUANT_NONE) {
     snprintf(why, sizeof why, "the layer's dispatch_quant is NONE: rows travel unquantized");
   } else if (num_tokens > 0) {
-    const char *miss = qcall ? (!xq ? "xq" : !xs ? "scales" : NULL) : !x ? "x" : NULL;
+    const char *miss = quantized ? (!xq ? "xq" : !xs ? "scales" : NULL) : !x ? "x" : NULL;
     if (!miss) miss = !topk_ids ? "topk_ids" : !topk_weights ? "topk_weights" : NULL;
     if (miss) snprintf(why, sizeof why, "%s is NULL with num_tokens %d", miss, num_tokens);
   }
-  if (why[0]) {
-    /* Its experts still serve the peers' rows: a usable recv gets them. */
-    moelink_ep_recv_t scratch = MOELINK_EP_RECV_INIT;
-    const int blind = !recv || recv->size != sizeof *recv;
-    moelink_ep_recv_t *rv = blind ? &scratch : recv;
-    const size_t sz = rv->size;
-    memset(rv, 0, sizeof *rv);
-    rv->size = sz;
-    moelink_status_t s = ep->ops->dispatch(ep, NULL, NULL, NULL, NULL, NULL, 0, rv, stream);
-    if (s != MOELINK_SUCCESS) return s;
-    ep->dispatched = 1;
-    ep->dispatch_tokens = 0;
-    ep->dispatch_blind = blind;
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
-                   "%s on rank %d: %s (took part with no tokens%s; call combine next)", fn,
-                   ep->comm->rank, why,
-                   blind ? " and sends zeros for its experts at combine" : "");
-  }
-  const size_t sz = recv->size;
-  memset(recv, 0, sizeof *recv);
-  recv->size = sz;
-  ML_TRY(ep->ops->dispatch(ep, num_tokens ? x : NULL, num_tokens ? xq : NULL,
-                           num_tokens ? xs : NULL, topk_ids, topk_weights, num_tokens, recv,
-                           stream));
+  /* With a bad argument its experts still serve the peers' rows: a usable
+   * recv gets them. */
+  moelink_ep_recv_t scratch = MOELINK_EP_RECV_INIT;
+  moelink_ep_recv_t *rv = blind ? &scratch : recv;
+  const size_t sz = rv->size;
+  memset(rv, 0, sizeof *rv);
+  rv->size = sz;
+  const int T = why[0] ? 0 : num_tokens;
+  ML_TRY(ep->ops->dispatch(ep, T ? x : NULL, T ? xq : NULL, T ? xs : NULL, T ? topk_ids : NULL,
+                           T ? topk_weights : NULL, T, rv, stream));
   ep->dispatched = 1;
-  ep->dispatch_tokens = num_tokens;
-  ep->dispatch_blind = 0;
-  return MOELINK_SUCCESS;
+  ep->dispatch_tokens = T;
+  ep->dispatch_blind = blind;
+  if (!why[0]) return MOELINK_SUCCESS;
+  return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                 "%s on rank %d: %s (took part with no tokens%s; call combine next)", fn,
+                 ep->comm->rank, why, blind ? " and sends zeros for its experts at combine" : "");
 }
 
 moelink_status_t moelink_ep_dispatch(moelink_ep_t ep, const void *x, const int32_t *topk_ids,
                                      const float *topk_weights, int num_tokens,
                                      moelink_ep_recv_t *recv, void *stream) {
-  return ml_ep_dispatch_any(ep, "ep_dispatch", x, NULL, NULL, topk_ids, topk_weights,
-                            num_tokens, recv, stream);
+  return ml_ep_dispatch_any(ep, 0, x, NULL, NULL, topk_ids, topk_weights, num_tokens, recv,
+                            stream);
 }
 
 moelink_status_t moelink_ep_dispatch_quantized(moelink_ep_t ep, const uint8_t *xq,
                                                const void *scales, const int32_t *topk_ids,
                                                const float *topk_weights, int num_tokens,
                                                moelink_ep_recv_t *recv, void *stream) {
-  return ml_ep_dispatch_any(ep, "ep_dispatch_quantized", NULL, xq, scales, topk_ids,
-                            topk_weights, num_tokens, recv, stream);
+  return ml_ep_dispatch_any(ep, 1, NULL, xq, scales, topk_ids, topk_weights, num_tokens, recv,
+                            stream);
 }
 
 moelink_status_t moelink_ep_combine(moelink_ep_t ep, const void *y, const int32_t *pair_rows,

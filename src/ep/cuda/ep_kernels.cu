@@ -299,8 +299,7 @@ static unsigned ml_epc_grid_n(const ml_epc_args *a, long long items, int per, in
 }
 
 static unsigned ml_epc_grid(const ml_epc_args *a, long long items, int per) {
-  const long long most = 2LL * a->sms, want = (items + per - 1) / per;
-  return (unsigned)(want < 1 ? 1 : want < most ? want : most);
+  return ml_epc_grid_n(a, items, per, 2);
 }
 
 extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq,
