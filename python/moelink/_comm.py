@@ -90,6 +90,8 @@ class Comm(_Closable):
     by other means. Closing is collective: close it (or leave its `with`
     block) on every rank; TP and EP objects made on it are closed first."""
 
+    _what = "communicator"
+
     def __init__(self, ctx, rank=None, size=None, uid=None, _from_env=False):
         if not isinstance(ctx, Context):
             raise TypeError("ctx must be a moelink.Context, not %s" % type(ctx).__name__)
@@ -134,15 +136,6 @@ class Comm(_Closable):
 
     # -- lifetime --------------------------------------------------------
 
-    @property
-    def handle(self):
-        """The moelink_comm_t as an int."""
-        self._alive()
-        return self._h.value
-
-    def _alive(self):
-        if self._h is None:
-            raise ValueError("communicator is closed")
 
     def close(self):
         """Destroys the TP and EP objects made on it, then leaves the group
@@ -285,7 +278,6 @@ class _OnComm(_Closable):
     """Lifetime of an object made on a communicator (collective destroy)."""
 
     _destroy = None
-    _what = "object"
 
     def _attach(self, comm):
         if not isinstance(comm, Comm):
@@ -296,14 +288,6 @@ class _OnComm(_Closable):
         self._lib = comm._lib
         self._h = None
 
-    @property
-    def handle(self):
-        self._alive()
-        return self._h.value
-
-    def _alive(self):
-        if self._h is None:
-            raise ValueError("%s is closed" % self._what)
 
     def close(self):
         """Frees it (collective: every rank closes it, in the same order). On

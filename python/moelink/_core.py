@@ -120,7 +120,21 @@ def random_values(seed, n, scale=1.0, offset=0.0, start=0):
 
 class _Closable:
     """`with` support and a best-effort close at garbage collection for the
-    objects that own a library handle (their close() frees it)."""
+    objects that own a library handle (their close() frees it), and the
+    handle itself: self._h, None once closed; _what names the object in the
+    error a closed one raises."""
+
+    _what = "object"
+
+    @property
+    def handle(self):
+        """The library handle (moelink_*_t) as an int, for other C code."""
+        self._alive()
+        return self._h.value
+
+    def _alive(self):
+        if self._h is None:
+            raise ValueError("%s is closed" % self._what)
 
     def __enter__(self):
         return self
@@ -141,6 +155,8 @@ class Context(_Closable):
     Destroying a context destroys the layers made on it first. Use it as a
     context manager or call close()."""
 
+    _what = "context"
+
     def __init__(self, backend="cpu", device=0, threads=0):
         self._lib = load()
         self._h = None
@@ -156,15 +172,6 @@ class Context(_Closable):
         self.threads = cfg.num_threads
         self._layers = weakref.WeakSet()
 
-    @property
-    def handle(self):
-        """The moelink_context_t as an int (for other C code)."""
-        self._alive()
-        return self._h.value
-
-    def _alive(self):
-        if self._h is None:
-            raise ValueError("context is closed")
 
     def _check_location(self, b, name):
         """b (a Buf) must live where this context's backend reads memory."""
@@ -455,6 +462,8 @@ class MoE(_Closable):
     references to them so they stay alive while it may use them.
     """
 
+    _what = "layer"
+
     def __init__(self, ctx, preset=None, *, hidden=None, inter=None, experts=None, top_k=None,
                  router=None, renormalize=None, n_group=None, topk_group=None,
                  routed_scaling=None, correction_bias=None, shared_inter=None, shared_gate=None,
@@ -492,15 +501,6 @@ class MoE(_Closable):
 
     # -- lifetime --------------------------------------------------------
 
-    @property
-    def handle(self):
-        """The moelink_moe_t as an int."""
-        self._alive()
-        return self._h.value
-
-    def _alive(self):
-        if self._h is None:
-            raise ValueError("layer is closed")
 
     def close(self):
         """Destroys the layer. On CUDA, waits for the device first, since queued
