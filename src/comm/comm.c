@@ -272,6 +272,21 @@ typedef enum { ML_COLL_ALLREDUCE, ML_COLL_ALLGATHER, ML_COLL_REDUCE_SCATTER } ml
 
 static const char *const ml_coll_names[] = {"allreduce", "allgather", "reduce_scatter"};
 
+/* The communicator and element type every data-moving call checks first;
+ * *es is the element size. */
+static moelink_status_t ml_comm_op_check(const char *op, moelink_comm_t comm,
+                                         moelink_dtype_t dtype, size_t *es) {
+  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
+  *es = moelink_dtype_size(dtype);
+  if (*es == 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a moelink_dtype_t", op,
+                   (int)dtype);
+  if (dtype == MOELINK_DTYPE_FP8_E4M3)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s is not supported (f32, bf16, f16)", op,
+                   moelink_dtype_name(dtype));
+  return MOELINK_SUCCESS;
+}
+
 /* Checks one collective call. *run is 0 when there is nothing to do
  * (count 0), so a rank never enters the backend for an empty call. */
 static moelink_status_t ml_coll_check(ml_coll_kind kind, moelink_comm_t comm, const void *send,
@@ -279,14 +294,8 @@ static moelink_status_t ml_coll_check(ml_coll_kind kind, moelink_comm_t comm, co
                                       int *run) {
   const char *op = ml_coll_names[kind];
   *run = 0;
-  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
-  size_t es = moelink_dtype_size(dtype);
-  if (es == 0)
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a moelink_dtype_t", op,
-                   (int)dtype);
-  if (dtype == MOELINK_DTYPE_FP8_E4M3)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s is not supported (f32, bf16, f16)", op,
-                   moelink_dtype_name(dtype));
+  size_t es = 0;
+  ML_TRY(ml_comm_op_check(op, comm, dtype, &es));
   if (count == 0) return MOELINK_SUCCESS;
   if (!send) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: send is NULL", op);
   if (!recv) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: recv is NULL", op);
@@ -363,14 +372,8 @@ moelink_status_t moelink_alltoallv(moelink_comm_t comm, const void *send,
                                    int64_t *recv_offsets, moelink_dtype_t dtype, void *stream) {
   ml_clear_error();
   const char *op = "alltoallv";
-  if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: communicator is NULL", op);
-  size_t es = moelink_dtype_size(dtype);
-  if (es == 0)
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a moelink_dtype_t", op,
-                   (int)dtype);
-  if (dtype == MOELINK_DTYPE_FP8_E4M3)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s is not supported (f32, bf16, f16)", op,
-                   moelink_dtype_name(dtype));
+  size_t es = 0;
+  ML_TRY(ml_comm_op_check(op, comm, dtype, &es));
   if (!send) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: send is NULL", op);
   if (!send_counts) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: send_counts is NULL", op);
   if (!recv_counts) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: recv_counts is NULL", op);
