@@ -196,29 +196,41 @@ static moelink_moe_weights_t local_weights(const ref_layer *L, int first) {
   return w;
 }
 
+/* What every case starts from: the weights (L), the single-rank layer over
+ * all ranks' tokens (*single) and the EP layer (*ep, rows travelling as
+ * quant). Either layer may come back NULL (the failure is a CHECK). */
+static int case_layers(const ep_case *ec, int zipf, moelink_quant_t quant, ref_layer *L,
+                       moelink_moe_t *single, moelink_ep_t *ep) {
+  const moelink_moe_config_t *c = &ec->cfg;
+  *single = NULL;
+  *ep = NULL;
+  if (ref_layer_make(L, c, ec->seed, zipf ? ec->zipf : 0) != 0) {
+    CHECK(0, "%s: ref_layer_make", ec->name);
+    return 0;
+  }
+  if (ec->exact) make_exact(L);
+  moelink_moe_config_t rc = *c;
+  rc.max_tokens = nranks * ec->max_t + 1;
+  CHECK_OK(moelink_moe_create(ctx, &rc, single), "single-rank layer");
+  if (*single) CHECK_OK(moelink_moe_set_weights(*single, &L->w), "single-rank weights");
+  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
+  ecfg.moe = *c;
+  ecfg.recv_capacity = ec->recv_capacity;
+  ecfg.dispatch_quant = quant;
+  CHECK_OK(moelink_ep_create(comm, &ecfg, ep), ec->name);
+  return 1;
+}
+
 static void run_case(const ep_case *ec) {
   const moelink_moe_config_t *c = &ec->cfg;
   const moelink_dtype_t dt = c->dtype;
   const size_t es = moelink_dtype_size(dt), row = (size_t)c->hidden * es;
   ref_layer L;
-  if (ref_layer_make(&L, c, ec->seed, ec->zipf) != 0) {
-    CHECK(0, "%s: ref_layer_make", ec->name);
-    return;
-  }
-  if (ec->exact) make_exact(&L);
-  /* The single-rank layer, one call for all ranks' tokens. */
-  moelink_moe_config_t rc = *c;
-  rc.max_tokens = nranks * ec->max_t + 1;
-  moelink_moe_t single = NULL;
-  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
-  CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
-
-  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
-  ecfg.moe = *c;
-  ecfg.recv_capacity = ec->recv_capacity;
-  moelink_ep_t ep = NULL;
-  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), ec->name);
+  moelink_moe_t single;
+  moelink_ep_t ep;
+  if (!case_layers(ec, 1, MOELINK_QUANT_NONE, &L, &single, &ep)) return;
   if (!ep || !single) {
+    moelink_ep_destroy(ep);
     moelink_moe_destroy(single);
     ref_layer_free(&L);
     return;
@@ -1027,21 +1039,9 @@ static void run_pieces_layer(const ep_case *ec) {
   const int kl = k < El ? k : El;
   const size_t es = moelink_dtype_size(dt), row = (size_t)H * es;
   ref_layer L;
-  if (ref_layer_make(&L, c, ec->seed, 0) != 0) {
-    CHECK(0, "%s: ref_layer_make", ec->name);
-    return;
-  }
-  if (ec->exact) make_exact(&L);
-  moelink_moe_config_t rc = *c;
-  rc.max_tokens = nranks * ec->max_t + 1;
-  moelink_moe_t single = NULL;
-  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
-  CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
-  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
-  ecfg.moe = *c;
-  ecfg.recv_capacity = ec->recv_capacity;
-  moelink_ep_t ep = NULL;
-  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), ec->name);
+  moelink_moe_t single;
+  moelink_ep_t ep;
+  if (!case_layers(ec, 0, MOELINK_QUANT_NONE, &L, &single, &ep)) return;
   const int first = rank * El, cap = ec->recv_capacity;
   moelink_moe_t local = ep ? local_layer(&L, first, El, cap) : NULL;
   if (!ep || !single || !local) {
@@ -1447,27 +1447,17 @@ static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
   const size_t sbytes = moelink_quant_scale_bytes(qf, H);
   const char *qn = qf == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8";
   ref_layer L;
-  if (ref_layer_make(&L, c, ec->seed, ec->zipf) != 0) {
-    CHECK(0, "%s: ref_layer_make", ec->name);
-    return;
-  }
-  moelink_moe_config_t rc = *c;
-  rc.max_tokens = nranks * ec->max_t + 1;
-  moelink_moe_t single = NULL, single32 = NULL;
-  CHECK_OK(moelink_moe_create(ctx, &rc, &single), "single-rank layer");
-  if (single) CHECK_OK(moelink_moe_set_weights(single, &L.w), "single-rank weights");
+  moelink_moe_t single, single32 = NULL;
+  moelink_ep_t ep;
+  if (!case_layers(ec, 1, qf, &L, &single, &ep)) return;
   float *wide[6];
   moelink_moe_weights_t w32;
   widen_weights(&L, &w32, wide);
+  moelink_moe_config_t rc = *c;
+  rc.max_tokens = nranks * ec->max_t + 1;
   rc.dtype = MOELINK_DTYPE_F32;
   CHECK_OK(moelink_moe_create(ctx, &rc, &single32), "single-rank layer (f32 copy)");
   if (single32) CHECK_OK(moelink_moe_set_weights(single32, &w32), "single-rank weights (f32)");
-  moelink_ep_config_t ecfg = MOELINK_EP_CONFIG_INIT;
-  ecfg.moe = *c;
-  ecfg.recv_capacity = ec->recv_capacity;
-  ecfg.dispatch_quant = qf;
-  moelink_ep_t ep = NULL;
-  CHECK_OK(moelink_ep_create(comm, &ecfg, &ep), ec->name);
   moelink_ep_config_t got = MOELINK_EP_CONFIG_INIT;
   if (ep) CHECK_OK(moelink_ep_get_config(ep, &got, NULL, NULL), "ep_get_config");
   CHECK(!ep || got.dispatch_quant == qf, "%s: get_config reports dispatch_quant %d",
