@@ -22,6 +22,26 @@
 
 static inline float ml_silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* h[r, 0..nc) = silu(gate) * up for m rows of tmp [m, 2*nc] (gate columns,
+ * then up columns). */
+static void ml_silu_mul_rows(const float *tmp, int m, int nc, float *h, int ldh) {
+  for (int r = 0; r < m; ++r) {
+    const float *g = tmp + (size_t)r * 2 * nc, *u = g + nc;
+    float *o = h + (size_t)r * ldh;
+    for (int j = 0; j < nc; ++j) o[j] = ml_silu(g[j]) * u[j];
+  }
+}
+
+/* y[r, 0..nc) *= row_scale[map ? map[r] : r] for m rows. */
+static void ml_scale_rows(float *y, int ldy, int m, int nc, const float *row_scale,
+                          const int32_t *map) {
+  for (int r = 0; r < m; ++r) {
+    float *o = y + (size_t)r * ldy;
+    const float sc = row_scale[map ? map[r] : r];
+    for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
+  }
+}
+
 void ml_cpu_swiglu_block(const float *a, int lda, int m, int K, const float *wg, const float *wu,
                          int nc, float *h, int ldh, int row_chunk, float *tmp) {
   /* Gate and up products land side by side as if from one GEMM over 2*nc
@@ -52,11 +72,7 @@ void ml_cpu_swiglu_block(const float *a, int lda, int m, int K, const float *wg,
         ml_cpu_gemm_raw(ar, lda, mc, K, wg, nc, tmp, 2 * nc);
         ml_cpu_gemm_raw(ar, lda, mc, K, wu, nc, tmp + nc, 2 * nc);
       }
-      for (int r = 0; r < mc; ++r) {
-        const float *g = tmp + (size_t)r * 2 * nc, *u = g + nc;
-        float *o = hr + (size_t)r * ldh;
-        for (int j = 0; j < nc; ++j) o[j] = ml_silu(g[j]) * u[j];
-      }
+      ml_silu_mul_rows(tmp, mc, nc, hr, ldh);
     }
   }
 }
@@ -77,12 +93,8 @@ void ml_cpu_down_block(const float *a, int lda, int m, int K, const float *wd, i
       }
     } else {
       ml_cpu_gemm_raw(ar, lda, mc, K, wd, nc, yr, ldy);
-      if (!row_scale) continue;
-      for (int r = 0; r < mc; ++r) {
-        float *o = yr + (size_t)r * ldy;
-        const float sc = row_scale[map ? map[r0 + r] : r0 + r];
-        for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
-      }
+      if (row_scale)
+        ml_scale_rows(yr, ldy, mc, nc, map ? row_scale : row_scale + r0, map ? map + r0 : NULL);
     }
   }
 }
@@ -97,23 +109,14 @@ static void ml_swiglu_small(const float *a, int lda, int m, int K, moelink_dtype
    * such rows, and m <= ML_CPU_SMALL_ROWS < row_chunk). */
   ml_cpu_gemm_small(a, lda, m, K, dt, wg, nc, tmp, 2 * nc);
   ml_cpu_gemm_small(a, lda, m, K, dt, wu, nc, tmp + nc, 2 * nc);
-  for (int r = 0; r < m; ++r) {
-    const float *g = tmp + (size_t)r * 2 * nc, *u = g + nc;
-    float *o = h + (size_t)r * ldh;
-    for (int j = 0; j < nc; ++j) o[j] = ml_silu(g[j]) * u[j];
-  }
+  ml_silu_mul_rows(tmp, m, nc, h, ldh);
 }
 
 static void ml_down_small(const float *a, int lda, int m, int K, moelink_dtype_t dt,
                           const void *wd, int nc, float *y, int ldy, const float *row_scale,
                           const int32_t *map) {
   ml_cpu_gemm_small(a, lda, m, K, dt, wd, nc, y, ldy);
-  if (!row_scale) return;
-  for (int r = 0; r < m; ++r) {
-    float *o = y + (size_t)r * ldy;
-    const float sc = row_scale[map[r]];
-    for (int j = 0; j < nc; ++j) o[j] = sc * o[j];
-  }
+  if (row_scale) ml_scale_rows(y, ldy, m, nc, row_scale, map);
 }
 
 static int ml_cmp_i64(const void *a, const void *b) {
