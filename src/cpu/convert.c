@@ -114,21 +114,6 @@ const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t
   return conv;
 }
 
-void ml_cpu_fp8_qdq_f32(float *x, size_t n) {
-  for (size_t at = 0; at + ML_FP8_BLOCK <= n; at += ML_FP8_BLOCK) {
-    float *v = x + at;
-    /* amax as quant.c takes it (NaNs ignored), so the bits match
-     * ml_cpu_qdq_rows on fp32 rows. */
-    float amax = 0.0f;
-    for (int i = 0; i < ML_FP8_BLOCK; ++i) {
-      const float a = fabsf(v[i]);
-      if (a > amax) amax = a;
-    }
-    const float s = ml_fp8_block_scale(amax);
-    for (int i = 0; i < ML_FP8_BLOCK; ++i) v[i] = ml_e4m3_to_f32(ml_fp8_quant(v[i], s)) * s;
-  }
-}
-
 int ml_cpu_weights_first(int m) { return m <= ML_CPU_FEW_ROWS; }
 
 void ml_cpu_gemm_raw(const float *a, int lda, int m, int K, const float *w, int n, float *c,

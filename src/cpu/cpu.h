@@ -148,10 +148,10 @@ const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row
  * an N-row matrix. */
 const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t row0, int rows,
                                     int cols, float *conv);
-/* x[0, n) = dequantize(quantize(x)) in MOELINK_QUANT_FP8 per 128 elements,
- * in place, on the calling thread (n a multiple of 128): bitwise what
- * ml_cpu_qdq_rows gives for fp32 rows. */
-void ml_cpu_fp8_qdq_f32(float *x, size_t n);
+/* x[0, n) = dequantize(quantize(x)) in format, in place, on the calling
+ * thread (n a multiple of the block; quant.c): what ml_cpu_qdq_rows does to
+ * each row. */
+void ml_cpu_qdq_f32(moelink_quant_t format, float *x, size_t n);
 
 /* Whether a GEMM with m token rows puts the weights first, making its
  * product come out transposed, [n, m]. */

@@ -177,7 +177,7 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int t = pairs[r] / k;
       ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes,
                     xg + (size_t)r * H, (size_t)H);
-      if (fp8) ml_cpu_fp8_qdq_f32(xg + (size_t)r * H, (size_t)H);
+      if (fp8) ml_cpu_qdq_f32(MOELINK_QUANT_FP8, xg + (size_t)r * H, (size_t)H);
     }
     if (shared && c->shared_gate) {
 #pragma omp for schedule(static)
@@ -219,7 +219,8 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
 
     if (fp8) {
 #pragma omp for schedule(static)
-      for (int r = 0; r < R; ++r) ml_cpu_fp8_qdq_f32(hbuf + (size_t)r * inter, (size_t)inter);
+      for (int r = 0; r < R; ++r)
+        ml_cpu_qdq_f32(MOELINK_QUANT_FP8, hbuf + (size_t)r * inter, (size_t)inter);
     }
 
 #pragma omp for schedule(dynamic, 1)

@@ -96,6 +96,17 @@ void ml_cpu_dequant_rows(moelink_quant_t format, moelink_dtype_t dtype, const ui
   }
 }
 
+void ml_cpu_qdq_f32(moelink_quant_t format, float *x, size_t n) {
+  size_t sb;
+  const size_t B = (size_t)ml_quant_shape(format, &sb);
+  uint8_t q[ML_FP8_BLOCK];
+  unsigned char sc[4];
+  for (size_t at = 0; at + B <= n; at += B) {
+    ml_quant_block(format, x + at, (int)B, q, sc);
+    ml_dequant_block(format, q, sc, (int)B, x + at);
+  }
+}
+
 void ml_cpu_qdq_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
                      int cols, void *out, int nthreads) {
   size_t sb;
@@ -104,13 +115,10 @@ void ml_cpu_qdq_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *
 #pragma omp parallel for num_threads(ml_quant_threads(nthreads, rows, cols)) schedule(static)
   for (int r = 0; r < rows; ++r) {
     float v[ML_FP8_BLOCK];
-    uint8_t q[ML_FP8_BLOCK];
-    unsigned char sc[4];
     for (size_t b = 0; b < nb; ++b) {
       const size_t at = (size_t)r * (size_t)cols + b * (size_t)B;
       ml_to_f32(dtype, (const char *)x + at * es, v, (size_t)B);
-      ml_quant_block(format, v, B, q, sc);
-      ml_dequant_block(format, q, sc, B, v);
+      ml_cpu_qdq_f32(format, v, (size_t)B);
       ml_from_f32(dtype, v, (char *)out + at * es, (size_t)B);
     }
   }
