@@ -189,8 +189,8 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
 
 /* Every CTA waits for all sources (thread s waits for s), then each thread
  * prepares received rows: a row holds a token of this call when its meta
- * says so; its local expert ids compacted to kl slots in slot order, the
- * weights and the source slots; other rows get none. Each valid (row, slot)
+ * says so; its local expert ids compacted to kl slots in slot order and
+ * their weights; other rows get none. Each valid (row, slot)
  * also goes into the return list (in no particular order: every entry has a
  * return row of its own). */
 template <int DT, int FMT>
