@@ -237,8 +237,7 @@ MOELINK_API moelink_status_t moelink_moe_workspace_size(moelink_context_t ctx,
 
 /* Creates a layer on a context and allocates its workspace. Errors:
  * INVALID_ARGUMENT (bad config: the message names the field),
- * UNSUPPORTED (dtype, or fp8_experts, not supported by the backend: CUDA has
- * no FP8 expert GEMM yet), OUT_OF_MEMORY, CUDA. */
+ * UNSUPPORTED (dtype not supported by the backend), OUT_OF_MEMORY, CUDA. */
 MOELINK_API moelink_status_t moelink_moe_create(moelink_context_t ctx,
                                                 const moelink_moe_config_t *cfg,
                                                 moelink_moe_t *out);

@@ -11,6 +11,7 @@
  * stays on the device. All scratch lives in one cudaMalloc made at create,
  * sized for max_tokens. Every entry makes the context's device current and
  * puts back the caller's device on the way out. */
+#include "core/fp8.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
 #include "cuda/pipeline.h"
@@ -30,6 +31,7 @@ typedef struct ml_cu_ctx {
 typedef struct ml_cu_layout {
   size_t ids, wts, plan, keys_in, keys_out, vals_in, vals_out, sort_tmp, h, y, sh_h, sh_out,
       partials, tickets;
+  size_t xq, xs, hq, hs; /* fp8_experts: the experts' inputs quantized (e4m3 + scales) */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, total;
 } ml_cu_layout;
@@ -47,6 +49,8 @@ typedef struct ml_cu_moe {
   int32_t *tickets;
   float *dec_part;       /* decode GEMMs' split-K partials */
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
+  uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
+  float *xs, *hs;        /* in e4m3, with their scales per 128 */
 } ml_cu_moe;
 
 static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx->impl; }
@@ -146,9 +150,6 @@ static moelink_status_t ml_cu_check_config(const ml_cu_ctx *c, const moelink_moe
   if (cfg->dtype != MOELINK_DTYPE_BF16 && cfg->dtype != MOELINK_DTYPE_F16)
     return ml_fail(no, "dtype %s is not supported by the CUDA backend (bf16 or f16)",
                    moelink_dtype_name(cfg->dtype));
-  if (cfg->fp8_experts)
-    return ml_fail(no, "fp8_experts: the CUDA backend has no FP8 expert GEMM yet (the CPU "
-                       "backend computes the layer)");
   if (cfg->num_experts > ML_CUDA_MAX_EXPERTS)
     return ml_fail(no, "num_experts %d > %d, the CUDA backend's limit", cfg->num_experts,
                    ML_CUDA_MAX_EXPERTS);
@@ -209,6 +210,12 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
                          &L->dec_ticket_count);
   L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
   L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
+  if (cfg->fp8_experts) {
+    L->xq = ml_cu_take(&cur, T * H);
+    L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
+    L->hq = ml_cu_take(&cur, P * I);
+    L->hs = ml_cu_take(&cur, P * (I / ML_FP8_BLOCK) * sizeof(float));
+  }
   L->total = (cur + 255) & ~(size_t)255;
   return MOELINK_SUCCESS;
 }
@@ -274,6 +281,12 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->tickets = (int32_t *)(m->base + L->tickets);
   m->dec_part = (float *)(m->base + L->dec_part);
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
+  if (cfg->fp8_experts) {
+    m->xq = (uint8_t *)(m->base + L->xq);
+    m->xs = (float *)(m->base + L->xs);
+    m->hq = (uint8_t *)(m->base + L->hq);
+    m->hs = (float *)(m->base + L->hs);
+  }
   /* The router's tickets must start at zero; every launch leaves them so. The
    * wait is at create, never on the hot path, and makes the zeros visible to
    * streams that do not synchronize with the legacy default stream. */
@@ -377,12 +390,51 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
   return o;
 }
 
+/* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
+ * the SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and both
+ * GEMMs read e4m3 operands (gemm/decode.h). One kernel family serves every
+ * batch size; past the decode threshold the layer's split-K scratch was not
+ * sized for it, so the policy is told to use one split. */
+static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
+                                         const moelink_plan_t *plan, const float *weights,
+                                         void *y, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  const int T = plan->num_tokens, pairs = T * plan->top_k;
+  const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
+  if (pairs == 0) return MOELINK_SUCCESS;
+  if (ml_cu_misaligned(x))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
+  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms,
+                          st));
+  ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1;
+  int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
+  if (passes > plan->max_tiles) passes = plan->max_tiles;
+  ML_TRY(ml_cuda_fp8_swiglu(cfg->dtype, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,
+                            cfg->top_k, (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
+                            cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles, passes, pairs,
+                            m->h, &o, st));
+  ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
+  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, m->h, pairs, cfg->inter, m->hq, m->hs,
+                          sms, st));
+  /* the plan was complete before the gate/up GEMM let anything start */
+  o.flags |= ML_DECODE_PLAN_EARLY;
+  ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,
+                            moe->w.down_scale, cfg->hidden, cfg->inter, plan->tiles,
+                            plan->num_tiles, passes, pairs, weights,
+                            weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
+  return ml_cu_step(st, "routed down GEMM (fp8)");
+}
+
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h Wd^T. */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
+  if (cfg->fp8_experts) return ml_cu_routed_fp8(moe, x, plan, weights, y, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before

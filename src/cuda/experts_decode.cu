@@ -130,37 +130,40 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
 /* ---- launches ------------------------------------------------------------------ */
 
 enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16_F32,
-       MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32, MLD_K_COUNT };
+       MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32,
+       /* FP8 operands, output dtype as named */
+       MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
+       MLD_K_FP8_SCALED_F32, MLD_K_COUNT };
 #define MLD_MAX_DEVICES 64
 static unsigned char mld_smem_ready[MLD_MAX_DEVICES][MLD_K_COUNT];
 
 /* The ring is past the 48 KiB default: raise the kernel's limit once per
  * device (a function attribute lives in the device's context; a race sets it
  * twice, which is harmless). */
-static moelink_status_t mld_allow_smem(const void *kernel, int which) {
+static moelink_status_t mld_allow_smem(const void *kernel, int which, int bytes) {
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
   const int cached = dev >= 0 && dev < MLD_MAX_DEVICES;
   if (cached && __atomic_load_n(&mld_smem_ready[dev][which], __ATOMIC_ACQUIRE))
     return MOELINK_SUCCESS;
-  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   MLD_SMEM_BYTES));
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                    cudaSharedmemCarveoutMaxShared));
   if (cached) __atomic_store_n(&mld_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
   return MOELINK_SUCCESS;
 }
 
-template <int DT, int MODE, int OUT_F32>
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, int pdl,
                                    const char *name, cudaStream_t stream) {
-  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32>;
-  ML_TRY(mld_allow_smem((const void *)kernel, which));
+  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8>;
+  const int smem = FP8 ? MLD_FP8_SMEM_BYTES : MLD_SMEM_BYTES;
+  ML_TRY(mld_allow_smem((const void *)kernel, which, smem));
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr[1];
   cfg.gridDim = dim3(grid, 1, 1);
   cfg.blockDim = dim3(MLD_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = MLD_SMEM_BYTES;
+  cfg.dynamicSmemBytes = (size_t)smem;
   cfg.stream = stream;
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -179,8 +182,9 @@ static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, 
 static int mld_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
 
 /* Checks and fills everything but the mode-specific fields; *grid 0 means
- * there is nothing to do. */
-static moelink_status_t mld_prepare(const char *what, int swiglu, moelink_dtype_t dt,
+ * there is nothing to do. fp8: e4m3 operands (dt is the output's dtype),
+ * stages of 128 k. */
+static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moelink_dtype_t dt,
                                     const void *a, int lda, const void *b, int n, int k,
                                     const int32_t *tiles, const int32_t *num_tiles,
                                     int max_passes, int rows, void *out, const ml_decode_opts *o,
@@ -198,6 +202,10 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, moelink_dtype_
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: n %d, k %d, lda %d must be multiples of 8 (16-byte rows)", what, n, k,
                    lda);
+  if (fp8 && (n % MLD_FP8_BLOCK || k % MLD_FP8_BLOCK || lda % MLD_FP8_BLOCK))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: n %d, k %d, lda %d must be multiples of %d (the FP8 scale blocks)", what,
+                   n, k, lda, MLD_FP8_BLOCK);
   int passes;
   if (tiles != NULL) {
     if (num_tiles == NULL)
@@ -209,7 +217,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, moelink_dtype_
     passes = ml_cuda_decode_passes(rows, 1);
   }
   const int mb = mld_mblocks(swiglu, n);
-  const int ktiles = mld_ceil_div(k, MLD_BK);
+  const int ktiles = mld_ceil_div(k, fp8 ? MLD_ROW_BYTES : MLD_BK);
   int kt_per = 0;
   const int splits = mld_splits(mb, ktiles, passes, o->sm_count, o->splits, &kt_per);
   if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
@@ -260,6 +268,11 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, moelink_dtype_
    * when the caller says the plan is complete. */
   p->early = tiles == NULL || (o->flags & ML_DECODE_PLAN_EARLY) != 0;
   p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
+  p->a_scale = NULL;
+  p->b_scale = NULL;
+  p->as_ld = lda / MLD_FP8_BLOCK;
+  p->kblocks = k / MLD_FP8_BLOCK;
+  p->b_rblocks = (swiglu ? 2 * n : n) / MLD_FP8_BLOCK;
   *grid = (unsigned)ctas;
   return MOELINK_SUCCESS;
 }
@@ -280,7 +293,7 @@ extern "C" moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void
   const char *what = "ml_cuda_decode_swiglu";
   mld_args p;
   unsigned grid = 0;
-  ML_TRY(mld_prepare(what, 1, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
+  ML_TRY(mld_prepare(what, 1, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
                      &p, &grid));
   if (a_index != NULL && a_div < 1)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
@@ -306,7 +319,7 @@ extern "C" moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void
   const char *what = "ml_cuda_decode_scaled";
   mld_args p;
   unsigned grid = 0;
-  ML_TRY(mld_prepare(what, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
+  ML_TRY(mld_prepare(what, 0, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
                      &p, &grid));
   if (grid == 0) return MOELINK_SUCCESS;
   p.row_scale = row_scale;
@@ -323,4 +336,76 @@ extern "C" moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void
                        stream)
                  : mld_launch<MOELINK_DTYPE_F16, MLD_SCALED, 0>(
                        &p, grid, MLD_K_SCALED_F16, pdl, "mld_kernel<f16, scaled>", stream);
+}
+
+/* ---- FP8 operands ------------------------------------------------------------------ */
+
+static moelink_status_t mld_fp8_scales(const char *what, const float *a_scale,
+                                       const float *b_scale, mld_args *p) {
+  if (a_scale == NULL || b_scale == NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL scales (a_scale %p, b_scale %p)", what,
+                   (const void *)a_scale, (const void *)b_scale);
+  if (((uintptr_t)a_scale | (uintptr_t)b_scale) & 3u)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: scales must be 4-byte aligned (a_scale %p, b_scale %p)", what,
+                   (const void *)a_scale, (const void *)b_scale);
+  p->a_scale = a_scale;
+  p->b_scale = b_scale;
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_cuda_fp8_swiglu(moelink_dtype_t out_dt, const uint8_t *a,
+                                               const float *a_scale, int lda,
+                                               const int32_t *a_index, int a_div,
+                                               const uint8_t *b, const float *b_scale, int n,
+                                               int k, const int32_t *tiles,
+                                               const int32_t *num_tiles, int max_passes,
+                                               int rows, void *out, const ml_decode_opts *o,
+                                               cudaStream_t stream) {
+  const char *what = "ml_cuda_fp8_swiglu";
+  mld_args p;
+  unsigned grid = 0;
+  ML_TRY(mld_prepare(what, 1, 1, out_dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows,
+                     out, o, &p, &grid));
+  if (a_index != NULL && a_div < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  if (grid == 0) return MOELINK_SUCCESS;
+  ML_TRY(mld_fp8_scales(what, a_scale, b_scale, &p));
+  p.a_index = a_index;
+  p.a_div = a_index != NULL ? a_div : 1;
+  const int pdl = mld_pdl(o, stream);
+  if (out_dt == MOELINK_DTYPE_BF16)
+    return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 0, 1>(
+        &p, grid, MLD_K_FP8_SWIGLU_BF16, pdl, "mld_kernel<e4m3 -> bf16, swiglu>", stream);
+  return mld_launch<MOELINK_DTYPE_F16, MLD_SWIGLU, 0, 1>(
+      &p, grid, MLD_K_FP8_SWIGLU_F16, pdl, "mld_kernel<e4m3 -> f16, swiglu>", stream);
+}
+
+extern "C" moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uint8_t *a,
+                                               const float *a_scale, int lda, const uint8_t *b,
+                                               const float *b_scale, int n, int k,
+                                               const int32_t *tiles, const int32_t *num_tiles,
+                                               int max_passes, int rows, const float *row_scale,
+                                               const int32_t *scale_index, void *out,
+                                               int out_f32, const ml_decode_opts *o,
+                                               cudaStream_t stream) {
+  const char *what = "ml_cuda_fp8_scaled";
+  mld_args p;
+  unsigned grid = 0;
+  ML_TRY(mld_prepare(what, 0, 1, out_dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows,
+                     out, o, &p, &grid));
+  if (grid == 0) return MOELINK_SUCCESS;
+  ML_TRY(mld_fp8_scales(what, a_scale, b_scale, &p));
+  p.row_scale = row_scale;
+  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  const int pdl = mld_pdl(o, stream);
+  /* fp32 output: the output dtype plays no part, one kernel serves both */
+  if (out_f32)
+    return mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 1, 1>(
+        &p, grid, MLD_K_FP8_SCALED_F32, pdl, "mld_kernel<e4m3 -> f32, scaled>", stream);
+  if (out_dt == MOELINK_DTYPE_BF16)
+    return mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 0, 1>(
+        &p, grid, MLD_K_FP8_SCALED_BF16, pdl, "mld_kernel<e4m3 -> bf16, scaled>", stream);
+  return mld_launch<MOELINK_DTYPE_F16, MLD_SCALED, 0, 1>(
+      &p, grid, MLD_K_FP8_SCALED_F16, pdl, "mld_kernel<e4m3 -> f16, scaled>", stream);
 }

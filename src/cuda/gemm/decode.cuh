@@ -31,6 +31,14 @@
  * the last CTA of the output block sums the partials in split order (so the
  * sum does not depend on which CTA came last) and stores the output.
  *
+ * FP8 operands (FP8 = 1): the same ring of 128-byte rows, now 128 e4m3
+ * values of k a row, so a stage is exactly one 128-wide k block of the
+ * scale grid (hence n and k multiples of 128). The same ldmatrix loads feed
+ * m16n8k32 e4m3 MMAs into a per-stage fp32 block sum, which is added to the
+ * running total times the block's weight scale (one per m16 fragment: its
+ * 16 weight rows sit in one 128-row scale block) and each token's activation
+ * scale (64 fp32 values that travel with the stage's token rows).
+ *
  * Programmatic dependent launch: a kernel reads nothing a previous kernel of
  * the stream may still be writing before griddepcontrol.wait, and writes
  * nothing before it either. Weights may be streamed before the wait when the
@@ -55,6 +63,11 @@
 #define MLD_X_BYTES (MLD_BN * MLD_ROW_BYTES)
 #define MLD_STAGE_BYTES (MLD_W_BYTES + MLD_X_BYTES)
 #define MLD_SMEM_BYTES (MLD_STAGES * MLD_STAGE_BYTES)
+/* FP8: the token scales of a stage follow its token rows */
+#define MLD_SCALE_BYTES (MLD_BN * 4)
+#define MLD_FP8_STAGE_BYTES (MLD_STAGE_BYTES + MLD_SCALE_BYTES)
+#define MLD_FP8_SMEM_BYTES (MLD_STAGES * MLD_FP8_STAGE_BYTES)
+#define MLD_FP8_BLOCK 128 /* k (and weight rows) per scale */
 #define MLD_W_LOADS (MLD_BM / 16) /* weight rows one thread copies a stage */
 #define MLD_X_LOADS (MLD_BN / 16)
 /* fp32 epilogue tile [MLD_BN][MLD_CS_LD]: a row stride of 132 words puts the
@@ -87,6 +100,11 @@ typedef struct mld_args {
   int passes, mblocks, splits, kt_per;
   int early;                 /* tile list and weights readable before the wait */
   int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
+  /* FP8 only: a_scale[g * as_ld + kb] for A row g, b_scale[(e * b_rblocks
+   * + weight row / 128) * kblocks + kb] */
+  const float *a_scale;
+  const float *b_scale;
+  int as_ld, kblocks, b_rblocks;
 } mld_args;
 
 /* ---- small device helpers -------------------------------------------------- */
@@ -131,10 +149,11 @@ static __device__ __forceinline__ bool mld_weight_row(int tr, int col0, int n, i
 /* 16-byte copies of one stage's weight rows (k tile kt). dst is this
  * thread's swizzled slot in row r0 of the stage; its rows are r0 + 16i,
  * which share (row & 7) and so the swizzle. Chunks past k zero-fill. */
+template <int ES>
 static __device__ __forceinline__ void mld_load_w(uint32_t dst, const char *const *wp,
                                                   uint32_t valid, int kcol, int k) {
   const int in_k = kcol < k;
-  const size_t off = in_k ? (size_t)kcol * 2 : 0;
+  const size_t off = in_k ? (size_t)kcol * ES : 0;
 #pragma unroll
   for (int i = 0; i < MLD_W_LOADS; ++i)
     ml_cp_async16(dst + (uint32_t)(i * 16 * MLD_ROW_BYTES), wp[i] + off,
@@ -143,16 +162,29 @@ static __device__ __forceinline__ void mld_load_w(uint32_t dst, const char *cons
 
 /* Token rows: rows the pass does not have are zero-filled up to a multiple
  * of 16 (one ldmatrix.x4 group) and not touched past it. */
+template <int ES>
 static __device__ __forceinline__ void mld_load_x(uint32_t dst, const char *const *xp,
                                                   uint32_t valid, uint32_t issue, int kcol,
                                                   int k) {
   const int in_k = kcol < k;
-  const size_t off = in_k ? (size_t)kcol * 2 : 0;
+  const size_t off = in_k ? (size_t)kcol * ES : 0;
 #pragma unroll
   for (int i = 0; i < MLD_X_LOADS; ++i)
     if ((issue >> i) & 1)
       ml_cp_async16(dst + (uint32_t)(i * 16 * MLD_ROW_BYTES), xp[i] + off,
                     in_k && ((valid >> i) & 1) ? 16 : 0);
+}
+
+/* FP8: the activation scales of k block kb for the rows r0 + 16 i this
+ * thread copies, into the stage's scale array dst (zeros for missing rows,
+ * nothing past the last 16-row group). */
+static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0,
+                                                       const float *const *sp, uint32_t valid,
+                                                       uint32_t issue, int kb) {
+#pragma unroll
+  for (int i = 0; i < MLD_X_LOADS; ++i)
+    if ((issue >> i) & 1)
+      ml_cp_async4(dst + (uint32_t)((r0 + 16 * i) * 4), sp[i] + kb, ((valid >> i) & 1) ? 4 : 0);
 }
 
 /* One stage: four k16 steps; per step two ldmatrix.x4 of weights, one per
@@ -199,6 +231,76 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
   }
 }
 
+/* FP8: one stage (one 128-wide k block) into blk, which it zeroes first:
+ * four k32 steps with the fragments of mld_compute_stage. */
+template <int MODE>
+static __device__ __forceinline__ void mld_compute_stage_fp8(uint32_t slot, float (*blk)[8][4],
+                                                             int nv, int np) {
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  const uint32_t a0 =
+      slot + (uint32_t)(mld_frag_row<MODE>(warp, 0) + (lane & 15)) * MLD_ROW_BYTES;
+  const uint32_t a1 =
+      slot + (uint32_t)(mld_frag_row<MODE>(warp, 1) + (lane & 15)) * MLD_ROW_BYTES;
+  const uint32_t xr =
+      slot + MLD_W_BYTES + (uint32_t)((lane & 7) + ((lane >> 4) << 3)) * MLD_ROW_BYTES;
+  const int a_x = (lane >> 4) ^ (lane & 7);
+  const int b_x = ((lane >> 3) & 1) ^ (lane & 7);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < MLD_BN / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < MLD_ROW_BYTES / 32; ++kk) {
+    uint32_t af[2][4], bf[8][2];
+    const uint32_t a_col = (uint32_t)(((2 * kk) ^ a_x) << 4);
+    const uint32_t b_col = (uint32_t)(((2 * kk) ^ b_x) << 4);
+    ml_ldmatrix_x4(a0 + a_col, af[0]);
+    ml_ldmatrix_x4(a1 + a_col, af[1]);
+#pragma unroll
+    for (int q = 0; q < MLD_BN / 16; ++q) {
+      if (q < np) {
+        uint32_t t[4];
+        ml_ldmatrix_x4(xr + (uint32_t)(q * 16 * MLD_ROW_BYTES) + b_col, t);
+        bf[2 * q][0] = t[0];
+        bf[2 * q][1] = t[1];
+        bf[2 * q + 1][0] = t[2];
+        bf[2 * q + 1][1] = t[3];
+      } else {
+        bf[2 * q][0] = bf[2 * q][1] = bf[2 * q + 1][0] = bf[2 * q + 1][1] = 0u;
+      }
+    }
+#pragma unroll
+    for (int ni = 0; ni < MLD_BN / 8; ++ni)
+      if (ni < nv) {
+        ml_mma_16832_e4m3(blk[0][ni], af[0], bf[ni]);
+        ml_mma_16832_e4m3(blk[1][ni], af[1], bf[ni]);
+      }
+  }
+}
+
+/* FP8: acc += blk x (weight scale of the fragment) x (token scale), the
+ * token scales of the stage at sx in shared memory. */
+static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[8][4], float (*blk)[8][4],
+                                                       const float *sx, const float sw[2],
+                                                       int nv) {
+  const int ft = ((int)threadIdx.x & 3) * 2;
+#pragma unroll
+  for (int ni = 0; ni < MLD_BN / 8; ++ni) {
+    if (ni >= nv) continue;
+    const float2 s = *(const float2 *)(sx + ni * 8 + ft);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const float f0 = sw[mi] * s.x, f1 = sw[mi] * s.y;
+      acc[mi][ni][0] = fmaf(blk[mi][ni][0], f0, acc[mi][ni][0]);
+      acc[mi][ni][1] = fmaf(blk[mi][ni][1], f1, acc[mi][ni][1]);
+      acc[mi][ni][2] = fmaf(blk[mi][ni][2], f0, acc[mi][ni][2]);
+      acc[mi][ni][3] = fmaf(blk[mi][ni][3], f1, acc[mi][ni][3]);
+    }
+  }
+}
+
 /* Eight fp32 values rounded to DT, stored as one 16-byte write. */
 template <int DT>
 static __device__ __forceinline__ void mld_store8(void *dst, const float *v) {
@@ -242,11 +344,16 @@ static __device__ __forceinline__ void mld_add8(float *acc, const float *src) {
 
 /* ---- the kernel ---------------------------------------------------------------- */
 
-template <int DT, int MODE, int OUT_F32>
+/* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
+ * (operands e4m3). */
+template <int DT, int MODE, int OUT_F32, int FP8>
 static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
   extern __shared__ __align__(128) char mld_smem[];
   __shared__ int s_last;
   constexpr int COLS = mld_cols<MODE>::N;
+  constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
+  constexpr int KT = MLD_ROW_BYTES / ES;            /* k of a stage */
+  constexpr int SB = FP8 ? MLD_FP8_STAGE_BYTES : MLD_STAGE_BYTES;
   const int tid = (int)threadIdx.x;
   int item = (int)blockIdx.x;
   const int pass = item % p.passes;
@@ -278,7 +385,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   rows = rows < p.rows - row0 ? rows : p.rows - row0;
 
   const int col0 = mb * COLS;
-  const int ktiles = (p.k + MLD_BK - 1) / MLD_BK;
+  const int ktiles = (p.k + KT - 1) / KT;
   const int kt0 = split * p.kt_per;
   int nkt = ktiles - kt0 < p.kt_per ? ktiles - kt0 : p.kt_per;
   nkt = nkt > 0 ? nkt : 0;
@@ -289,14 +396,14 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   const uint32_t base = ml_smem_u32(mld_smem);
 
   const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
-  const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * 2;
+  const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * ES;
   const char *wp[MLD_W_LOADS];
   uint32_t wvalid = 0;
 #pragma unroll
   for (int i = 0; i < MLD_W_LOADS; ++i) {
     int col, wrow;
     const bool ok = mld_weight_row<MODE>(r0 + 16 * i, col0, p.n, &col, &wrow);
-    wp[i] = ok ? wbase + (size_t)wrow * (size_t)p.k * 2 : wbase;
+    wp[i] = ok ? wbase + (size_t)wrow * (size_t)p.k * ES : wbase;
     wvalid |= (uint32_t)ok << i;
   }
 
@@ -305,14 +412,15 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
   for (int s = 0; s < MLD_STAGES - 1; ++s)
     if (s < nkt)
-      mld_load_w(base + (uint32_t)(s * MLD_STAGE_BYTES) + swz, wp, wvalid,
-                 (kt0 + s) * MLD_BK + c * 8, p.k);
+      mld_load_w<ES>(base + (uint32_t)(s * SB) + swz, wp, wvalid, (kt0 + s) * KT + c * (16 / ES),
+                     p.k);
   if (p.early) mld_grid_wait();
   /* Everything this grid waits for is complete: dependents may take the SMs
    * that free up (they stream their own weights until their own wait). */
   mld_grid_launch_dependents();
 
   const char *xp[MLD_X_LOADS];
+  const float *sp[MLD_X_LOADS]; /* FP8: the rows' activation scales */
   uint32_t xvalid = 0, xissue = 0;
   const int rows16 = (rows + 15) & ~15;
 #pragma unroll
@@ -321,19 +429,26 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     const int ok = t < rows;
     int g = 0;
     if (ok) g = p.a_index != NULL ? __ldcg(p.a_index + row0 + t) / p.a_div : row0 + t;
-    xp[i] = p.a + (size_t)g * (size_t)p.lda * 2;
+    xp[i] = p.a + (size_t)g * (size_t)p.lda * ES;
+    sp[i] = FP8 ? p.a_scale + (size_t)g * (size_t)p.as_ld : NULL;
     xvalid |= (uint32_t)ok << i;
     xissue |= (uint32_t)(t < rows16) << i;
   }
+  /* FP8: thread c == 0 of each row group also copies its rows' scales of the
+   * stage's k block, in the same commit group as the rows */
+  const bool scale_copier = FP8 && c == 0;
 
   /* Prologue: stages 0..STAGES-2 in flight, one commit group each; the
    * weights issued above all sit in group 0, older than any stage's tokens,
    * so "group kt complete" still means stage kt has landed. */
 #pragma unroll
   for (int s = 0; s < MLD_STAGES - 1; ++s) {
-    if (s < nkt)
-      mld_load_x(base + (uint32_t)(s * MLD_STAGE_BYTES) + MLD_W_BYTES + swz, xp, xvalid, xissue,
-                 (kt0 + s) * MLD_BK + c * 8, p.k);
+    if (s < nkt) {
+      const uint32_t slot = base + (uint32_t)(s * SB);
+      mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, (kt0 + s) * KT + c * (16 / ES),
+                     p.k);
+      if (scale_copier) mld_load_scales(slot + MLD_STAGE_BYTES, r0, sp, xvalid, xissue, kt0 + s);
+    }
     ml_cp_async_commit();
   }
 
@@ -345,6 +460,15 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
   const int nv = (rows + 7) >> 3, np = (rows + 15) >> 4;
+  /* FP8: weight scale blocks of the two m16 fragments (SwiGLU: the gate
+   * rows' and the up rows'; plain: one block holds all 128 rows) */
+  const float *swp[2] = {NULL, NULL};
+  if (FP8) {
+    const int blk0 = col0 / MLD_FP8_BLOCK;
+    const int blk1 = MODE == MLD_SWIGLU ? (p.n + col0) / MLD_FP8_BLOCK : blk0;
+    swp[0] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk0) * (size_t)p.kblocks;
+    swp[1] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
+  }
 
   int rd = 0, wr = MLD_STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
@@ -354,14 +478,24 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     __syncthreads();
     const int next = kt + MLD_STAGES - 1;
     if (next < nkt) {
-      const uint32_t slot = base + (uint32_t)(wr * MLD_STAGE_BYTES);
-      const int kcol = (kt0 + next) * MLD_BK + c * 8;
-      mld_load_w(slot + swz, wp, wvalid, kcol, p.k);
-      mld_load_x(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
+      const uint32_t slot = base + (uint32_t)(wr * SB);
+      const int kcol = (kt0 + next) * KT + c * (16 / ES);
+      mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
+      mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
+      if (scale_copier) mld_load_scales(slot + MLD_STAGE_BYTES, r0, sp, xvalid, xissue, kt0 + next);
     }
     ml_cp_async_commit();
-    if (!p.no_mma)
-      mld_compute_stage<MODE, DT>(base + (uint32_t)(rd * MLD_STAGE_BYTES), acc, nv, np);
+    const uint32_t cur = base + (uint32_t)(rd * SB);
+    if (FP8) {
+      if (!p.no_mma) {
+        const float sw[2] = {__ldg(swp[0] + kt0 + kt), __ldg(swp[1] + kt0 + kt)};
+        float blk[2][8][4];
+        mld_compute_stage_fp8<MODE>(cur, blk, nv, np);
+        mld_promote_fp8(acc, blk, (const float *)(mld_smem + rd * SB + MLD_STAGE_BYTES), sw, nv);
+      }
+    } else if (!p.no_mma) {
+      mld_compute_stage<MODE, DT>(cur, acc, nv, np);
+    }
     rd = rd + 1 == MLD_STAGES ? 0 : rd + 1;
     wr = wr + 1 == MLD_STAGES ? 0 : wr + 1;
   }

@@ -90,6 +90,32 @@ moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void *a, int ld
                                        void *out, int out_f32, const ml_decode_opts *o,
                                        cudaStream_t stream);
 
+/* FP8 operands (DeepSeek-V3's format, see moelink_moe_config_t.fp8_experts):
+ * a holds e4m3 bytes, lda a multiple of 128, and a_scale one fp32 scale per
+ * 128 elements of a row (a_scale[g * lda / 128 + kb] for row g, k block kb:
+ * moelink_quantize's FP8 layout); b holds e4m3 bytes [E][rows_of_b][k] with
+ * b_scale [E][rows_of_b / 128][k / 128] (one scale per 128 x 128 block). n
+ * and k multiples of 128. Each 128-wide k block's products are summed in fp32
+ * and added to the fp32 total times a_scale x b_scale of the block. Output,
+ * tiles, gather, row scale, splits and flags as in the bf16 launchers above;
+ * out_dt (bf16 or f16) is the output's dtype. Any row count works (the
+ * caller passes opts.splits = 1 where the layer's split scratch was not sized
+ * for it). */
+moelink_status_t ml_cuda_fp8_swiglu(moelink_dtype_t out_dt, const uint8_t *a,
+                                    const float *a_scale, int lda, const int32_t *a_index,
+                                    int a_div, const uint8_t *b, const float *b_scale, int n,
+                                    int k, const int32_t *tiles, const int32_t *num_tiles,
+                                    int max_passes, int rows, void *out, const ml_decode_opts *o,
+                                    cudaStream_t stream);
+
+moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uint8_t *a,
+                                    const float *a_scale, int lda, const uint8_t *b,
+                                    const float *b_scale, int n, int k, const int32_t *tiles,
+                                    const int32_t *num_tiles, int max_passes, int rows,
+                                    const float *row_scale, const int32_t *scale_index,
+                                    void *out, int out_f32, const ml_decode_opts *o,
+                                    cudaStream_t stream);
+
 /* The split count the policy picks for a launch (tests and benchmarks). */
 int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes, int sm_count);
 

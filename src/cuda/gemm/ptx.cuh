@@ -63,6 +63,27 @@ static __device__ __forceinline__ void ml_mma_16816(float c[4], const uint32_t a
   }
 }
 
+/* c += a * b for one 16x8x32 step of e4m3 operands, fp32 accumulate. The
+ * fragments hold four 8-bit elements per register where the 16x8x16 step
+ * holds two 16-bit ones, at the same byte positions, so the same ldmatrix
+ * loads feed both. */
+static __device__ __forceinline__ void ml_mma_16832_e4m3(float c[4], const uint32_t a[4],
+                                                         const uint32_t b[2]) {
+  asm volatile("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* 4 bytes global -> shared (through L1: small, reused values such as
+ * scales); src_bytes 4 or 0 (0 writes zeros and reads nothing). */
+static __device__ __forceinline__ void ml_cp_async4(uint32_t dst, const void *src,
+                                                    int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
 /* Two fp32 values rounded to nearest even into one 32-bit word of two DT
  * elements, lo at the lower address. */
 template <int DT>
