@@ -3,7 +3,8 @@
 # then the benchmarks. Logs and JSON go to $OUT (or ./out). At most 8 files come back from the
 # device tool, so everything is gathered into a few.
 #   scripts/gpu-check.sh [PART...]   (default all)
-# PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks),
+# PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks, fp8
+# included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs); test = gpu mgpu;
 # all = every part. Parts that need 2 GPUs are skipped on one.
@@ -80,6 +81,21 @@ if want bench; then
         --json "$OUT/json/torch_$p.json" 2>&1 | tee -a "$OUT/bench.log" || rc=1
     done
   fi
+fi
+# FP8 experts (DeepSeek-V3's e4m3 + 128x128 block scales): a check of the output against the
+# reference, then the benchmarks (weights made on the host, 16 cores: ~10 s for deepseek-v3).
+if want fp8 || want bench; then
+  log "run --fp8-experts --verify (small shape, then deepseek-v3 with 32 experts)"
+  ./"$BUILD"/moelink run --backend cuda --fp8-experts --tokens 77 --verify 2>&1 |
+    tee -a "$OUT/bench.log" || rc=1
+  ./"$BUILD"/moelink run --backend cuda --fp8-experts --preset deepseek-v3 --experts 32 \
+    --tokens 64 --verify --verify-tokens 16 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+    log "bench $p (fp8 experts)"
+    ./"$BUILD"/moelink bench --backend cuda --fp8-experts --preset "$p" \
+      --tokens "${FP8_TOKENS:-1,16,128,8192}" --json "$OUT/json/bench_fp8_$p.json" 2>&1 |
+      tee -a "$OUT/bench.log" || rc=1
+  done
 fi
 # Collectives beside NCCL's on 2 GPUs: the default SM engines, then the copy-engine all-gather.
 if want comm && [ "$NGPU" -ge 2 ]; then

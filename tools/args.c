@@ -304,9 +304,6 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   if (sh.shared_gate >= 0) c->shared_gate = sh.shared_gate;
   c->dtype = dtype;
   c->fp8_experts = fp8_experts;
-  if (fp8_experts && o->backend == MOELINK_BACKEND_CUDA)
-    cli_usage_error("--fp8-experts: the cuda backend has no FP8 expert GEMM yet (use "
-                    "--backend cpu)");
 
   if (bench) {
     if (o->ntokens == 0) {

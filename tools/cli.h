@@ -99,21 +99,27 @@ typedef struct cli_layer {
   uint64_t seed;
   double zipf;
   ref_layer host;        /* CPU: the weights. CUDA: only cfg/seed/alpha unless
-                            cli_layer_make_host ran (verification) */
+                            cli_layer_make_host ran (verification) or the
+                            experts are FP8 (made here, then copied) */
   int have_host;
   void *dev[REF_T_X];    /* CUDA device buffers, indexed by REF_T_* */
+  void *dev_scale[2];    /* CUDA, fp8_experts: gate_up and down block scales */
   moelink_moe_weights_t w; /* what set_weights gets (host or device) */
   double weight_bytes;
 } cli_layer;
 
 /* Generates the layer's weights on the context's backend: on the host with
- * ref_layer_make, on the GPU with moelink_fill_random (same values). */
+ * the reference generator, on the GPU with moelink_fill_random (same values);
+ * FP8 experts on the GPU are generated on the host and copied. */
 void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_config_t *cfg,
                     uint64_t seed, double zipf, void *stream);
 /* The host copy of a CUDA layer, for the reference; checks that the device
  * tensors hold the same values (a prefix of each). */
 void cli_layer_make_host(cli_layer *L);
 void cli_layer_free(cli_layer *L);
+/* Bytes of one routed expert's gate_up and down as stored: dtype elements, or
+ * FP8 bytes plus their fp32 block scales. */
+double cli_expert_bytes(const moelink_moe_config_t *c);
 /* x [T, H] in the layer's dtype on the host. */
 void cli_make_x(const cli_layer *L, void *x, int num_tokens);
 

@@ -1,7 +1,7 @@
 /* The layer the CLI runs: deterministic weights from the reference's
  * generator (host) or the same values made on the GPU with
- * moelink_fill_random, inputs from ref_fill_x, and verification of an output
- * against ref_forward_token. */
+ * moelink_fill_random (FP8 experts: made on the host and copied), inputs from
+ * ref_fill_x, and verification of an output against ref_forward_token. */
 #include "cli.h"
 #include "gpu.h"
 
@@ -43,6 +43,22 @@ static size_t cli_tensor_esize(const moelink_moe_config_t *c, int t) {
   return t == REF_T_BIAS ? sizeof(float) : moelink_dtype_size(c->dtype);
 }
 
+/* fp32 block scales of gate_up (t = REF_T_GATE_UP) or down: one per 128 x 128
+ * block with fp8_experts, none otherwise. */
+static size_t cli_scale_count(const moelink_moe_config_t *c, int t) {
+  if (!c->fp8_experts || (t != REF_T_GATE_UP && t != REF_T_DOWN)) return 0;
+  return cli_tensor_elems(c, t) / (128 * 128);
+}
+
+double cli_expert_bytes(const moelink_moe_config_t *c) {
+  const double E = c->num_experts > 0 ? c->num_experts : 1;
+  double b = 0.0;
+  for (int t = REF_T_GATE_UP; t <= REF_T_DOWN; ++t)
+    b += (double)cli_tensor_elems(c, t) * (double)cli_tensor_esize(c, t) +
+         (double)cli_scale_count(c, t) * sizeof(float);
+  return b / E;
+}
+
 /* The big tensors are generated where they live; the small ones on the host,
  * where the router's zipf skew is applied, then copied. */
 static int cli_tensor_is_big(int t) {
@@ -66,40 +82,89 @@ static void cli_host_make(cli_layer *L) {
   char b[32];
   double t0 = cli_now();
   int note = L->weight_bytes >= CLI_NOTE_BYTES;
+  size_t pieces = 0;
   cli_fmt_bytes(L->weight_bytes, b, sizeof b);
   if (note) {
     fprintf(stderr, "weights: generating %s on the host...\n", b);
     fflush(stderr);
   }
-  if (ref_layer_make(&L->host, &L->cfg, L->seed, L->zipf) != 0)
+  if (ref_layer_begin(&L->host, &L->cfg, L->seed, L->zipf, &pieces) != 0)
     cli_fail("could not make the host weights (%s): out of memory or a config the reference "
              "does not handle",
              b);
+  /* FP8 experts are encoded piece by piece (128 rows of one matrix), on every
+   * core: the single-threaded generator would take minutes on DeepSeek-V3. */
+  if (pieces > 0) {
+    cli_progress p;
+    int failed = 0;
+    long long done = 0;
+    cli_progress_start(&p, "fp8 experts");
+#pragma omp parallel for schedule(dynamic, 1)
+    for (long long i = 0; i < (long long)pieces; ++i) {
+      if (ref_layer_fp8_piece(&L->host, (size_t)i) != 0) {
+#pragma omp atomic write
+        failed = 1;
+      }
+      long long d;
+#pragma omp atomic capture
+      d = ++done;
+#ifdef _OPENMP
+      if (omp_get_thread_num() == 0)
+#endif
+        cli_progress_update(&p, (double)d, (double)pieces, "pieces");
+    }
+    cli_progress_end(&p);
+    if (failed) {
+      ref_layer_free(&L->host);
+      cli_fail("could not make the host weights (%s): out of memory", b);
+    }
+  }
   L->have_host = 1;
   if (note) fprintf(stderr, "weights: done in %.1f s\n", cli_now() - t0);
 }
 
-void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_config_t *cfg,
-                    uint64_t seed, double zipf, void *stream) {
-  moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
-  memset(L, 0, sizeof *L);
-  L->cfg = *cfg;
-  L->backend = moelink_context_backend(ctx);
-  L->seed = seed;
-  L->zipf = zipf;
-  /* Without host weights, host.cfg/seed/zipf_alpha still serve ref_fill_x. */
-  L->host.cfg = *cfg;
-  L->host.seed = seed;
-  L->host.zipf_alpha = zipf;
-  for (int t = REF_T_ROUTER; t < REF_T_X; ++t)
-    L->weight_bytes += (double)cli_tensor_elems(cfg, t) * (double)cli_tensor_esize(cfg, t);
-
-  if (L->backend == MOELINK_BACKEND_CPU) {
-    cli_host_make(L);
-    L->w = L->host.w;
-    return;
+/* FP8 experts cannot be made by moelink_fill_random: the whole layer comes
+ * from the host generator (the values the CPU backend and --verify use) and
+ * is copied, the block scales too. The host copy stays for verification. */
+static void cli_device_from_host(cli_layer *L) {
+  const moelink_moe_config_t *cfg = &L->cfg;
+  cli_host_make(L);
+  char b[32];
+  double t0 = cli_now();
+  int note = L->weight_bytes >= CLI_NOTE_BYTES;
+  cli_fmt_bytes(L->weight_bytes, b, sizeof b);
+  if (note) {
+    fprintf(stderr, "weights: copying %s to the GPU...\n", b);
+    fflush(stderr);
   }
+  for (int t = REF_T_ROUTER; t < REF_T_X; ++t) {
+    size_t n = cli_tensor_elems(cfg, t), esz = cli_tensor_esize(cfg, t);
+    if (n == 0) continue;
+    if (gpu_malloc(&L->dev[t], n * esz, cli_tensor_names[t]) != 0 ||
+        gpu_h2d(L->dev[t], cli_host_tensor(&L->host, t), n * esz) != 0)
+      cli_fail("%s", gpu_error());
+  }
+  const float *hs[2] = {L->host.gate_up_scale, L->host.down_scale};
+  for (int m = 0; m < 2; ++m) {
+    size_t n = cli_scale_count(cfg, REF_T_GATE_UP + m);
+    if (n == 0) continue;
+    if (gpu_malloc(&L->dev_scale[m], n * sizeof(float),
+                   m ? "down scales" : "gate_up scales") != 0 ||
+        gpu_h2d(L->dev_scale[m], hs[m], n * sizeof(float)) != 0)
+      cli_fail("%s", gpu_error());
+  }
+  /* Pageable copies may still be landing when cudaMemcpy returns; the
+   * forward runs on another stream. */
+  if (gpu_stream_sync(NULL) != 0) cli_fail("copying weights to the GPU: %s", gpu_error());
+  if (note) fprintf(stderr, "weights: copied in %.1f s\n", cli_now() - t0);
+}
 
+/* The dtype layer on the GPU: big tensors generated there, small ones on the
+ * host (where the router's skew is applied) and copied. */
+static void cli_device_make(cli_layer *L, moelink_context_t ctx, void *stream) {
+  const moelink_moe_config_t *cfg = &L->cfg;
+  const uint64_t seed = L->seed;
+  const double zipf = L->zipf;
   moelink_context_t hctx = NULL;
   moelink_context_config_t hc = MOELINK_CONTEXT_CONFIG_INIT;
   hc.num_threads = 1; /* small tensors only */
@@ -123,6 +188,33 @@ void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_confi
   }
   if (gpu_stream_sync(stream) != 0) cli_fail("generating weights on the GPU: %s", gpu_error());
   moelink_context_destroy(hctx);
+}
+
+void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_config_t *cfg,
+                    uint64_t seed, double zipf, void *stream) {
+  moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
+  memset(L, 0, sizeof *L);
+  L->cfg = *cfg;
+  L->backend = moelink_context_backend(ctx);
+  L->seed = seed;
+  L->zipf = zipf;
+  /* Without host weights, host.cfg/seed/zipf_alpha still serve ref_fill_x. */
+  L->host.cfg = *cfg;
+  L->host.seed = seed;
+  L->host.zipf_alpha = zipf;
+  for (int t = REF_T_ROUTER; t < REF_T_X; ++t)
+    L->weight_bytes += (double)cli_tensor_elems(cfg, t) * (double)cli_tensor_esize(cfg, t) +
+                       (double)cli_scale_count(cfg, t) * sizeof(float);
+
+  if (L->backend == MOELINK_BACKEND_CPU) {
+    cli_host_make(L);
+    L->w = L->host.w;
+    return;
+  }
+  if (cfg->fp8_experts)
+    cli_device_from_host(L);
+  else
+    cli_device_make(L, ctx, stream);
 
   w.dtype = cfg->dtype;
   w.router = L->dev[REF_T_ROUTER];
@@ -132,6 +224,8 @@ void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_confi
   w.shared_gate_up = L->dev[REF_T_SH_GATE_UP];
   w.shared_down = L->dev[REF_T_SH_DOWN];
   w.shared_gate = L->dev[REF_T_SH_GATE];
+  w.gate_up_scale = (const float *)L->dev_scale[0];
+  w.down_scale = (const float *)L->dev_scale[1];
   L->w = w;
 }
 
@@ -162,6 +256,10 @@ void cli_layer_free(cli_layer *L) {
   for (int t = 0; t < REF_T_X; ++t) {
     gpu_free(L->dev[t]);
     L->dev[t] = NULL;
+  }
+  for (int m = 0; m < 2; ++m) {
+    gpu_free(L->dev_scale[m]);
+    L->dev_scale[m] = NULL;
   }
 }
 

@@ -71,7 +71,22 @@ static int ref_fill(moelink_context_t ctx, moelink_dtype_t dt, void *p, size_t n
   return moelink_fill_random(ctx, dt, p, n, seed, scale, 0.0f, NULL) == MOELINK_SUCCESS ? 0 : -1;
 }
 
-int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha) {
+/* FP8 experts are generated a piece at a time (128 rows of one expert's
+ * gate_up or down), never as a whole dtype tensor: DeepSeek-V3's 11 G
+ * elements would need 22 GB in bf16 next to their 11 GB of bytes. */
+#define REF_GEN_BLOCK 128
+
+/* Rows of gate_up and of down in one expert, in pieces of 128. */
+static size_t ref_gen_pieces_gu(const moelink_moe_config_t *c) {
+  return (size_t)(2 * c->inter / REF_GEN_BLOCK);
+}
+static size_t ref_gen_pieces_per_expert(const moelink_moe_config_t *c) {
+  return ref_gen_pieces_gu(c) + (size_t)(c->hidden / REF_GEN_BLOCK);
+}
+
+int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
+                    double zipf_alpha, size_t *pieces) {
+  if (pieces) *pieces = 0;
   if (!L) return -1;
   memset(L, 0, sizeof *L);
   if (!cfg || cfg->hidden <= 0 || cfg->inter <= 0 || cfg->num_experts <= 0 ||
@@ -80,6 +95,7 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   if (cfg->dtype != MOELINK_DTYPE_F32 && cfg->dtype != MOELINK_DTYPE_BF16 &&
       cfg->dtype != MOELINK_DTYPE_F16)
     return -1;
+  if (cfg->fp8_experts && (cfg->hidden % REF_GEN_BLOCK || cfg->inter % REF_GEN_BLOCK)) return -1;
   L->cfg = *cfg;
   L->seed = seed;
   L->zipf_alpha = zipf_alpha;
@@ -89,11 +105,19 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   const size_t Is = (size_t)cfg->shared_inter;
   const size_t n_router = E * H, n_gate_up = E * 2 * I * H, n_down = E * H * I;
   const size_t n_sh_gate_up = 2 * Is * H, n_sh_down = H * Is;
+  /* FP8: one byte per weight, one fp32 scale per 128 x 128 block. */
+  const size_t ees = cfg->fp8_experts ? 1 : es;
+  const size_t blk = (size_t)REF_GEN_BLOCK * REF_GEN_BLOCK;
 
   L->router = malloc(n_router * es);
-  L->gate_up = malloc(n_gate_up * es);
-  L->down = malloc(n_down * es);
+  L->gate_up = malloc(n_gate_up * ees);
+  L->down = malloc(n_down * ees);
   if (!L->router || !L->gate_up || !L->down) goto fail;
+  if (cfg->fp8_experts) {
+    L->gate_up_scale = malloc(sizeof(float) * (n_gate_up / blk));
+    L->down_scale = malloc(sizeof(float) * (n_down / blk));
+    if (!L->gate_up_scale || !L->down_scale) goto fail;
+  }
   if (Is > 0) {
     L->shared_gate_up = malloc(n_sh_gate_up * es);
     L->shared_down = malloc(n_sh_down * es);
@@ -113,10 +137,12 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   int bad = 0;
   bad |= ref_fill(ctx, dt, L->router, n_router, ref_tensor_seed(seed, REF_T_ROUTER),
                   ref_tensor_scale(cfg, REF_T_ROUTER));
-  bad |= ref_fill(ctx, dt, L->gate_up, n_gate_up, ref_tensor_seed(seed, REF_T_GATE_UP),
-                  ref_tensor_scale(cfg, REF_T_GATE_UP));
-  bad |= ref_fill(ctx, dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN),
-                  ref_tensor_scale(cfg, REF_T_DOWN));
+  if (!cfg->fp8_experts) {
+    bad |= ref_fill(ctx, dt, L->gate_up, n_gate_up, ref_tensor_seed(seed, REF_T_GATE_UP),
+                    ref_tensor_scale(cfg, REF_T_GATE_UP));
+    bad |= ref_fill(ctx, dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN),
+                    ref_tensor_scale(cfg, REF_T_DOWN));
+  }
   if (Is > 0) {
     bad |= ref_fill(ctx, dt, L->shared_gate_up, n_sh_gate_up,
                     ref_tensor_seed(seed, REF_T_SH_GATE_UP), ref_tensor_scale(cfg, REF_T_SH_GATE_UP));
@@ -133,29 +159,6 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   if (bad) goto fail;
 
   ref_apply_skew(cfg, L->router, zipf_alpha);
-  /* FP8 experts: the generated values become e4m3 bytes and block scales. */
-  if (cfg->fp8_experts && (cfg->hidden % 128 || cfg->inter % 128)) goto fail;
-  if (cfg->fp8_experts) {
-    void **mats[2] = {&L->gate_up, &L->down};
-    float **scales[2] = {&L->gate_up_scale, &L->down_scale};
-    const int rows[2] = {2 * (int)I, (int)H}, cols[2] = {(int)H, (int)I};
-    for (int m = 0; m < 2; ++m) {
-      const size_t per = (size_t)rows[m] * (size_t)cols[m], nsc = per / (128 * 128);
-      uint8_t *q = malloc(per * E);
-      float *sc = malloc(sizeof(float) * nsc * E);
-      if (!q || !sc) {
-        free(q);
-        free(sc);
-        goto fail;
-      }
-      for (size_t e = 0; e < E; ++e)
-        ref_fp8_quantize(dt, (const char *)*mats[m] + e * per * es, rows[m], cols[m],
-                         q + e * per, sc + e * nsc);
-      free(*mats[m]);
-      *mats[m] = q;
-      *scales[m] = sc;
-    }
-  }
 
   moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
   w.dtype = dt;
@@ -169,11 +172,72 @@ int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
   w.gate_up_scale = L->gate_up_scale;
   w.down_scale = L->down_scale;
   L->w = w;
+  if (pieces && cfg->fp8_experts) *pieces = E * ref_gen_pieces_per_expert(cfg);
   return 0;
 
 fail:
   ref_layer_free(L);
   return -1;
+}
+
+int ref_layer_fp8_piece(const ref_layer *L, size_t p) {
+  if (!L || !L->cfg.fp8_experts || !L->gate_up || !L->down) return -1;
+  const moelink_moe_config_t *c = &L->cfg;
+  const size_t per_expert = ref_gen_pieces_per_expert(c), gu = ref_gen_pieces_gu(c);
+  if (p >= (size_t)c->num_experts * per_expert) return -1;
+  const size_t e = p / per_expert, j = p % per_expert;
+  const int down = j >= gu;
+  const int tensor = down ? REF_T_DOWN : REF_T_GATE_UP;
+  const size_t rows = down ? (size_t)c->hidden : 2 * (size_t)c->inter;
+  const size_t cols = down ? (size_t)c->inter : (size_t)c->hidden;
+  const size_t br = down ? j - gu : j, nb = cols / REF_GEN_BLOCK;
+  const uint64_t ts = ref_tensor_seed(L->seed, tensor);
+  const float scale = ref_tensor_scale(c, tensor);
+  uint8_t *q = (uint8_t *)(down ? L->down : L->gate_up) + e * rows * cols;
+  float *sc = (down ? L->down_scale : L->gate_up_scale) +
+              e * (rows / REF_GEN_BLOCK) * nb + br * nb;
+  /* One 128 x 128 block at a time, generated as moelink_fill_random would
+   * (moelink_random_value rounded to nearest even, as ref_store does) and
+   * quantized by ref_fp8_quantize: the bytes and scale of quantizing the
+   * whole dtype tensor. */
+  const size_t es = moelink_dtype_size(c->dtype);
+  void *v = malloc(es * REF_GEN_BLOCK * REF_GEN_BLOCK);
+  uint8_t *qb = malloc((size_t)REF_GEN_BLOCK * REF_GEN_BLOCK);
+  if (!v || !qb) {
+    free(v);
+    free(qb);
+    return -1;
+  }
+  for (size_t bc = 0; bc < nb; ++bc) {
+    for (size_t r = 0; r < REF_GEN_BLOCK; ++r) {
+      const size_t i0 = e * rows * cols + (br * REF_GEN_BLOCK + r) * cols + bc * REF_GEN_BLOCK;
+      for (size_t k = 0; k < REF_GEN_BLOCK; ++k)
+        ref_store(c->dtype, v, r * REF_GEN_BLOCK + k,
+                  (double)moelink_random_value(ts, i0 + k, scale, 0.0f));
+    }
+    ref_fp8_quantize(c->dtype, v, REF_GEN_BLOCK, REF_GEN_BLOCK, qb, &sc[bc]);
+    for (size_t r = 0; r < REF_GEN_BLOCK; ++r)
+      memcpy(q + (br * REF_GEN_BLOCK + r) * cols + bc * REF_GEN_BLOCK, qb + r * REF_GEN_BLOCK,
+             REF_GEN_BLOCK);
+  }
+  free(v);
+  free(qb);
+  return 0;
+}
+
+int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha) {
+  size_t pieces = 0;
+  if (ref_layer_begin(L, cfg, seed, zipf_alpha, &pieces) != 0) return -1;
+  int bad = 0;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : bad)
+#endif
+  for (size_t p = 0; p < pieces; ++p) bad |= ref_layer_fp8_piece(L, p) != 0;
+  if (bad) {
+    ref_layer_free(L);
+    return -1;
+  }
+  return 0;
 }
 
 void ref_fill_x(const ref_layer *L, void *x, int num_tokens, uint64_t seed) {

@@ -362,7 +362,9 @@ static void ref_mlp(moelink_dtype_t dt, int H, int inter, const double *x, const
 #define REF_FP8_BLOCK 128
 
 /* fp32 -> e4m3fn byte: round to nearest even, saturating at +-448 (infinity
- * too), NaN as 0x7f. Worked out on doubles with rint/frexp. */
+ * too), NaN as 0x7f. Normal results are cut from the fp32 bits (generating a
+ * large FP8 layer encodes billions of values); the result is the same as
+ * rint(a * 2^(3 - exponent)) worked out in double, checked on every fp32. */
 static uint8_t ref_e4m3_bits(float f) {
   if (isnan(f)) return 0x7f;
   const uint8_t sign = signbit(f) ? 0x80 : 0x00;
@@ -374,15 +376,15 @@ static uint8_t ref_e4m3_bits(float f) {
      * code as it stands. */
     return (uint8_t)(sign | (uint8_t)rint(a * 512.0));
   }
-  int e2;
-  (void)frexp(a, &e2); /* a in [2^(e2-1), 2^e2) */
-  int unbiased = e2 - 1;
-  double m = rint(ldexp(a, 3 - unbiased)); /* in [8, 16] */
-  if (m >= 16.0) {
-    m = 8.0;
-    ++unbiased;
-  }
-  return (uint8_t)(sign | (uint8_t)((unbiased + 7) << 3) | (uint8_t)(m - 8.0));
+  /* |f| in [2^-6, 448): fp32 exponent field 121..135, 23 mantissa bits of
+   * which e4m3 keeps 3. Rounding the dropped 20 to nearest even may carry
+   * into the exponent, which is then the right code; the fp32 bias 127 is
+   * e4m3's 7 plus 120. */
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  u &= 0x7fffffffu;
+  const uint32_t r = (u + 0x7ffffu + ((u >> 20) & 1u)) >> 20;
+  return (uint8_t)(sign | (uint8_t)(r - (120u << 3)));
 }
 
 /* v[0, n) = dequantize(quantize(v)) per 128 elements, by the definition: the
@@ -468,21 +470,23 @@ uint8_t ref_e4m3_encode(float f) { return ref_e4m3_bits(f); }
 void ref_fp8_quantize(moelink_dtype_t dtype, const void *w, int rows, int cols, uint8_t *q,
                       float *sc) {
   const int nb = cols / 128;
+  float v[128 * 128]; /* one block, decoded once for its amax and its bytes */
   for (int br = 0; br < rows / 128; ++br)
     for (int bc = 0; bc < nb; ++bc) {
       float amax = 0.0f;
-      for (int r = br * 128; r < (br + 1) * 128; ++r)
-        for (int c = bc * 128; c < (bc + 1) * 128; ++c) {
-          const float a = fabsf((float)ref_load(dtype, w, (size_t)r * cols + c));
+      for (int r = 0; r < 128; ++r)
+        for (int c = 0; c < 128; ++c) {
+          const float x = (float)ref_load(dtype, w, (size_t)(br * 128 + r) * cols + bc * 128 + c);
+          const float a = fabsf(x);
+          v[r * 128 + c] = x;
           if (a > amax) amax = a;
         }
       const float s = amax / 448.0f;
       sc[(size_t)br * nb + bc] = s;
-      for (int r = br * 128; r < (br + 1) * 128; ++r)
-        for (int c = bc * 128; c < (bc + 1) * 128; ++c) {
-          const size_t i = (size_t)r * cols + c;
-          q[i] = s > 0.0f ? ref_e4m3_bits((float)ref_load(dtype, w, i) / s) : 0;
-        }
+      for (int r = 0; r < 128; ++r)
+        for (int c = 0; c < 128; ++c)
+          q[(size_t)(br * 128 + r) * cols + bc * 128 + c] =
+              s > 0.0f ? ref_e4m3_bits(v[r * 128 + c] / s) : 0;
     }
 }
 

@@ -97,6 +97,17 @@ float ref_tensor_scale(const moelink_moe_config_t *cfg, int tensor);
 
 /* Allocates and fills a layer. Returns 0, or -1 (out of memory / bad cfg). */
 int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha);
+/* ref_layer_make in two steps, for callers that spread FP8 experts over
+ * threads. ref_layer_begin does all of it but, with cfg->fp8_experts, the
+ * routed experts' bytes and scales (allocated, not written), and sets
+ * *pieces (NULL: not wanted) to how many pieces they come in (0 without
+ * fp8_experts). ref_layer_fp8_piece writes piece p < *pieces: 128 rows of one
+ * expert's gate_up or down and their scales, as ref_layer_make would; distinct
+ * pieces may be written at the same time. Both return 0, or -1 (begin: as
+ * ref_layer_make, L freed; piece: out of memory or p out of range). */
+int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed,
+                    double zipf_alpha, size_t *pieces);
+int ref_layer_fp8_piece(const ref_layer *L, size_t p);
 void ref_layer_free(ref_layer *L);
 
 /* Fills x [T, H] (cfg dtype) for a layer; token t's values depend only on

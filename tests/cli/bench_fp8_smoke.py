@@ -1,0 +1,53 @@
+"""`moelink bench` and `moelink run` with --fp8-experts on the CPU backend: the
+bench exits 0 and its JSON records fp8_experts (1 with the flag, 0 without)
+with one row per token count; run verifies an f16 layer of odd shape whose
+FP8 experts the CLI generates on all cores; a hidden size that is not a
+multiple of 128 is a usage error (exit 2).
+
+usage: bench_fp8_smoke.py MOELINK_EXE JSON_PATH"""
+import json
+import os
+import subprocess
+import sys
+
+exe, path = sys.argv[1], sys.argv[2]
+shape = ["--hidden", "384", "--inter", "128", "--experts", "7", "--topk", "3"]
+tokens = [3, 19]
+
+
+def bench(extra):
+    if os.path.exists(path):
+        os.remove(path)
+    cmd = [exe, "bench", "--backend", "cpu", *shape, "--tokens", ",".join(map(str, tokens)),
+           "--iters", "1", "--warmup", "0", "--json", path, *extra]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                       timeout=120)
+    sys.stdout.write(p.stdout)
+    sys.stderr.write(p.stderr)
+    assert p.returncode == 0, f"{cmd}: exit code {p.returncode}"
+    with open(path) as f:
+        d = json.load(f)
+    assert d["tool"] == "moelink bench" and d["backend"] == "cpu", d
+    c = d["config"]
+    assert (c["hidden"], c["inter"], c["experts"], c["top_k"]) == (384, 128, 7, 3), c
+    assert [r["tokens"] for r in d["rows"]] == tokens, d["rows"]
+    for r in d["rows"]:
+        assert r["median_ms"] > 0, r
+    return c
+
+
+assert bench(["--fp8-experts"])["fp8_experts"] == 1
+assert bench([])["fp8_experts"] == 0
+
+p = subprocess.run([exe, "run", "--backend", "cpu", *shape, "--dtype", "f16", "--fp8-experts",
+                    "--tokens", "19", "--verify"], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True, timeout=120)
+sys.stdout.write(p.stdout)
+sys.stderr.write(p.stderr)
+assert p.returncode == 0 and "PASS" in p.stdout, p.returncode
+assert "(experts fp8)" in p.stdout and "f16" in p.stdout, p.stdout
+
+p = subprocess.run([exe, "run", "--fp8-experts", "--hidden", "200"], stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True, timeout=60)
+assert p.returncode == 2 and "128" in p.stderr, (p.returncode, p.stderr)
+print("ok")
