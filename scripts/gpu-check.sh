@@ -8,6 +8,7 @@
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs); test = gpu mgpu;
 # all = every part. Parts that need 2 GPUs are skipped on one.
+# BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -37,7 +38,7 @@ if ! pkg-config --exists openblas 2>/dev/null && [ -d .debs ]; then
 fi
 log "configure + build ($BUILD, -j$JOBS)"
 if ! { cmake -S . -B "$BUILD" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${ML_CMAKE_FLAGS:-} &&
-       cmake --build "$BUILD" -j "$JOBS"; } >"$OUT/build.log" 2>&1; then
+       cmake --build "$BUILD" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS}; } >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   log "BUILD FAILED"
   exit 1
