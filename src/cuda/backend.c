@@ -197,7 +197,9 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->vals_in = ml_cu_take(&cur, P * sizeof(int32_t));
   L->vals_out = ml_cu_take(&cur, P * sizeof(int32_t));
   L->sort_tmp = ml_cu_take(&cur, L->sort_tmp_bytes);
-  L->h = ml_cu_take(&cur, P * I * ds);
+  /* fp8_experts: h stays fp32 until it is quantized (what the layer's
+   * definition and the CPU backend do) */
+  L->h = ml_cu_take(&cur, P * I * (cfg->fp8_experts ? sizeof(float) : ds));
   L->y = ml_cu_take(&cur, P * H * ds);
   L->sh_h = ml_cu_take(&cur, Is > 0 ? T * Is * ds : 0);
   L->sh_out = ml_cu_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
@@ -391,8 +393,8 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
 }
 
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
- * the SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and both
- * GEMMs read e4m3 operands (gemm/decode.h). One kernel family serves every
+ * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
+ * both GEMMs read e4m3 operands (gemm/decode.h). One kernel family serves every
  * batch size; past the decode threshold the layer's split-K scratch was not
  * sized for it, so the policy is told to use one split. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
@@ -412,13 +414,13 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1;
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
-  ML_TRY(ml_cuda_fp8_swiglu(cfg->dtype, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,
+  ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,
                             cfg->top_k, (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                             cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles, passes, pairs,
                             m->h, &o, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
-  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, m->h, pairs, cfg->inter, m->hq, m->hs,
-                          sms, st));
+  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
+                          m->hs, sms, st));
   /* the plan was complete before the gate/up GEMM let anything start */
   o.flags |= ML_DECODE_PLAN_EARLY;
   ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,

@@ -133,7 +133,7 @@ enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16
        MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32,
        /* FP8 operands, output dtype as named */
        MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
-       MLD_K_FP8_SCALED_F32, MLD_K_COUNT };
+       MLD_K_FP8_SCALED_F32, MLD_K_FP8_SWIGLU_F32, MLD_K_COUNT };
 #define MLD_MAX_DEVICES 64
 static unsigned char mld_smem_ready[MLD_MAX_DEVICES][MLD_K_COUNT];
 
@@ -191,9 +191,10 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
                                     mld_args *p, unsigned *grid) {
   *grid = 0;
   if (o == NULL) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: options are NULL", what);
-  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
-                   moelink_dtype_name(dt));
+  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16 &&
+      !(fp8 && swiglu && dt == MOELINK_DTYPE_F32))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16%s)", what,
+                   moelink_dtype_name(dt), fp8 && swiglu ? ", or f32 out" : "");
   if (n < 0 || k < 0 || lda < k || rows < 0)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
                    "%s: n %d, k %d, lda %d, rows %d (need n, k, rows >= 0, lda >= k)", what, n, k,
@@ -374,6 +375,9 @@ extern "C" moelink_status_t ml_cuda_fp8_swiglu(moelink_dtype_t out_dt, const uin
   p.a_index = a_index;
   p.a_div = a_index != NULL ? a_div : 1;
   const int pdl = mld_pdl(o, stream);
+  if (out_dt == MOELINK_DTYPE_F32)
+    return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 1, 1>(
+        &p, grid, MLD_K_FP8_SWIGLU_F32, pdl, "mld_kernel<e4m3 -> f32, swiglu>", stream);
   if (out_dt == MOELINK_DTYPE_BF16)
     return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 0, 1>(
         &p, grid, MLD_K_FP8_SWIGLU_BF16, pdl, "mld_kernel<e4m3 -> bf16, swiglu>", stream);

@@ -470,6 +470,15 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     swp[1] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
   }
 
+  /* FP8: the weight scales of a stage are loaded a stage ahead (a load
+   * issued just before the promotion that needs it would stall every stage
+   * for a round trip to L2) */
+  float sw_next[2] = {0.0f, 0.0f};
+  if (FP8 && nkt > 0) {
+    sw_next[0] = __ldg(swp[0] + kt0);
+    sw_next[1] = __ldg(swp[1] + kt0);
+  }
+
   int rd = 0, wr = MLD_STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
     ml_cp_async_wait<MLD_STAGES - 2>();
@@ -487,8 +496,12 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     ml_cp_async_commit();
     const uint32_t cur = base + (uint32_t)(rd * SB);
     if (FP8) {
+      const float sw[2] = {sw_next[0], sw_next[1]};
+      if (kt + 1 < nkt) {
+        sw_next[0] = __ldg(swp[0] + kt0 + kt + 1);
+        sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
+      }
       if (!p.no_mma) {
-        const float sw[2] = {__ldg(swp[0] + kt0 + kt), __ldg(swp[1] + kt0 + kt)};
         float blk[2][8][4];
         mld_compute_stage_fp8<MODE>(cur, blk, nv, np);
         mld_promote_fp8(acc, blk, (const float *)(mld_smem + rd * SB + MLD_STAGE_BYTES), sw, nv);

@@ -98,7 +98,8 @@ moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void *a, int ld
  * and k multiples of 128. Each 128-wide k block's products are summed in fp32
  * and added to the fp32 total times a_scale x b_scale of the block. Output,
  * tiles, gather, row scale, splits and flags as in the bf16 launchers above;
- * out_dt (bf16 or f16) is the output's dtype. Any row count works (the
+ * out_dt (bf16 or f16; for ml_cuda_fp8_swiglu also f32) is the output's
+ * dtype. Any row count works (the
  * caller passes opts.splits = 1 where the layer's split scratch was not sized
  * for it). */
 moelink_status_t ml_cuda_fp8_swiglu(moelink_dtype_t out_dt, const uint8_t *a,
