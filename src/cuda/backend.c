@@ -394,9 +394,8 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
 
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
  * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
- * both GEMMs read e4m3 operands (gemm/decode.h). One kernel family serves every
- * batch size; past the decode threshold the layer's split-K scratch was not
- * sized for it, so the policy is told to use one split. */
+ * both GEMMs read e4m3 operands: the decode kernels for small batches (as in
+ * bf16), the sm_90a FP8 kernel past them. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights,
                                          void *y, cudaStream_t st) {
@@ -410,8 +409,22 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms,
                           st));
+  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
+    ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
+                                   (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
+                                   cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
+                                   plan->max_tiles, pairs, (float *)m->h, st));
+    ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
+    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter,
+                            m->hq, m->hs, sms, st));
+    ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
+                                   (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
+                                   cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles,
+                                   pairs, weights, weights ? plan->sorted_pairs : NULL, y, 0,
+                                   st));
+    return ml_cu_step(st, "routed down GEMM (fp8)");
+  }
   ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
-  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1;
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
   ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,

@@ -69,6 +69,28 @@ moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
                                      const float *row_scale, const int32_t *scale_index,
                                      void *out, int out_f32, cudaStream_t stream);
 
+/* FP8 operands (the formats of gemm/decode.h's ml_cuda_fp8_swiglu /
+ * ml_cuda_fp8_scaled: e4m3 A with an fp32 scale per 128 of a row, e4m3 B with
+ * one per 128 x 128 block; n, k, lda multiples of 128) for batches past the
+ * decode path: the sm_90a FP8 kernel (gemm/sm90.cuh), or where it cannot run
+ * the decode kernel with one split. rows is the problem's row count (dense:
+ * the rows; tiled: the bound on the rows the tiles name). The SwiGLU output is
+ * fp32 [rows, n] (the FP8 layer quantizes it next); the scaled output is
+ * out_dt or fp32 (out_f32). */
+moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda,
+                                         const int32_t *a_index, int a_div, const uint8_t *b,
+                                         const float *b_scale, int n, int k,
+                                         const int32_t *tiles, const int32_t *num_tiles,
+                                         int max_tiles, int rows, float *out,
+                                         cudaStream_t stream);
+moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
+                                         const float *a_scale, int lda, const uint8_t *b,
+                                         const float *b_scale, int n, int k,
+                                         const int32_t *tiles, const int32_t *num_tiles,
+                                         int max_tiles, int rows, const float *row_scale,
+                                         const int32_t *scale_index, void *out, int out_f32,
+                                         cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

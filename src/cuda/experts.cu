@@ -16,6 +16,7 @@
  * device (no host round trip, graph capturable). blockIdx.x varies fastest,
  * so CTAs resident together share a column block of the weights. */
 #include "cuda/cuda.h"
+#include "cuda/gemm/decode.h"
 #include "cuda/gemm/epilogue.cuh"
 #include "cuda/gemm/sm90.cuh"
 #include "cuda/gemm/sm90_engine.cuh"
@@ -23,6 +24,7 @@
 
 #include <cudaTypedefs.h>
 #include <stdint.h>
+#include <string.h>
 
 /* 64 x 128 x 64 tiles, 4 warps of 32 x 64, 3 stages: 72 KiB of shared memory,
  * three CTAs per SM. For SwiGLU the 128 B rows are 64 gate/up column pairs,
@@ -99,7 +101,8 @@ static __global__ void __launch_bounds__(ml_xs::THREADS)
 enum { ML_K_SWIGLU_BF16, ML_K_SWIGLU_F16, ML_K_SCALED_BF16, ML_K_SCALED_BF16_F32,
        ML_K_SCALED_F16, ML_K_SCALED_F16_F32,
        ML_K_SM90, /* 6 sm_90a kernels from here: see ml_sm90_which */
-       ML_K_COUNT = ML_K_SM90 + 6 };
+       ML_K_SM90_FP8 = ML_K_SM90 + 6, /* 4 FP8 ones: see ml_sm90_which */
+       ML_K_COUNT = ML_K_SM90_FP8 + 4 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
 
@@ -235,22 +238,26 @@ static moelink_status_t ml_sm90_encoder(PFN_cuTensorMapEncodeTiled_v12000 *fn) {
 #define ML_SM90_MAX_EXPERTS 65536
 
 /* The 4D map {k, j_rows, halves, experts} of B = [E][halves * j_rows][k]
- * with boxes {64, box_rows, halves, 1} in the 128-byte swizzle. */
+ * with boxes {128 bytes of k, box_rows, halves, 1} in the 128-byte swizzle.
+ * dt F32 stands for e4m3 bytes (the FP8 kernel: 128 k a box). */
 static moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
                                       int j_rows, int halves, int experts, int box_rows,
                                       const char *what) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
   ML_TRY(ml_sm90_encoder(&encode));
-  const cuuint64_t row = (cuuint64_t)k * 2;
+  const int fp8 = dt == MOELINK_DTYPE_F32;
+  const cuuint64_t row = (cuuint64_t)k * (fp8 ? 1 : 2);
   cuuint64_t dims[4] = {(cuuint64_t)k, (cuuint64_t)j_rows, (cuuint64_t)halves,
                         (cuuint64_t)experts};
   cuuint64_t strides[3] = {row, row * (cuuint64_t)j_rows,
                            row * (cuuint64_t)j_rows * (cuuint64_t)halves};
-  cuuint32_t box[4] = {ML_SM90_BK, (cuuint32_t)box_rows, (cuuint32_t)halves, 1};
+  cuuint32_t box[4] = {fp8 ? 128u : (cuuint32_t)ML_SM90_BK, (cuuint32_t)box_rows,
+                       (cuuint32_t)halves, 1};
   cuuint32_t unit[4] = {1, 1, 1, 1};
   CUresult r = encode(map,
-                      dt == MOELINK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                               : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      fp8                        ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                      : dt == MOELINK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                       4, (void *)b, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -271,19 +278,26 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
   return (unsigned)(items < sms ? items : sms);
 }
 
-/* Slot of an sm_90a kernel in ml_gemm_smem_ready. */
-template <int DT, int MODE, int OUT_F32> static int ml_sm90_which(void) {
+/* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
+ * output only; the scaled GEMM bf16, f16 or fp32. */
+template <int DT, int MODE, int OUT_F32, int FP8> static int ml_sm90_which(void) {
+  if (FP8)
+    return ML_K_SM90_FP8 +
+           (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 3 : 1 + (DT == MOELINK_DTYPE_F16));
   return ML_K_SM90 + (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 4 : 2) + (DT == MOELINK_DTYPE_F16);
 }
 
-template <int DT, int MODE, int OUT_F32>
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p,
                                        unsigned grid, cudaStream_t stream) {
-  ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32>,
-                            ml_sm90_which<DT, MODE, OUT_F32>(), ML_SM90_SMEM_BYTES));
-  ml_sm90_kernel<DT, MODE, OUT_F32><<<grid, ML_SM90_THREADS, ML_SM90_SMEM_BYTES, stream>>>(*map,
-                                                                                          *p);
-  ML_CUDA_LAUNCHED(MODE == ML_SM90_SWIGLU ? "ml_sm90_kernel (swiglu)" : "ml_sm90_kernel (scaled)");
+  const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
+  ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8>,
+                            ml_sm90_which<DT, MODE, OUT_F32, FP8>(), smem));
+  ml_sm90_kernel<DT, MODE, OUT_F32, FP8><<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *p);
+  ML_CUDA_LAUNCHED(MODE == ML_SM90_SWIGLU ? (FP8 ? "ml_sm90_kernel (fp8, swiglu)"
+                                                 : "ml_sm90_kernel (swiglu)")
+                                          : (FP8 ? "ml_sm90_kernel (fp8, scaled)"
+                                                 : "ml_sm90_kernel (scaled)"));
   ml_engine_last = ML_GEMM_ENGINE_SM90;
   return MOELINK_SUCCESS;
 }
@@ -440,4 +454,141 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *
                                                           "ml_scaled_kernel<f16, f32 out>", stream)
                  : ml_scaled_launch<MOELINK_DTYPE_F16, 0>(&p, grid, ML_K_SCALED_F16,
                                                           "ml_scaled_kernel<f16>", stream);
+}
+
+/* ---- FP8 operands ----------------------------------------------------------- */
+
+/* Fills the FP8 fields of q and checks what both FP8 GEMMs need. */
+static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const float *a_scale,
+                                         int lda, const void *b, const float *b_scale, int n,
+                                         int k, int b_rows, const void *out, ml_sm90_args *q) {
+  if (n % 128 || k % 128 || lda % 128 || lda < k)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: n %d, k %d, lda %d must be multiples of 128 (the FP8 scale blocks), "
+                   "lda >= k",
+                   what, n, k, lda);
+  if (a == NULL || b == NULL || out == NULL || a_scale == NULL || b_scale == NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: NULL operand (a %p, a_scale %p, b %p, b_scale %p, out %p)", what, a,
+                   (const void *)a_scale, b, (const void *)b_scale, out);
+  if (ml_misaligned(a) || ml_misaligned(b) || ml_misaligned(out) ||
+      (((uintptr_t)a_scale | (uintptr_t)b_scale) & 3u))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: operands must be 16-byte aligned and scales 4-byte aligned", what);
+  q->a_scale = a_scale;
+  q->b_scale = b_scale;
+  q->as_ld = lda / 128;
+  q->kblocks = k / 128;
+  q->b_rblocks = b_rows / 128;
+  return MOELINK_SUCCESS;
+}
+
+/* Options of a decode-kernel fallback: one split, so no scratch. */
+static ml_decode_opts ml_fp8_fallback_opts(void) {
+  ml_decode_opts o;
+  memset(&o, 0, sizeof o);
+  o.splits = 1;
+  return o;
+}
+
+extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale,
+                                                    int lda, const int32_t *a_index, int a_div,
+                                                    const uint8_t *b, const float *b_scale,
+                                                    int n, int k, const int32_t *tiles,
+                                                    const int32_t *num_tiles, int max_tiles,
+                                                    int rows, float *out,
+                                                    cudaStream_t stream) {
+  const char *what = "ml_cuda_gemm_swiglu_fp8";
+  if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
+                   what, rows, max_tiles, (const void *)tiles, (const void *)num_tiles);
+  if (a_index != NULL && a_div < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<1>::BN / 2, &sm90, &sms));
+  if (!sm90) {
+    const ml_decode_opts o = ml_fp8_fallback_opts();
+    const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);
+    ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, a, a_scale, lda, a_index, a_div, b, b_scale, n,
+                              k, tiles, num_tiles, passes, rows, out, &o, stream));
+    ml_engine_last = ML_GEMM_ENGINE_TILE;
+    return MOELINK_SUCCESS;
+  }
+  ml_sm90_args q;
+  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
+  const int cols = ml_sm90_cfg<1>::BN / 2; /* output columns (gate/up pairs) of a work item */
+  CUtensorMap map;
+  ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
+                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
+  q.a = (const char *)a;
+  q.a_index = a_index;
+  q.out = out;
+  q.tiles = tiles;
+  q.num_tiles = num_tiles;
+  q.row_scale = NULL;
+  q.scale_index = NULL;
+  q.a_div = a_index != NULL ? a_div : 1;
+  q.lda = lda;
+  q.k = k;
+  q.n_out = n;
+  q.nblocks = n / cols;
+  q.max_tiles = max_tiles;
+  q.dense_rows = tiles != NULL ? 0 : rows;
+  return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(
+      &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream);
+}
+
+extern "C" moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
+                                                    const float *a_scale, int lda,
+                                                    const uint8_t *b, const float *b_scale,
+                                                    int n, int k, const int32_t *tiles,
+                                                    const int32_t *num_tiles, int max_tiles,
+                                                    int rows, const float *row_scale,
+                                                    const int32_t *scale_index, void *out,
+                                                    int out_f32, cudaStream_t stream) {
+  const char *what = "ml_cuda_gemm_scaled_fp8";
+  if (out_dt != MOELINK_DTYPE_BF16 && out_dt != MOELINK_DTYPE_F16)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
+                   moelink_dtype_name(out_dt));
+  if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
+                   what, rows, max_tiles, (const void *)tiles, (const void *)num_tiles);
+  if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<1>::BN, &sm90, &sms));
+  if (!sm90) {
+    const ml_decode_opts o = ml_fp8_fallback_opts();
+    const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);
+    ML_TRY(ml_cuda_fp8_scaled(out_dt, a, a_scale, lda, b, b_scale, n, k, tiles, num_tiles,
+                              passes, rows, row_scale, scale_index, out, out_f32, &o, stream));
+    ml_engine_last = ML_GEMM_ENGINE_TILE;
+    return MOELINK_SUCCESS;
+  }
+  ml_sm90_args q;
+  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
+  const int cols = ml_sm90_cfg<1>::BN; /* output columns of a work item */
+  CUtensorMap map;
+  ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
+                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
+  q.a = (const char *)a;
+  q.a_index = NULL;
+  q.out = out;
+  q.tiles = tiles;
+  q.num_tiles = num_tiles;
+  q.row_scale = row_scale;
+  q.scale_index = row_scale != NULL ? scale_index : NULL;
+  q.a_div = 1;
+  q.lda = lda;
+  q.k = k;
+  q.n_out = n;
+  q.nblocks = n / cols;
+  q.max_tiles = max_tiles;
+  q.dense_rows = tiles != NULL ? 0 : rows;
+  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  if (out_f32)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);
+  if (out_dt == MOELINK_DTYPE_BF16)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
+  return ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
 }

@@ -51,6 +51,18 @@
  * same thread. For the scaled GEMM J = n, H = 1, box {64, 256, 1, 1}.
  * Columns past J and k past the end read as zeros, per expert.
  *
+ * FP8 operands (ml_sm90_cfg<1>, DeepSeek-V3's format): e4m3 A rows with an
+ * fp32 scale per 128 k, e4m3 B with an fp32 scale per 128 x 128 block. The
+ * same 128-byte swizzled rows now hold 128 k, so a stage is one k block of
+ * the scale grid. The tile is 128 x 128 (B box {128, 64, 2, 1} for SwiGLU,
+ * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps a k
+ * block's sum (64 fp32, wgmma m64n128k32 e4m3) beside its running total (64
+ * more), and after the block's wgmma complete adds sum x (row's A scale) x
+ * (column's B scale) to the total. The producer's threads that copy A rows
+ * also copy the rows' scales of the stage (cp.async, same full barrier);
+ * thread 0 puts the stage's two B scales (gate and up blocks, or one block
+ * twice) in the stage header.
+ *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
 #ifndef MOELINK_CUDA_GEMM_SM90_CUH
@@ -101,6 +113,28 @@ static_assert(ML_SM90_A_BYTES + ML_SM90_B_BYTES == ML_SM90_STAGE_BYTES, "stage s
 /* Epilogues. */
 enum { ML_SM90_SWIGLU = 0, ML_SM90_SCALED = 1 };
 
+/* Tile configurations: FP8 = 0 the bf16/f16 kernel described above, FP8 = 1
+ * the e4m3 one. Shared memory: stages, then the stages' A-row scales (FP8),
+ * then 2 x STAGES mbarriers, then STAGES headers. Stages stay 1024-byte
+ * aligned (the swizzle's unit). */
+template <int FP8> struct ml_sm90_cfg;
+template <> struct ml_sm90_cfg<0> {
+  static constexpr int ES = 2, BK = ML_SM90_BK, BN = ML_SM90_BN, STAGES = ML_SM90_STAGES;
+  static constexpr int A_BYTES = ML_SM90_A_BYTES, B_BYTES = ML_SM90_B_BYTES;
+  static constexpr int STAGE_BYTES = ML_SM90_STAGE_BYTES, SCALE_BYTES = 0;
+  static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES;
+};
+template <> struct ml_sm90_cfg<1> {
+  static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
+  static constexpr int A_BYTES = ML_SM90_BM * 128, B_BYTES = BN * 128;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int SCALE_BYTES = ML_SM90_BM * 4;
+  static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
+                                    STAGES * ML_SM90_HEADER_INTS * 4 + 1024;
+};
+static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
+static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0, "FP8 stages must stay 1024-byte aligned");
+
 typedef struct ml_sm90_args {
   const char *a;            /* A, rows lda elements apart */
   const int32_t *a_index;   /* problem row r reads A row a_index[r] / a_div; NULL: r */
@@ -110,6 +144,11 @@ typedef struct ml_sm90_args {
   const float *row_scale;   /* scaled epilogue only; NULL: 1 */
   const int32_t *scale_index;
   int a_div, lda, k, n_out, nblocks, max_tiles, dense_rows;
+  /* FP8 only: a_scale[g * as_ld + kb] for A row g and k block kb,
+   * b_scale[(e * b_rblocks + B row / 128) * kblocks + kb] */
+  const float *a_scale;
+  const float *b_scale;
+  int as_ld, kblocks, b_rblocks;
 } ml_sm90_args;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -228,6 +267,18 @@ static __device__ __forceinline__ void ml_wgmma_256(float *d, uint64_t da, uint6
                  : "l"(da), "l"(db), "r"(1));
 }
 
+/* d[64 x 128] (+)= A[64 x 32] B[128 x 32]^T, e4m3 operands K-major in shared
+ * memory (the only layout 8-bit wgmma reads); accumulate 0 overwrites d.
+ * Accumulator layout as above. */
+static __device__ __forceinline__ void ml_wgmma_128_e4m3(float *d, uint64_t da, uint64_t db,
+                                                         int accumulate) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+               " wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {" ML_R64
+               "}, %64, %65, p, 1, 1;\n}\n"
+               : ML_D64
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
 #undef ML_D8
 #undef ML_D64
 #undef ML_D128
@@ -337,8 +388,8 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
 static __device__ __forceinline__ uint32_t ml_sm90_full(uint32_t bars, int s) {
   return bars + (uint32_t)(8 * s);
 }
-static __device__ __forceinline__ uint32_t ml_sm90_empty(uint32_t bars, int s) {
-  return bars + (uint32_t)(8 * (ML_SM90_STAGES + s));
+template <class C> static __device__ __forceinline__ uint32_t ml_sm90_empty(uint32_t bars, int s) {
+  return bars + (uint32_t)(8 * (C::STAGES + s));
 }
 
 /* A rows of an item this producer thread copies: rows r0 + 16 i, i < 8, row
@@ -367,15 +418,16 @@ static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
  * row and [3 + i] rows of the unit's tile i. Written by producer thread 0
  * before its arrival on the stage's full barrier (a release), read by the
  * consumers after their wait on it (an acquire). */
-template <int MODE>
+template <class C, int MODE>
 static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
                                                         const CUtensorMap *map, uint32_t base,
-                                                        uint32_t bars, int *headers) {
+                                                        uint32_t scales, uint32_t bars,
+                                                        int *headers) {
   const int tid = (int)threadIdx.x; /* 0..127 */
   const int c = tid & 7, r0 = tid >> 3;
-  const int ktiles = (p->k + ML_SM90_BK - 1) / ML_SM90_BK;
-  const int cols = MODE == ML_SM90_SWIGLU ? ML_SM90_SWIGLU_COLS : ML_SM90_SCALED_COLS;
-  const size_t lda_bytes = (size_t)p->lda * 2;
+  const int ktiles = (p->k + C::BK - 1) / C::BK;
+  const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
+  const size_t lda_bytes = (size_t)p->lda * C::ES;
   /* every row this thread copies has (row & 7) == (r0 & 7): one swizzled
    * column for all of them */
   const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
@@ -395,33 +447,52 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
     int have_n = 0;
     for (int kt = 0; kt < ktiles; ++kt) {
       const uint32_t full = ml_sm90_full(bars, stage);
-      const uint32_t a_s = base + (uint32_t)(stage * ML_SM90_STAGE_BYTES);
-      ml_mbar_wait(ml_sm90_empty(bars, stage), phase ^ 1u);
+      const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
+      ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
       if (tid == 0) {
+        int *h = headers + stage * ML_SM90_HEADER_INTS;
         if (kt == 0) {
-          int *h = headers + stage * ML_SM90_HEADER_INTS;
           h[0] = it.nb;
           h[1] = it.row0[0];
           h[2] = it.row0[1];
           h[3] = it.rows[0];
           h[4] = it.rows[1];
         }
-        ml_mbar_arrive_tx(full, ML_SM90_B_BYTES);
-        ml_tma_load_4d(a_s + ML_SM90_A_BYTES, map, full, kt * ML_SM90_BK, it.nb * cols, 0,
-                       it.expert);
+        if (C::ES == 1) {
+          /* the B scales of this k block: the gate rows' block and the up
+           * rows' (SwiGLU), or the one block of the plain tile twice */
+          const int r0b = it.nb * cols / 128;
+          const int r1b = MODE == ML_SM90_SWIGLU ? (p->n_out + it.nb * cols) / 128 : r0b;
+          const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
+          h[5] = __float_as_int(__ldg(p->b_scale + (eb + (size_t)r0b) * (size_t)p->kblocks + kt));
+          h[6] = __float_as_int(__ldg(p->b_scale + (eb + (size_t)r1b) * (size_t)p->kblocks + kt));
+        }
+        ml_mbar_arrive_tx(full, C::B_BYTES);
+        ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, it.nb * cols, 0, it.expert);
       }
-      /* k is a multiple of 8: a 16-byte chunk is all inside k or all past */
-      const int kcol = kt * ML_SM90_BK + c * 8;
+      /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
+       * or all past */
+      const int kcol = kt * C::BK + c * (16 / C::ES);
       const uint32_t ok_k = kcol < p->k ? valid : 0u;
-      const size_t koff = (size_t)kcol * 2;
+      const size_t koff = (size_t)kcol * C::ES;
 #pragma unroll
       for (int i = 0; i < ML_SM90_ROWS; ++i) {
         const int ok = (ok_k >> i) & 1;
         const char *src_p = ok ? p->a + (size_t)src[i] * lda_bytes + koff : p->a;
         ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), src_p, ok ? 16 : 0);
       }
+      if (C::ES == 1 && c == 0) {
+        /* the rows' A scales of this k block, row r of the CTA at scale r */
+        const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
+#pragma unroll
+        for (int i = 0; i < ML_SM90_ROWS; ++i) {
+          const int ok = (valid >> i) & 1;
+          const float *src_s = ok ? p->a_scale + (size_t)src[i] * (size_t)p->as_ld + kt : p->a_scale;
+          ml_cp_async4(sc + (uint32_t)((r0 + 16 * i) * 4), src_s, ok ? 4 : 0);
+        }
+      }
       ml_cp_async_arrive(full);
-      if (++stage == ML_SM90_STAGES) {
+      if (++stage == C::STAGES) {
         stage = 0;
         phase ^= 1u;
       }
@@ -440,7 +511,7 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
   }
   /* The end: a stage whose header says so. Its full barrier completes on
    * plain arrivals (128 + thread 0's second one, as for a real stage). */
-  ml_mbar_wait(ml_sm90_empty(bars, stage), phase ^ 1u);
+  ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
   if (tid == 0) headers[stage * ML_SM90_HEADER_INTS] = -1;
   ml_mbar_arrive(ml_sm90_full(bars, stage));
   if (tid == 0) ml_mbar_arrive(ml_sm90_full(bars, stage));
@@ -449,8 +520,8 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-static __device__ __forceinline__ void ml_sm90_release(uint32_t bars, int s) {
-  if ((threadIdx.x & 31) == 0) ml_mbar_arrive(ml_sm90_empty(bars, s));
+template <class C> static __device__ __forceinline__ void ml_sm90_release(uint32_t bars, int s) {
+  if ((threadIdx.x & 31) == 0) ml_mbar_arrive(ml_sm90_empty<C>(bars, s));
 }
 
 /* Row scales of the thread's rows rl and rl + 8 (scaled epilogue): index
@@ -470,19 +541,22 @@ static __device__ __forceinline__ void ml_sm90_scale_index(const ml_sm90_args *p
   }
 }
 
-/* Stores the consumer's accumulators: rows rl and rl + 8 of its tile. */
-template <int DT, int MODE, int OUT_F32>
+/* Stores the consumer's accumulators (C::BN / 2 of them a thread): rows rl
+ * and rl + 8 of its tile. SwiGLU pairs accumulator column c (gate) with
+ * c + BN / 2 (up). OUT_F32: fp32 output instead of DT. */
+template <class C, int DT, int MODE, int OUT_F32>
 static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, const float *d,
                                                      int nb, int row0, int rows, int rl, int cq,
                                                      const float sc[2]) {
+  const size_t es = OUT_F32 ? 4 : 2;
   if (MODE == ML_SM90_SWIGLU) {
-    constexpr int HALF = ML_SM90_BN / 16; /* n8 blocks of gate columns */
-    const int cb = nb * ML_SM90_SWIGLU_COLS + cq;
+    constexpr int HALF = C::BN / 16; /* n8 blocks of gate columns */
+    const int cb = nb * (C::BN / 2) + cq;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rl + 8 * h;
       if (r >= rows) continue;
-      uint32_t *orow = (uint32_t *)((char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * 2);
+      char *orow = (char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * es;
 #pragma unroll
       for (int j = 0; j < HALF; ++j) {
         const int col = cb + 8 * j;
@@ -491,20 +565,24 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
         const float u0 = d[4 * (j + HALF) + 2 * h], u1 = d[4 * (j + HALF) + 2 * h + 1];
         /* silu(g) u; for very negative g the denominator overflows to inf
          * and the fast division gives -0, the right limit */
-        orow[col >> 1] = ml_pack2<DT>(__fdividef(g0, 1.0f + __expf(-g0)) * u0,
-                                      __fdividef(g1, 1.0f + __expf(-g1)) * u1);
+        const float v0 = __fdividef(g0, 1.0f + __expf(-g0)) * u0;
+        const float v1 = __fdividef(g1, 1.0f + __expf(-g1)) * u1;
+        if (OUT_F32)
+          ((float2 *)orow)[col >> 1] = make_float2(v0, v1);
+        else
+          ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
       }
     }
   } else {
-    const int cb = nb * ML_SM90_SCALED_COLS + cq;
+    const int cb = nb * C::BN + cq;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = rl + 8 * h;
       if (r >= rows) continue;
       const float s = sc[h];
-      char *orow = (char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * (OUT_F32 ? 4 : 2);
+      char *orow = (char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * es;
 #pragma unroll
-      for (int j = 0; j < ML_SM90_BN / 8; ++j) {
+      for (int j = 0; j < C::BN / 8; ++j) {
         const int col = cb + 8 * j;
         if (col >= p->n_out) continue;
         const float v0 = d[4 * j + 2 * h] * s, v1 = d[4 * j + 2 * h + 1] * s;
@@ -517,10 +595,12 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
   }
 }
 
+/* The bf16/f16 consumer (see the top of the file). */
 template <int DT, int MODE, int OUT_F32>
 static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, uint32_t base,
                                                         uint32_t bars, const int *headers,
                                                         int cw) {
+  typedef ml_sm90_cfg<0> C;
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
   const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
@@ -559,9 +639,9 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
         /* the previous step's wgmma are done: its stage can be refilled */
         ml_wgmma_wait<1>();
         ml_acc_fence<128>(d);
-        if (kt > 0) ml_sm90_release(bars, prev);
+        if (kt > 0) ml_sm90_release<C>(bars, prev);
       } else {
-        ml_sm90_release(bars, stage);
+        ml_sm90_release<C>(bars, stage);
       }
       prev = stage;
       if (++stage == ML_SM90_STAGES) {
@@ -577,29 +657,110 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     ml_wgmma_wait<0>();
     ml_acc_fence<128>(d);
     if (!active) continue;
-    ml_sm90_release(bars, prev);
-    ml_sm90_store<DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+    ml_sm90_release<C>(bars, prev);
+    ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+  }
+}
+
+/* The FP8 consumer: per stage (one k block) the block's sum in blk, then,
+ * once its wgmma are done and the stage is released, total += blk x A scale
+ * of the row x B scale of the column. */
+template <int DT, int MODE, int OUT_F32>
+static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *p,
+                                                            uint32_t base, uint32_t scales,
+                                                            uint32_t bars, const int *headers,
+                                                            int cw) {
+  typedef ml_sm90_cfg<1> C;
+  const int t = (int)threadIdx.x & 127;
+  const int warp = t >> 5, lane = t & 31;
+  const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
+  const int ktiles = (p->k + C::BK - 1) / C::BK;
+  int stage = 0;
+  uint32_t phase = 0;
+  float d[64], blk[64];
+  for (;;) {
+    ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+    const int *hd = headers + stage * ML_SM90_HEADER_INTS;
+    const int nb = hd[0];
+    if (nb < 0) break;
+    const int row0 = hd[1 + cw], rows = hd[3 + cw];
+    const int active = rows > 0; /* uniform over the warpgroup */
+    int32_t sx[2];
+    float sc[2] = {1.0f, 1.0f};
+    if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
+    for (int kt = 0; kt < ktiles; ++kt) {
+      if (kt > 0) ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+      hd = headers + stage * ML_SM90_HEADER_INTS;
+      if (active) {
+        const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
+        const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
+        const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ml_wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < C::BK / 32; ++kk)
+          /* 32 k = 32 bytes further along the rows: +2 in the address field */
+          ml_wgmma_128_e4m3(blk, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), kk);
+        ml_wgmma_commit();
+        ml_wgmma_wait<0>();
+        ml_acc_fence<64>(blk);
+        /* the scales of this stage, read before the stage goes back */
+        float as[2], bs[2];
+        {
+          uint32_t a0 = scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)((cw * 64 + rl) * 4);
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
+        }
+        bs[0] = __int_as_float(hd[5]);
+        bs[1] = __int_as_float(hd[6]);
+        ml_sm90_release<C>(bars, stage);
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+          /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's
+           * gate columns are i < 32 */
+          const float f = as[(i >> 1) & 1] * bs[i < 32 ? 0 : 1];
+          d[i] = fmaf(blk[i], f, d[i]);
+        }
+      } else {
+        ml_sm90_release<C>(bars, stage);
+      }
+      if (++stage == C::STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
+      }
+    }
+    if (!active) continue;
+    ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
 }
 
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
 /* The kernel. Built for sm_90a only: in any other device pass (the compute_90
- * PTX fallback) its body is empty and the host never launches it there. */
-template <int DT, int MODE, int OUT_F32>
+ * PTX fallback) its body is empty and the host never launches it there.
+ * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype. */
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  typedef ml_sm90_cfg<FP8> C;
   extern __shared__ __align__(1024) char ml_sm90_smem[];
   const uint32_t raw = ml_smem_u32(ml_sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t bars = base + (uint32_t)(ML_SM90_STAGES * ML_SM90_STAGE_BYTES);
-  int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * ML_SM90_STAGES * 8);
+  const uint32_t scales = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
+  const uint32_t bars = scales + (uint32_t)(C::STAGES * C::SCALE_BYTES);
+  int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * C::STAGES * 8);
   if (threadIdx.x == 0) {
-    for (int s = 0; s < ML_SM90_STAGES; ++s) {
+    for (int s = 0; s < C::STAGES; ++s) {
       ml_mbar_init(ml_sm90_full(bars, s), ML_SM90_FULL_COUNT);
-      ml_mbar_init(ml_sm90_empty(bars, s), ML_SM90_EMPTY_COUNT);
+      ml_mbar_init(ml_sm90_empty<C>(bars, s), ML_SM90_EMPTY_COUNT);
     }
     /* barrier initialization visible to the async proxy (TMA completes on it) */
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -609,10 +770,13 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_PRODUCER_REGS) : "memory");
-    ml_sm90_producer<MODE>(&p, &map_b, base, bars, headers);
+    ml_sm90_producer<C, MODE>(&p, &map_b, base, scales, bars, headers);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_CONSUMER_REGS) : "memory");
-    ml_sm90_consumer<DT, MODE, OUT_F32>(&p, base, bars, headers, wg - 1);
+    if constexpr (FP8)
+      ml_sm90_consumer_fp8<DT, MODE, OUT_F32>(&p, base, scales, bars, headers, wg - 1);
+    else
+      ml_sm90_consumer<DT, MODE, OUT_F32>(&p, base, bars, headers, wg - 1);
   }
 #endif
 }
