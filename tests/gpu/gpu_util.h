@@ -132,10 +132,11 @@ GU_FN const char *gu_router_name(moelink_router_t r) {
 
 GU_FN void gu_describe(char *buf, size_t n, const moelink_moe_config_t *c) {
   snprintf(buf, n,
-           "H %d I %d E %d k %d %s renorm %d groups %d/%d scale %g bias %d Is %d gate %d %s",
+           "H %d I %d E %d k %d %s renorm %d groups %d/%d scale %g bias %d Is %d gate %d %s%s",
            c->hidden, c->inter, c->num_experts, c->top_k, gu_router_name(c->router),
            c->renormalize, c->topk_group, c->n_group, (double)c->routed_scaling,
-           c->correction_bias, c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype));
+           c->correction_bias, c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype),
+           c->fp8_experts ? ", fp8 experts" : "");
 }
 
 /* ---- a layer's weights on the device ------------------------------------------ */
@@ -143,6 +144,7 @@ GU_FN void gu_describe(char *buf, size_t n, const moelink_moe_config_t *c) {
 typedef struct gu_dev_layer {
   void *router, *gate_up, *down, *sh_gate_up, *sh_down, *sh_gate;
   float *bias;
+  float *gate_up_scale, *down_scale; /* cfg.fp8_experts only, else NULL */
   moelink_moe_weights_t w;
 } gu_dev_layer;
 
@@ -155,6 +157,18 @@ GU_FN size_t gu_elems_gate_up(const moelink_moe_config_t *c) {
 GU_FN size_t gu_elems_down(const moelink_moe_config_t *c) {
   return (size_t)c->num_experts * (size_t)c->hidden * (size_t)c->inter;
 }
+/* Bytes of one routed expert weight: e4m3 bytes with cfg.fp8_experts (the
+ * router, shared expert and shared gate stay in the layer dtype). */
+GU_FN size_t gu_expert_weight_size(const moelink_moe_config_t *c) {
+  return c->fp8_experts ? 1 : moelink_dtype_size(c->dtype);
+}
+/* fp32 block scales of an FP8 layer: [E, 2I/128, H/128] and [E, H/128, I/128]. */
+GU_FN size_t gu_elems_gate_up_scale(const moelink_moe_config_t *c) {
+  return c->fp8_experts ? gu_elems_gate_up(c) / (128 * 128) : 0;
+}
+GU_FN size_t gu_elems_down_scale(const moelink_moe_config_t *c) {
+  return c->fp8_experts ? gu_elems_down(c) / (128 * 128) : 0;
+}
 
 GU_FN void gu_dev_layer_bind(gu_dev_layer *D, moelink_dtype_t dt) {
   moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
@@ -166,21 +180,35 @@ GU_FN void gu_dev_layer_bind(gu_dev_layer *D, moelink_dtype_t dt) {
   w.shared_gate_up = D->sh_gate_up;
   w.shared_down = D->sh_down;
   w.shared_gate = D->sh_gate;
+  w.gate_up_scale = D->gate_up_scale;
+  w.down_scale = D->down_scale;
   D->w = w;
 }
 
-/* Device copy of a host test layer. */
+/* Device copy of a host test layer (an FP8 one too: its e4m3 expert weights
+ * and their block scales). */
 GU_FN void gu_dev_layer_upload(gu_dev_layer *D, const ref_layer *L) {
   const moelink_moe_config_t *c = &L->cfg;
-  const size_t es = moelink_dtype_size(c->dtype);
+  const size_t es = moelink_dtype_size(c->dtype), wes = gu_expert_weight_size(c);
   const size_t H = (size_t)c->hidden, Is = (size_t)c->shared_inter;
   memset(D, 0, sizeof *D);
   D->router = gu_dev(gu_elems_router(c) * es);
   gu_h2d(D->router, L->router, gu_elems_router(c) * es);
-  D->gate_up = gu_dev(gu_elems_gate_up(c) * es);
-  gu_h2d(D->gate_up, L->gate_up, gu_elems_gate_up(c) * es);
-  D->down = gu_dev(gu_elems_down(c) * es);
-  gu_h2d(D->down, L->down, gu_elems_down(c) * es);
+  D->gate_up = gu_dev(gu_elems_gate_up(c) * wes);
+  gu_h2d(D->gate_up, L->gate_up, gu_elems_gate_up(c) * wes);
+  D->down = gu_dev(gu_elems_down(c) * wes);
+  gu_h2d(D->down, L->down, gu_elems_down(c) * wes);
+  if (c->fp8_experts) {
+    if (!L->gate_up_scale || !L->down_scale) {
+      CHECK(0, "FP8 test layer without block scales");
+      gu_bail("FP8 test layer without block scales");
+    }
+    const size_t ngs = gu_elems_gate_up_scale(c), nds = gu_elems_down_scale(c);
+    D->gate_up_scale = (float *)gu_dev(ngs * sizeof(float));
+    gu_h2d(D->gate_up_scale, L->gate_up_scale, ngs * sizeof(float));
+    D->down_scale = (float *)gu_dev(nds * sizeof(float));
+    gu_h2d(D->down_scale, L->down_scale, nds * sizeof(float));
+  }
   if (Is > 0) {
     D->sh_gate_up = gu_dev(2 * Is * H * es);
     gu_h2d(D->sh_gate_up, L->shared_gate_up, 2 * Is * H * es);
@@ -206,6 +234,8 @@ GU_FN void gu_dev_layer_free(gu_dev_layer *D) {
   gu_free(D->sh_down);
   gu_free(D->sh_gate);
   gu_free(D->bias);
+  gu_free(D->gate_up_scale);
+  gu_free(D->down_scale);
   memset(D, 0, sizeof *D);
 }
 
@@ -279,16 +309,23 @@ GU_FN void gu_show_row(const char *what, moelink_dtype_t dt, const void *got, co
               row, ref_load(dt, got, row * H), ref_load(dt, want, row * H));
 }
 
-/* Checks an error report against the tolerances, with diagnostics. */
-GU_FN void gu_check_err(const char *what, gu_err e, moelink_dtype_t dt, const void *got,
-                        const void *want, size_t H) {
+/* Checks an error report against the given tolerances (whole batch, worst
+ * row), with diagnostics. */
+GU_FN void gu_check_err_tol(const char *what, gu_err e, moelink_dtype_t dt, const void *got,
+                            const void *want, size_t H, double tol, double tol_row) {
   CHECK(e.nonfinite == 0, "%s: all outputs finite (%ld non-finite, first at element %ld)", what,
         e.nonfinite, e.first_nonfinite);
-  CHECK(e.rel <= GU_TOL, "%s: relative L2 %.3g <= %g over %ld rows", what, e.rel, GU_TOL, e.rows);
-  CHECK(e.worst_row <= GU_TOL_ROW, "%s: worst row %ld relative L2 %.3g <= %g", what, e.worst_at,
-        e.worst_row, GU_TOL_ROW);
-  if ((e.rel > GU_TOL || e.worst_row > GU_TOL_ROW) && e.worst_at >= 0)
+  CHECK(e.rel <= tol, "%s: relative L2 %.3g <= %g over %ld rows", what, e.rel, tol, e.rows);
+  CHECK(e.worst_row <= tol_row, "%s: worst row %ld relative L2 %.3g <= %g", what, e.worst_at,
+        e.worst_row, tol_row);
+  if ((e.rel > tol || e.worst_row > tol_row) && e.worst_at >= 0)
     gu_show_row(what, dt, got, want, (size_t)e.worst_at, H);
+}
+
+/* Checks an error report against GU_TOL / GU_TOL_ROW. */
+GU_FN void gu_check_err(const char *what, gu_err e, moelink_dtype_t dt, const void *got,
+                        const void *want, size_t H) {
+  gu_check_err_tol(what, e, dt, got, want, H, GU_TOL, GU_TOL_ROW);
 }
 
 /* ---- routing ------------------------------------------------------------------------ */

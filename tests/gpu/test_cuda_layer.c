@@ -3,6 +3,10 @@
  *    shared expert kept), plus top-k-then-softmax, softmax with groups, zipf
  *    skew, all tokens on one or two experts (the others empty), a chunked
  *    forward; T in {1, 7, 128, 4097}; every output token compared;
+ *  - FP8 routed experts (cfg.fp8_experts) on reduced mixtral-8x7b,
+ *    qwen3-30b-a3b (also skewed) and deepseek-v3 layers, bf16 and f16, the
+ *    same batches, against the CPU backend's FP8 forward and the double
+ *    reference on up to 256 tokens a batch (tolerances: layer_tol_for);
  *  - every preset at full size, weights filled on the device, the CPU
  *    reference on a sample of tokens (weights copied back to the host, so both
  *    sides hold the same values by construction).
@@ -14,6 +18,99 @@ static moelink_context_t g_gpu, g_cpu;
 
 static const int g_Ts[] = {1, 7, 128, 4097};
 #define NTS ((int)(sizeof g_Ts / sizeof g_Ts[0]))
+
+/* ---- FP8 experts: tolerances, the reference on many tokens ------------------------- */
+
+/* Tolerances of a layer's GPU output against the CPU backend's (and the
+ * double reference's): a batch, one token. */
+typedef struct layer_tol {
+  double all, row;
+} layer_tol;
+
+/* FP8 experts. Both backends quantize each expert's inputs per 128 elements
+ * (s = amax / 448, e4m3 codes) from the same values (token rows in the
+ * dtype, SwiGLU rows in fp32) and read the same weight bytes. What differs is
+ * the arithmetic before the SwiGLU rows are quantized: the GPU's fp8 MMA adds
+ * its products keeping about 13 fraction bits inside each k32 step (~1e-4
+ * relative on these block sums), the CPU sums dequantized fp32 weights. e4m3
+ * has 3 mantissa bits, codes about 9% of a value apart, so such a relative
+ * move d changes an element's code with probability ~d / 0.09 (~1e-3 of the
+ * elements of h), and each changed code moves its element by ~9%: h, and each
+ * expert's output after the down projection, differ by ~sqrt(1e-3) x 0.09 =
+ * 3e-3 relative L2. Over a batch that is within GU_TOL. A host model of the
+ * layer on these very layers (reduced presets, T 4097, ref_layer_make's data,
+ * tests/ref's codec; 1e-4 relative noise on gate/up) measured 2.3e-3..4.0e-3
+ * over the batch (3e-4 noise: 4.0e-3..6.3e-3), at most 5.7e-3 (7.7e-3) over
+ * any 128 consecutive tokens. But one token's 128-element h holds only a
+ * Poisson handful of changed codes, and a changed code of a large element
+ * moves that token by a few percent: 0.2..3% of the tokens (3e-4: 1.4..9%)
+ * were past 1e-2, the worst of 4097 at 1.3e-2..4.0e-2 (4.3e-2). Hence for
+ * fp8: GU_TOL over batches of FP8_MIN_AGG tokens or more, FP8_TOL_ROW for a
+ * token and for smaller batches. A layer that skipped quantizing h would be
+ * off by 1.5e-2..2.3e-2 over a batch, one that skipped quantizing the token
+ * rows by 3e-2..5e-2. The bf16/f16 layers keep GU_TOL / GU_TOL_ROW. */
+#define FP8_TOL_ROW 8e-2
+#define FP8_MIN_AGG 100
+/* fp8_ref_check compares at most this many tokens of a batch (evenly spaced). */
+#define FP8_REF_TOKENS 256
+
+static layer_tol layer_tol_for(const moelink_moe_config_t *c, int tokens) {
+  layer_tol t = {GU_TOL, GU_TOL_ROW};
+  if (c->fp8_experts) {
+    t.all = tokens >= FP8_MIN_AGG ? GU_TOL : FP8_TOL_ROW;
+    t.row = FP8_TOL_ROW;
+  }
+  return t;
+}
+
+/* The GPU's output go [T, H] against the double reference (ref_forward_token,
+ * the layer's FP8 definition) on evenly spaced tokens, the first and the last
+ * among them, near ties left out: the aggregate within layer_tol_for's batch
+ * bound for the number compared, every token within FP8_TOL_ROW. The CPU's
+ * distance (co) is printed beside it. */
+static void fp8_ref_check(const char *what, const ref_layer *L, const void *hx, int T,
+                          const void *go, const void *co, const unsigned char *tie) {
+  const moelink_moe_config_t *c = &L->cfg;
+  const moelink_dtype_t dt = c->dtype;
+  const size_t H = (size_t)c->hidden, row = H * moelink_dtype_size(dt);
+  const int step = T > FP8_REF_TOKENS ? (T + FP8_REF_TOKENS - 1) / FP8_REF_TOKENS : 1;
+  double *want = gu_host(H * sizeof(double));
+  double dg = 0.0, dc = 0.0, nw = 0.0, worst = 0.0;
+  long worst_at = -1, n = 0, failed = 0;
+  for (int t = 0; t < T; t += step) {
+    if (t + step >= T) t = T - 1; /* the last token too */
+    if (tie[t]) continue;
+    if (ref_forward_token(c, &L->w, (const char *)hx + (size_t)t * row, want) != 0) {
+      ++failed;
+      continue;
+    }
+    double d = 0.0, nn = 0.0;
+    for (size_t i = 0; i < H; ++i) {
+      const double g = ref_load(dt, (const char *)go + (size_t)t * row, i);
+      const double cv = ref_load(dt, (const char *)co + (size_t)t * row, i);
+      d += (g - want[i]) * (g - want[i]);
+      dc += (cv - want[i]) * (cv - want[i]);
+      nn += want[i] * want[i];
+    }
+    const double rel = isfinite(d) ? (nn > 0.0 ? sqrt(d / nn) : sqrt(d)) : INFINITY;
+    if (!(rel <= worst)) {
+      worst = rel;
+      worst_at = t;
+    }
+    dg += d;
+    nw += nn;
+    ++n;
+  }
+  const double agg = nw > 0.0 ? sqrt(dg / nw) : sqrt(dg);
+  const double cpu = nw > 0.0 ? sqrt(dc / nw) : sqrt(dc);
+  const layer_tol tol = layer_tol_for(c, (int)n);
+  CHECK(failed == 0, "%s: reference forward of every sampled token (%ld failed)", what, failed);
+  CHECK(agg <= tol.all, "%s: GPU vs double reference over %ld tokens: relative L2 %.3g <= %g "
+        "(CPU %.3g)", what, n, agg, tol.all, cpu);
+  CHECK(worst <= tol.row, "%s: GPU vs double reference, worst token %ld: relative L2 %.3g <= %g",
+        what, worst_at, worst, tol.row);
+  free(want);
+}
 
 /* ---- reduced sizes ------------------------------------------------------------------ */
 
@@ -73,13 +170,16 @@ static void layer_batch(const char *name, const ref_layer *L, moelink_moe_t gmoe
     CHECK(off == 0, "%s: every token's first expert is 0 (%d are not)", what, off);
   }
 
+  const layer_tol tol = layer_tol_for(cfg, T);
   gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
-  gu_check_err(what, e, dt, go, co, H);
+  gu_check_err_tol(what, e, dt, go, co, H, tol.all, tol.row);
 
-  /* The independent double-precision reference on the first and last token. */
+  /* The independent double-precision reference on the first and last token
+   * (FP8: on many tokens). */
+  if (cfg->fp8_experts) fp8_ref_check(what, L, hx, T, go, co, tie);
   double *ref = gu_host(H * sizeof(double));
   const int probe[2] = {0, T - 1};
-  for (int i = 0; i < (T > 1 ? 2 : 1); ++i) {
+  for (int i = 0; i < (T > 1 ? 2 : 1) && !cfg->fp8_experts; ++i) {
     const int t = probe[i];
     if (tie[t]) continue;
     if (ref_forward_token(cfg, &L->w, (const char *)hx + (size_t)t * H * es, ref) != 0) {
@@ -204,6 +304,65 @@ static void test_reduced(void) {
   c = reduced("deepseek-v3", MOELINK_DTYPE_BF16);
   layer_reduced("deepseek-v3 skewed", &c, 1.2, 605, 0);
   ml_t_diag("reduced presets: %.1f s", gu_now() - t0);
+}
+
+/* FP8 routed experts: the router, the shared expert and DeepSeek's bias and
+ * groups stay in the layer dtype. */
+static void test_fp8(void) {
+  const double t0 = gu_now();
+  const char *presets[] = {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"};
+  char label[64];
+  for (int i = 0; i < 3; ++i)
+    for (int d = 0; d < 2; ++d) {
+      moelink_moe_config_t c = reduced(presets[i], d ? MOELINK_DTYPE_F16 : MOELINK_DTYPE_BF16);
+      c.fp8_experts = 1;
+      snprintf(label, sizeof label, "%s fp8", presets[i]);
+      layer_reduced(label, &c, 0.0, 800 + 2 * (uint64_t)i + (uint64_t)d, 0);
+    }
+  moelink_moe_config_t c;
+  /* Skewed routing: a few experts hold most rows (many tiles each). */
+  c = reduced("qwen3-30b-a3b", MOELINK_DTYPE_BF16);
+  c.fp8_experts = 1;
+  layer_reduced("qwen3-30b-a3b fp8 skewed", &c, 1.2, 806, 0);
+  /* All tokens on expert 0 (k = 1), the other seven empty. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_F16);
+  c.top_k = 1;
+  c.fp8_experts = 1;
+  layer_reduced("one expert fp8", &c, 30.0, 807, 1);
+
+  /* The configuration and weight checks hold on the CUDA backend too. */
+  c = reduced("mixtral-8x7b", MOELINK_DTYPE_BF16);
+  c.fp8_experts = 1;
+  c.max_tokens = 16;
+  moelink_moe_t m = NULL;
+  moelink_moe_config_t bad = c;
+  bad.inter = 192;
+  CHECK_STATUS(moelink_moe_create(g_gpu, &bad, &m), MOELINK_ERR_INVALID_ARGUMENT,
+               "GPU fp8 layer with inter 192");
+  CHECK(m == NULL, "no GPU layer made for inter 192");
+  ref_layer L;
+  if (ref_layer_make(&L, &c, 808, 0.0) != 0) {
+    CHECK(0, "fp8 error-path layer data");
+    return;
+  }
+  gu_dev_layer D;
+  gu_dev_layer_upload(&D, &L);
+  GU_MUST(moelink_moe_create(g_gpu, &c, &m), "GPU fp8 layer");
+  moelink_moe_weights_t w = D.w;
+  w.down_scale = NULL;
+  CHECK_STATUS(moelink_moe_set_weights(m, &w), MOELINK_ERR_INVALID_ARGUMENT,
+               "GPU fp8 layer without down_scale");
+  CHECK_OK(moelink_moe_set_weights(m, &D.w), "GPU fp8 layer with both scales");
+  moelink_moe_destroy(m);
+  m = NULL;
+  c.fp8_experts = 0;
+  GU_MUST(moelink_moe_create(g_gpu, &c, &m), "GPU bf16 layer");
+  CHECK_STATUS(moelink_moe_set_weights(m, &D.w), MOELINK_ERR_INVALID_ARGUMENT,
+               "GPU bf16 layer given FP8 scales");
+  moelink_moe_destroy(m);
+  gu_dev_layer_free(&D);
+  ref_layer_free(&L);
+  ml_t_diag("fp8 reduced presets: %.1f s", gu_now() - t0);
 }
 
 /* ---- full size ------------------------------------------------------------------------ */
@@ -466,6 +625,7 @@ static void full_preset(const char *preset, uint64_t seed) {
 int main(void) {
   gu_contexts(&g_gpu, &g_cpu);
   test_reduced();
+  test_fp8();
   const int np = moelink_preset_count();
   for (int i = 0; i < np; ++i) full_preset(moelink_preset_name(i), 700 + (uint64_t)i);
   moelink_context_destroy(g_gpu);

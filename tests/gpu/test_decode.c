@@ -15,6 +15,15 @@
  * exact in bf16 and f16, so the host computes with the very values the GPU
  * reads.
  *
+ * The FP8 launchers (ml_cuda_fp8_swiglu, ml_cuda_fp8_scaled) run the same
+ * way on random e4m3 codes (never NaN) with fp32 block scales of varied size,
+ * some zero, against the host's double computation from code value x scale:
+ * experts with 0, 1, 5, 63, 64, 65, 200 and 1000 rows, the dense form with 1
+ * and 1000 rows, gathered rows (a_div = top_k), splits 1, 2, 3, 16 and the
+ * policy, bf16, f16 and fp32 outputs of both GEMMs, row scales by pair and by
+ * row, NaN codes and NaN scales in padding and unowned rows; and their
+ * argument checks.
+ *
  * With --bench (not run by ctest): the decode GEMMs beside the tile engine's
  * on full-size presets (weights filled on the device, routing and plan from
  * the library), K-split sweeps, and the whole layer eager and replayed from a
@@ -179,9 +188,11 @@ static void problem_free(problem *p) {
 
 /* ---- checks ------------------------------------------------------------------------- */
 
-/* got [R + GUARD_ROWS, n] (dtype or fp32) against ref/tol [R, n]. */
+/* got [R + GUARD_ROWS, n] (dtype or fp32) against ref/tol [R, n], and the
+ * relative L2 over the owned rows within l2_tol. */
 static void check_output(const char *what, const problem *p, int n, const unsigned char *got,
-                         moelink_dtype_t dt, int f32, const double *ref, const double *tol) {
+                         moelink_dtype_t dt, int f32, const double *ref, const double *tol,
+                         double l2_tol) {
   const size_t es = f32 ? 4 : 2;
   long bad = 0, nonfinite = 0, poison = 0, first_bad = -1;
   double e2 = 0, r2 = 0, worst = 0;
@@ -208,7 +219,7 @@ static void check_output(const char *what, const problem *p, int n, const unsign
     }
   }
   const double rel = r2 > 0 ? sqrt(e2 / r2) : sqrt(e2);
-  CHECK(nonfinite == 0 && bad == 0 && rel <= L2_TOL,
+  CHECK(nonfinite == 0 && bad == 0 && rel <= l2_tol,
         "%s: every owned element within tolerance (rel L2 %.2e, %ld off by up to %.1fx tol, %ld "
         "non-finite)", what, rel, bad, worst, nonfinite);
   if (first_bad >= 0)
@@ -362,7 +373,7 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
     }
     snprintf(label, sizeof label, "%s swiglu (%s, n %d, k %d, %s)", c->name,
              moelink_dtype_name(dt), n, k, cfgname);
-    check_output(label, p, n, first, dt, 0, ref1, tol1);
+    check_output(label, p, n, first, dt, 0, ref1, tol1, L2_TOL);
     CHECK(memcmp(first, got, o1) == 0, "%s: two runs bitwise equal", label);
 
     /* scaled (after the swiglu of the same stream: the tile list may be
@@ -382,7 +393,7 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
       }
       snprintf(label, sizeof label, "%s scaled%s (%s, n %d, k %d, %s)", c->name,
                f32 ? " f32" : "", moelink_dtype_name(dt), k, n, cfgname);
-      check_output(label, p, k, first, dt, f32, ref2, tol2);
+      check_output(label, p, k, first, dt, f32, ref2, tol2, L2_TOL);
       CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
     }
 
@@ -450,6 +461,399 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
   cudaFree(d_o1), cudaFree(d_o2);
   free(x), free(xh), free(h), free(hh), free(w1), free(w2), free(w1h), free(w2h), free(wts);
   free(ref1), free(tol1), free(ref2), free(tol2), free(got), free(first);
+}
+
+/* ---- FP8 operands (ml_cuda_fp8_swiglu, ml_cuda_fp8_scaled) ------------------------------ */
+
+/* Tolerances. The fp8 MMA adds its products keeping about 13 fraction bits
+ * below the largest addend (published models of the H100's tensor cores:
+ * truncated toward zero) before a 128-wide block sum reaches fp32, and random
+ * codes span 35 binades, so the largest products swallow the low bits of the
+ * rest. A host model of that arithmetic on codes like these (k 384..2048,
+ * 4000 dot products) gave at most 3.7e-4 x the sum of |terms| and rel L2
+ * 2.3e-4; run through this file's cases (an emulation of both launchers) it
+ * stayed at 0.5x the bounds of the bf16 cases, bf16 output rounding
+ * dominating the L2 (1.8e-3). Were the truncation toward -inf instead, its
+ * bias would add up: 3.4e-3 x the sum of |terms| and rel L2 7.5e-3 in the
+ * same runs. The bounds cover that too (2.3x and 2x): per element EL_REL
+ * (output rounding) plus 2^-7 x the sum of |terms|, and 1.5e-2 over all
+ * owned elements. A misread scale block, split, tile or row scale is off by
+ * far more (one k block's scale taken from another block: rel L2 ~0.9). */
+#define FP8_EL_ABS (1.0 / 128)
+#define FP8_L2_TOL 1.5e-2
+
+static double g_e4m3[256]; /* code -> value (the reference's decoder) */
+static double g_e4m3_rms;  /* rms over the finite codes */
+
+static void fp8_tables(void) {
+  double s2 = 0.0;
+  for (int b = 0; b < 256; ++b) {
+    const uint8_t c = (uint8_t)b;
+    g_e4m3[b] = ref_load(MOELINK_DTYPE_FP8_E4M3, &c, 0);
+    if ((b & 0x7f) != 0x7f) s2 += g_e4m3[b] * g_e4m3[b];
+  }
+  g_e4m3_rms = sqrt(s2 / 254.0);
+}
+
+/* Any code but the two NaNs. */
+static uint8_t rng_e4m3(void) {
+  uint8_t b;
+  do b = (uint8_t)(rng_next() & 0xff);
+  while ((b & 0x7f) == 0x7f);
+  return b;
+}
+
+/* A block scale around base: base x 2^[-2, 2] x (1 + m / 256), fp32, and
+ * one block in 13 zero. */
+static float rng_fp8_scale(double base) {
+  if (rng_next() % 13 == 0) return 0.0f;
+  return (float)(ldexp(base, (int)(rng_next() % 5) - 2) * (1.0 + (rng_next() % 256) / 256.0));
+}
+
+/* sum over 128-wide blocks of sa[kb] x sb[kb] x dot(qa, qb) of the block, and
+ * the sum of |terms| beside it. */
+static double fp8_dot(const uint8_t *qa, const float *sa, const uint8_t *qb, const float *sb,
+                      int k, double *mag) {
+  double s = 0.0, m = 0.0;
+  for (int kb = 0; kb < k / 128; ++kb) {
+    const double sc = (double)sa[kb] * (double)sb[kb];
+    double d = 0.0, a = 0.0;
+    for (int i = kb * 128; i < (kb + 1) * 128; ++i) {
+      const double t = g_e4m3[qa[i]] * g_e4m3[qb[i]];
+      d += t;
+      a += fabs(t);
+    }
+    s += sc * d;
+    m += fabs(sc) * a;
+  }
+  *mag = m;
+  return s;
+}
+
+typedef struct fcase {
+  const char *name;
+  moelink_dtype_t dt; /* output dtype */
+  int n, k;           /* swiglu: out [R, n], W1 [E, 2n, k]; scaled: out [R, k], W2 [E, k, n] */
+  int lda_pad;        /* 0 or 128: extra bytes per activation row (NaN codes, NaN scale) */
+  int f32;            /* also run both GEMMs with fp32 output */
+  int dense_scale;    /* dense problems: row_scale[r] without scale_index */
+} fcase;
+
+static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, int ncfg) {
+  const moelink_dtype_t dt = c->dt;
+  const int n = c->n, k = c->k, R = p->R, E = p->E;
+  const int lda1 = k + c->lda_pad, lda2 = n + c->lda_pad;
+  const int ls1 = lda1 / 128, ls2 = lda2 / 128; /* scales per activation row */
+  const int dense = p->tiles == NULL;
+  const int xrows = dense ? R : (p->tokens > 0 ? p->tokens : 1);
+  const int hrows = R ? R : 1;
+  char label[256];
+
+  /* activations: codes around 1 after scaling; padding and the rows no tile
+   * owns (h) are NaN codes with NaN scales */
+  const double abase = 1.0 / g_e4m3_rms;
+  uint8_t *xq = xmalloc((size_t)xrows * lda1), *hq = xmalloc((size_t)hrows * lda2);
+  float *xs = xmalloc((size_t)xrows * ls1 * sizeof(float));
+  float *hs = xmalloc((size_t)hrows * ls2 * sizeof(float));
+  for (int r = 0; r < xrows; ++r) {
+    for (int i = 0; i < lda1; ++i) xq[(size_t)r * lda1 + i] = i < k ? rng_e4m3() : 0x7f;
+    for (int b = 0; b < ls1; ++b)
+      xs[(size_t)r * ls1 + b] = b < k / 128 ? rng_fp8_scale(abase) : NAN;
+  }
+  for (int r = 0; r < hrows; ++r) {
+    const int real = r < R && p->row_expert[r] >= 0;
+    for (int i = 0; i < lda2; ++i) hq[(size_t)r * lda2 + i] = real && i < n ? rng_e4m3() : 0xff;
+    for (int b = 0; b < ls2; ++b)
+      hs[(size_t)r * ls2 + b] = real && b < n / 128 ? rng_fp8_scale(abase) : NAN;
+  }
+  /* weights: dot products of order 1 over k (n) */
+  const size_t w1n = (size_t)E * 2 * n * k, w2n = (size_t)E * k * n;
+  const size_t s1n = w1n / (128 * 128), s2n = w2n / (128 * 128);
+  uint8_t *w1q = xmalloc(w1n), *w2q = xmalloc(w2n);
+  float *w1s = xmalloc(s1n * sizeof(float)), *w2s = xmalloc(s2n * sizeof(float));
+  for (size_t i = 0; i < w1n; ++i) w1q[i] = rng_e4m3();
+  for (size_t i = 0; i < w2n; ++i) w2q[i] = rng_e4m3();
+  for (size_t i = 0; i < s1n; ++i) w1s[i] = rng_fp8_scale(abase / sqrt((double)k));
+  for (size_t i = 0; i < s2n; ++i) w2s[i] = rng_fp8_scale(abase / sqrt((double)n));
+  const int nscale = dense ? hrows : (p->pairs ? p->pairs : 1);
+  float *wts = xmalloc((size_t)nscale * sizeof(float));
+  for (int i = 0; i < nscale; ++i) wts[i] = (float)((rng_next() % 1000 + 1) / 1024.0);
+  const int use_rs = !dense || c->dense_scale;
+
+  /* references from the dequantized operands (code value x scale) */
+  double *ref1 = xmalloc((size_t)hrows * n * sizeof(double));
+  double *tol1 = xmalloc((size_t)hrows * n * sizeof(double));
+  double *ref2 = xmalloc((size_t)hrows * k * sizeof(double));
+  double *tol2 = xmalloc((size_t)hrows * k * sizeof(double));
+  for (int r = 0; r < R; ++r) {
+    const int e = p->row_expert[r];
+    if (e < 0) continue;
+    const int g = dense ? r : p->index[r] / p->top_k;
+    const uint8_t *xr = xq + (size_t)g * lda1;
+    const float *xsr = xs + (size_t)g * ls1;
+    for (int j = 0; j < n; ++j) {
+      /* the b scales of gate row j and up row n + j */
+      const uint8_t *gq = w1q + ((size_t)e * 2 * n + j) * k, *uq = gq + (size_t)n * k;
+      const float *gs = w1s + ((size_t)e * (2 * n / 128) + j / 128) * (k / 128);
+      const float *us = w1s + ((size_t)e * (2 * n / 128) + (n + j) / 128) * (k / 128);
+      double mg = 0, mu = 0;
+      const double sg = fp8_dot(xr, xsr, gq, gs, k, &mg), su = fp8_dot(xr, xsr, uq, us, k, &mu);
+      const double silu = sg / (1.0 + exp(-sg)), v = silu * su;
+      ref1[(size_t)r * n + j] = v;
+      tol1[(size_t)r * n + j] =
+          EL_REL * fabs(v) + FP8_EL_ABS * (mg * (fabs(su) + mu) + mu * fabs(silu));
+    }
+    const double sc = use_rs ? wts[dense ? r : p->index[r]] : 1.0;
+    const uint8_t *hr = hq + (size_t)r * lda2;
+    const float *hsr = hs + (size_t)r * ls2;
+    for (int j = 0; j < k; ++j) {
+      const uint8_t *wq = w2q + ((size_t)e * k + j) * n;
+      const float *ws = w2s + ((size_t)e * (k / 128) + j / 128) * (n / 128);
+      double m = 0;
+      const double s = fp8_dot(hr, hsr, wq, ws, n, &m);
+      ref2[(size_t)r * k + j] = sc * s;
+      tol2[(size_t)r * k + j] = EL_REL * fabs(sc * s) + FP8_EL_ABS * sc * m;
+    }
+  }
+
+  /* device */
+  uint8_t *d_x = dev_copy(xq, (size_t)xrows * lda1), *d_h = dev_copy(hq, (size_t)hrows * lda2);
+  float *d_xs = dev_copy(xs, (size_t)xrows * ls1 * sizeof(float));
+  float *d_hs = dev_copy(hs, (size_t)hrows * ls2 * sizeof(float));
+  uint8_t *d_w1 = dev_copy(w1q, w1n), *d_w2 = dev_copy(w2q, w2n);
+  float *d_w1s = dev_copy(w1s, s1n * sizeof(float)), *d_w2s = dev_copy(w2s, s2n * sizeof(float));
+  float *d_wts = dev_copy(wts, (size_t)nscale * sizeof(float));
+  int32_t *d_index = NULL, *d_tiles = NULL, *d_num = NULL;
+  if (!dense) {
+    d_index = dev_copy(p->index, (size_t)R * sizeof(int32_t));
+    d_tiles = dev_copy(p->tiles, (size_t)3 * p->max_passes * sizeof(int32_t));
+    d_num = dev_copy(&p->num_tiles, sizeof(int32_t));
+  }
+  /* scratch for up to 16 splits */
+  const int passes = dense ? ml_cuda_decode_passes(R, 1) : p->max_passes;
+  const size_t pfloats = (size_t)16 * hrows * (size_t)(2 * n > k ? 2 * n : k);
+  const size_t nticket = (size_t)(passes > 0 ? passes : 1) * (size_t)((2 * n + k) / 64 + 2);
+  float *d_part = dev_alloc(pfloats * sizeof(float));
+  uint32_t *d_tick = dev_alloc(nticket * sizeof(uint32_t));
+  CUDA_CHECK(cudaMemset(d_tick, 0, nticket * sizeof(uint32_t)));
+  const size_t o1 = (size_t)(R + GUARD_ROWS) * n * 4, o2 = (size_t)(R + GUARD_ROWS) * k * 4;
+  void *d_o1 = dev_alloc(o1), *d_o2 = dev_alloc(o2);
+  unsigned char *got = xmalloc(o2 > o1 ? o2 : o1), *first = xmalloc(o2 > o1 ? o2 : o1);
+  cudaStream_t st;
+  CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  const int32_t *ai = dense ? NULL : d_index;
+  const float *rs = use_rs ? d_wts : NULL;
+
+  for (int ci = 0; ci < ncfg; ++ci) {
+    ml_decode_opts o;
+    memset(&o, 0, sizeof o);
+    o.sm_count = g_sm_count;
+    o.flags = cfgs[ci].flags;
+    o.splits = cfgs[ci].splits;
+    o.partials = d_part;
+    o.partial_floats = pfloats;
+    o.tickets = d_tick;
+    o.ticket_count = nticket;
+    char cfgname[96];
+    snprintf(cfgname, sizeof cfgname, "splits %d%s%s", o.splits, o.splits ? "" : " (policy)",
+             (o.flags & ML_DECODE_PDL) ? ", PDL" : "");
+
+    /* swiglu into the dtype, and into fp32 (out_dt f32, as the FP8 layer
+     * keeps its SwiGLU rows until they are quantized) */
+    for (int f32 = 0; f32 <= c->f32; ++f32) {
+      const moelink_dtype_t odt = f32 ? MOELINK_DTYPE_F32 : dt;
+      const size_t bytes = (size_t)(R + GUARD_ROWS) * n * (f32 ? 4 : 2);
+      for (int rep = 0; rep < 2; ++rep) {
+        CUDA_CHECK(cudaMemsetAsync(d_o1, 0xFF, bytes, st));
+        snprintf(label, sizeof label, "%s fp8 swiglu %s run %d", c->name, cfgname, rep);
+        CHECK_OK(ml_cuda_fp8_swiglu(odt, d_x, d_xs, lda1, ai, p->top_k, d_w1, d_w1s, n, k,
+                                    d_tiles, d_num, passes, R, d_o1, &o, st),
+                 label);
+        CUDA_CHECK(cudaStreamSynchronize(st));
+        CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o1, bytes, cudaMemcpyDeviceToHost));
+      }
+      snprintf(label, sizeof label, "%s fp8 swiglu (-> %s, n %d, k %d, lda %d, %s)", c->name,
+               moelink_dtype_name(odt), n, k, lda1, cfgname);
+      check_output(label, p, n, first, dt, f32, ref1, tol1, FP8_L2_TOL);
+      CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
+    }
+
+    /* the tile list may be read early: a decode launch on it came first */
+    ml_decode_opts oe = o;
+    oe.flags |= ML_DECODE_PLAN_EARLY;
+    for (int f32 = 0; f32 <= c->f32; ++f32) {
+      const size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
+      for (int rep = 0; rep < 2; ++rep) {
+        CUDA_CHECK(cudaMemsetAsync(d_o2, 0xFF, bytes, st));
+        snprintf(label, sizeof label, "%s fp8 scaled %s run %d", c->name, cfgname, rep);
+        CHECK_OK(ml_cuda_fp8_scaled(dt, d_h, d_hs, lda2, d_w2, d_w2s, k, n, d_tiles, d_num,
+                                    passes, R, rs, ai, d_o2, f32, &oe, st),
+                 label);
+        CUDA_CHECK(cudaStreamSynchronize(st));
+        CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o2, bytes, cudaMemcpyDeviceToHost));
+      }
+      snprintf(label, sizeof label, "%s fp8 scaled (-> %s, n %d, k %d, lda %d, %s%s)", c->name,
+               f32 ? "f32" : moelink_dtype_name(dt), k, n, lda2, cfgname,
+               rs ? (ai ? ", row scale by pair" : ", row scale by row") : "");
+      check_output(label, p, k, first, dt, f32, ref2, tol2, FP8_L2_TOL);
+      CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
+    }
+  }
+
+  uint32_t *tick = xmalloc(nticket * sizeof(uint32_t));
+  CUDA_CHECK(cudaMemcpy(tick, d_tick, nticket * sizeof(uint32_t), cudaMemcpyDeviceToHost));
+  long nonzero = 0;
+  for (size_t i = 0; i < nticket; ++i) nonzero += tick[i] != 0;
+  CHECK(nonzero == 0, "%s fp8: split-K tickets back at zero (%ld are not)", c->name, nonzero);
+  free(tick);
+
+  CUDA_CHECK(cudaStreamDestroy(st));
+  cudaFree(d_x), cudaFree(d_h), cudaFree(d_xs), cudaFree(d_hs), cudaFree(d_w1), cudaFree(d_w2);
+  cudaFree(d_w1s), cudaFree(d_w2s), cudaFree(d_wts), cudaFree(d_index), cudaFree(d_tiles);
+  cudaFree(d_num), cudaFree(d_part), cudaFree(d_tick), cudaFree(d_o1), cudaFree(d_o2);
+  free(xq), free(hq), free(xs), free(hs), free(w1q), free(w2q), free(w1s), free(w2s), free(wts);
+  free(ref1), free(tol1), free(ref2), free(tol2), free(got), free(first);
+}
+
+static void check_fp8_rejections(void) {
+  char *d = dev_alloc(1 << 16);
+  const uint8_t *q = (const uint8_t *)d;
+  const float *sc = (const float *)(d + 32768);
+  int32_t *num = (int32_t *)(d + 60000);
+  ml_decode_opts o;
+  memset(&o, 0, sizeof o);
+  o.sm_count = g_sm_count;
+  const moelink_dtype_t bf = MOELINK_DTYPE_BF16;
+  /* shapes: the scale blocks need n, k and lda in multiples of 128 */
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 256, NULL, 1, q, sc, 128, 136, NULL, NULL, 0, 4, d,
+                                  &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 swiglu k 136");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q, sc, 136, 128, NULL, NULL, 0, 4, d,
+                                  &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 swiglu n 136");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 128, q, sc, 128, 64, NULL, NULL, 0, 4, NULL, NULL, d,
+                                  0, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 scaled k 64");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 128, q, sc, 200, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                  d, 0, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 scaled n 200");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 200, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                  d, 0, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 scaled lda 200");
+  /* scales are required */
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, NULL, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                  &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu without a_scale");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q, NULL, 128, 128, NULL, NULL, 0, 4, d,
+                                  &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu without b_scale");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, NULL, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                  d, 0, &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 scaled without a_scale");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 128, q, NULL, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                  d, 0, &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 scaled without b_scale");
+  /* alignment: operands 16 bytes, scales 4 */
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q + 8, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4,
+                                  d, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 swiglu with a misaligned a");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q + 4, sc, 128, 128, NULL, NULL, 0, 4,
+                                  d, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 swiglu with a misaligned b");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                  d + 2, 1, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 scaled with a misaligned out");
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, (const float *)(d + 32770), 128, q, sc, 128, 128, NULL,
+                                  NULL, 0, 4, NULL, NULL, d, 0, &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 scaled with a misaligned a_scale");
+  /* output dtype, options, gather, scratch */
+  CHECK_STATUS(ml_cuda_fp8_scaled(MOELINK_DTYPE_F32, q, sc, 128, q, sc, 128, 128, NULL, NULL, 0,
+                                  4, NULL, NULL, d, 0, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 scaled with out dtype f32 (fp32 output is out_f32)");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(MOELINK_DTYPE_FP8_E4M3, q, sc, 128, NULL, 1, q, sc, 128, 128,
+                                  NULL, NULL, 0, 4, d, &o, 0),
+               MOELINK_ERR_UNSUPPORTED, "fp8 swiglu into e4m3");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                  NULL, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu without options");
+  CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, num, 0, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                  &o, 0),
+               MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu gathered with a_div 0");
+  o.splits = 3;
+  CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 512, q, sc, 128, 512, (const int32_t *)d, num, 1, 4,
+                                  NULL, NULL, d, 0, &o, 0),
+               MOELINK_ERR_INTERNAL, "fp8 scaled with 3 splits and no scratch");
+  o.splits = 0;
+  CHECK_OK(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 0, d, &o,
+                              0),
+           "fp8 swiglu with no rows does nothing");
+  CUDA_CHECK(cudaDeviceSynchronize());
+  cudaFree(d);
+}
+
+static void fp8_cases(void) {
+  fp8_tables();
+  const run_cfg splits[] = {{1, 0}, {2, ML_DECODE_PDL}, {3, 0}, {0, ML_DECODE_PDL}};
+  const run_cfg three[] = {{1, 0}, {3, ML_DECODE_PDL}, {0, ML_DECODE_PDL}};
+  problem p;
+  {
+    /* odd expert sizes, an empty one first, unowned rows between experts;
+     * k = 3 scale blocks, so 1, 2 and 3 splits all differ */
+    const int counts[] = {0, 1, 5, 63, 64, 65, 200};
+    problem_routed(&p, 7, counts, 2, 4, 0);
+    const fcase bf = {"experts 0/1/5/63/64/65/200", MOELINK_DTYPE_BF16, 384, 384, 128, 1, 0};
+    run_fp8_case(&bf, &p, splits, 4);
+    const fcase f16 = {"experts 0/1/5/63/64/65/200", MOELINK_DTYPE_F16, 384, 384, 0, 1, 0};
+    run_fp8_case(&f16, &p, three, 3);
+    problem_free(&p);
+  }
+  {
+    /* 1000 rows over five experts, two of them empty */
+    const int counts[] = {0, 700, 0, 299, 1};
+    problem_routed(&p, 5, counts, 0, 2, 0);
+    const fcase c = {"1000 rows on 3 of 5 experts", MOELINK_DTYPE_BF16, 256, 256, 0, 1, 0};
+    run_fp8_case(&c, &p, three, 3);
+    problem_free(&p);
+  }
+  {
+    /* one decode step of a k = 8 layer: 16 k blocks, the policy splits */
+    const int counts[] = {1, 1, 1, 1, 1, 1, 1, 1};
+    problem_routed(&p, 8, counts, 0, 8, ml_cuda_decode_passes(8, 8));
+    const fcase bf = {"decode step k 8", MOELINK_DTYPE_BF16, 512, 2048, 0, 1, 0};
+    const run_cfg cf[] = {{1, 0}, {3, ML_DECODE_PDL}, {0, ML_DECODE_PDL}, {16, 0}};
+    run_fp8_case(&bf, &p, cf, 4);
+    const fcase f16 = {"decode step k 8", MOELINK_DTYPE_F16, 512, 2048, 128, 0, 0};
+    run_fp8_case(&f16, &p, three, 3);
+    problem_free(&p);
+  }
+  {
+    /* 16 tokens x 8 distinct experts of 64 (most experts empty) */
+    int counts[64] = {0};
+    for (int t = 0; t < 16; ++t) {
+      int chosen[8], nc = 0;
+      while (nc < 8) {
+        const int e = (int)(rng_next() % 64);
+        int dup = 0;
+        for (int j = 0; j < nc; ++j) dup |= chosen[j] == e;
+        if (!dup) chosen[nc++] = e, ++counts[e];
+      }
+    }
+    problem_routed(&p, 64, counts, 0, 8, ml_cuda_decode_passes(128, 64));
+    const fcase c = {"16 tokens over 64 experts", MOELINK_DTYPE_BF16, 256, 512, 0, 1, 0};
+    run_fp8_case(&c, &p, three, 3);
+    problem_free(&p);
+  }
+  {
+    /* the dense form: 1 and 1000 rows, the second with a per-row scale */
+    problem_dense(&p, 1);
+    const fcase c = {"dense 1 row", MOELINK_DTYPE_BF16, 128, 1024, 0, 1, 0};
+    run_fp8_case(&c, &p, three, 3);
+    problem_free(&p);
+    problem_dense(&p, 1000);
+    const fcase c2 = {"dense 1000 rows", MOELINK_DTYPE_F16, 256, 384, 128, 1, 1};
+    run_fp8_case(&c2, &p, splits, 4);
+    problem_free(&p);
+  }
 }
 
 /* ---- host policy -------------------------------------------------------------------------- */
@@ -888,6 +1292,7 @@ int main(int argc, char **argv) {
 
   check_policy();
   check_rejections();
+  check_fp8_rejections();
 
   const run_cfg all[] = {{1, 0}, {3, ML_DECODE_PDL}, {0, ML_DECODE_PDL}, {16, 0}};
   const run_cfg three[] = {{1, 0}, {3, ML_DECODE_PDL}, {0, ML_DECODE_PDL}};
@@ -946,5 +1351,6 @@ int main(int argc, char **argv) {
     run_case(&c2, &p, three, 3);
     problem_free(&p);
   }
+  fp8_cases();
   return ml_test_done();
 }
