@@ -33,11 +33,16 @@
  *
  * FP8 operands (FP8 = 1): the same ring of 128-byte rows, now 128 e4m3
  * values of k a row, so a stage is exactly one 128-wide k block of the
- * scale grid (hence n and k multiples of 128). The same ldmatrix loads feed
- * m16n8k32 e4m3 MMAs into a per-stage fp32 block sum, which is added to the
- * running total times the block's weight scale (one per m16 fragment: its
- * 16 weight rows sit in one 128-row scale block) and each token's activation
- * scale (64 fp32 values that travel with the stage's token rows).
+ * scale grid (hence n and k multiples of 128). The stage's products go into
+ * an fp32 block sum, which is added to the running total times the block's
+ * weight scale (one per 64-row half: its rows sit in one 128-row scale
+ * block) and each token's activation scale (64 fp32 values copied with the
+ * stage's token rows). On sm_90a the block sum comes from wgmma (m64nNk32
+ * e4m3, N = 8..64 tokens, the warpgroup's two 64-row halves; the ring's
+ * chunk swizzle is wgmma's 128-byte swizzle once the stages are 1024-byte
+ * aligned): sm_90 has no 8-bit mma.sync, which it emulates by unpacking to
+ * f16 at a cost that halved the weight stream. Elsewhere (the compute_90
+ * PTX) the m16n8k32 mma.sync path stays as the portable fallback.
  *
  * Programmatic dependent launch: a kernel reads nothing a previous kernel of
  * the stream may still be writing before griddepcontrol.wait, and writes
@@ -49,6 +54,7 @@
 
 #include "cuda/cuda.h"
 #include "cuda/gemm/ptx.cuh"
+#include "cuda/gemm/sm90.cuh"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -63,10 +69,10 @@
 #define MLD_X_BYTES (MLD_BN * MLD_ROW_BYTES)
 #define MLD_STAGE_BYTES (MLD_W_BYTES + MLD_X_BYTES)
 #define MLD_SMEM_BYTES (MLD_STAGES * MLD_STAGE_BYTES)
-/* FP8: the token scales of a stage follow its token rows */
+/* FP8: the token scales of each stage in a region after the stages, and 1 KiB
+ * of slack to align the stages to 1024 bytes (wgmma's swizzle unit) */
 #define MLD_SCALE_BYTES (MLD_BN * 4)
-#define MLD_FP8_STAGE_BYTES (MLD_STAGE_BYTES + MLD_SCALE_BYTES)
-#define MLD_FP8_SMEM_BYTES (MLD_STAGES * MLD_FP8_STAGE_BYTES)
+#define MLD_FP8_SMEM_BYTES (MLD_STAGES * (MLD_STAGE_BYTES + MLD_SCALE_BYTES) + 1024)
 #define MLD_FP8_BLOCK 128 /* k (and weight rows) per scale */
 #define MLD_W_LOADS (MLD_BM / 16) /* weight rows one thread copies a stage */
 #define MLD_X_LOADS (MLD_BN / 16)
@@ -280,6 +286,94 @@ static __device__ __forceinline__ void mld_compute_stage_fp8(uint32_t slot, floa
   }
 }
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* d[64 x N] (+)= W[64 x 32] X[N x 32]^T, e4m3 from shared memory (wgmma),
+ * for the token counts a pass rounds up to. */
+template <int N>
+static __device__ __forceinline__ void mld_wgmma_e4m3(float *d, uint64_t da, uint64_t db,
+                                                      int accumulate);
+template <>
+__device__ __forceinline__ void mld_wgmma_e4m3<8>(float *d, uint64_t da, uint64_t db,
+                                                  int accumulate) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %6, 0;\n"
+               " wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5,"
+               " p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void mld_wgmma_e4m3<16>(float *d, uint64_t da, uint64_t db,
+                                                   int accumulate) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %10, 0;\n"
+               " wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3"
+               " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7])
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void mld_wgmma_e4m3<32>(float *d, uint64_t da, uint64_t db,
+                                                   int accumulate) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %18, 0;\n"
+               " wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3"
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15},"
+               " %16, %17, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+template <>
+__device__ __forceinline__ void mld_wgmma_e4m3<64>(float *d, uint64_t da, uint64_t db,
+                                                   int accumulate) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
+               " wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+               " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31},"
+               " %32, %33, p, 1, 1;\n}\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                 "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                 "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                 "+f"(d[30]), "+f"(d[31])
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
+/* One FP8 stage through wgmma: blk[h] = the stage's sums of weight rows
+ * 64 h .. 64 h + 63 against the first N tokens. blk[h][ni][e] is where the
+ * mma.sync path keeps the same (row, token): wgmma's accumulator of row
+ * 16 warp + lane / 4 + 8 (e / 2), token 8 ni + 2 (lane % 4) + e % 2. */
+template <int N>
+static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*blk)[8][4]) {
+  const uint64_t dx = ml_wgmma_desc(slot + MLD_W_BYTES);
+  ml_acc_fence<32>(&blk[0][0][0]);
+  ml_acc_fence<32>(&blk[1][0][0]);
+  ml_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < MLD_ROW_BYTES / 32; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      mld_wgmma_e4m3<N>(&blk[h][0][0],
+                        ml_wgmma_desc(slot + (uint32_t)(h * 64 * MLD_ROW_BYTES)) + (uint64_t)(2 * kk),
+                        dx + (uint64_t)(2 * kk), kk);
+  ml_wgmma_commit();
+  ml_wgmma_wait<0>();
+  ml_acc_fence<32>(&blk[0][0][0]);
+  ml_acc_fence<32>(&blk[1][0][0]);
+}
+#endif
+
+/* Tile row of accumulator half (or fragment) mi's first row for warp w: the
+ * wgmma path's halves are rows 64 mi .., the mma.sync path's fragments
+ * mld_frag_row. */
+template <int MODE, int FP8> static __device__ __forceinline__ int mld_acc_row(int warp, int mi) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (FP8) return mi * 64 + warp * 16;
+#endif
+  return mld_frag_row<MODE>(warp, mi);
+}
+
 /* FP8: acc += blk x (weight scale of the fragment) x (token scale), the
  * token scales of the stage at sx in shared memory. */
 static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[8][4], float (*blk)[8][4],
@@ -353,7 +447,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   constexpr int COLS = mld_cols<MODE>::N;
   constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
   constexpr int KT = MLD_ROW_BYTES / ES;            /* k of a stage */
-  constexpr int SB = FP8 ? MLD_FP8_STAGE_BYTES : MLD_STAGE_BYTES;
+  constexpr int SB = MLD_STAGE_BYTES;
   const int tid = (int)threadIdx.x;
   int item = (int)blockIdx.x;
   const int pass = item % p.passes;
@@ -393,7 +487,10 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   /* this thread's copy slots: chunk c of rows r0 + 16i */
   const int c = tid & 7, r0 = tid >> 3;
   const uint32_t swz = (uint32_t)(r0 * MLD_ROW_BYTES + ((c ^ (r0 & 7)) << 4));
-  const uint32_t base = ml_smem_u32(mld_smem);
+  const uint32_t raw = ml_smem_u32(mld_smem);
+  /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them */
+  const uint32_t base = FP8 ? (raw + 1023u) & ~1023u : raw;
+  const uint32_t scl = base + (uint32_t)(MLD_STAGES * SB);
 
   const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
   const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * ES;
@@ -447,7 +544,8 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
       const uint32_t slot = base + (uint32_t)(s * SB);
       mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, (kt0 + s) * KT + c * (16 / ES),
                      p.k);
-      if (scale_copier) mld_load_scales(slot + MLD_STAGE_BYTES, r0, sp, xvalid, xissue, kt0 + s);
+      if (scale_copier)
+        mld_load_scales(scl + (uint32_t)(s * MLD_SCALE_BYTES), r0, sp, xvalid, xissue, kt0 + s);
     }
     ml_cp_async_commit();
   }
@@ -482,6 +580,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   int rd = 0, wr = MLD_STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
     ml_cp_async_wait<MLD_STAGES - 2>();
+    if (FP8) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     /* stage kt landed for every thread, and every warp is done with the
      * slot refilled below (it held stage kt - 1) */
     __syncthreads();
@@ -491,7 +590,9 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
       const int kcol = (kt0 + next) * KT + c * (16 / ES);
       mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
       mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
-      if (scale_copier) mld_load_scales(slot + MLD_STAGE_BYTES, r0, sp, xvalid, xissue, kt0 + next);
+      if (scale_copier)
+        mld_load_scales(scl + (uint32_t)(wr * MLD_SCALE_BYTES), r0, sp, xvalid, xissue,
+                        kt0 + next);
     }
     ml_cp_async_commit();
     const uint32_t cur = base + (uint32_t)(rd * SB);
@@ -503,8 +604,23 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
       }
       if (!p.no_mma) {
         float blk[2][8][4];
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        /* the stage's cp.async writes (generic proxy) before wgmma's reads
+         * (async proxy): every thread fenced its own before the barrier */
+        if (nv <= 1)
+          mld_wgmma_stage<8>(cur, blk);
+        else if (nv <= 2)
+          mld_wgmma_stage<16>(cur, blk);
+        else if (nv <= 4)
+          mld_wgmma_stage<32>(cur, blk);
+        else
+          mld_wgmma_stage<64>(cur, blk);
+#else
         mld_compute_stage_fp8<MODE>(cur, blk, nv, np);
-        mld_promote_fp8(acc, blk, (const float *)(mld_smem + rd * SB + MLD_STAGE_BYTES), sw, nv);
+#endif
+        mld_promote_fp8(acc, blk,
+                        (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * MLD_SCALE_BYTES)),
+                        sw, nv);
       }
     } else if (!p.no_mma) {
       mld_compute_stage<MODE, DT>(cur, acc, nv, np);
@@ -534,7 +650,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
         } else {
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi)
-            cs[tok * MLD_CS_LD + mld_frag_row<MODE>(warp, mi) + fr + 8 * h] =
+            cs[tok * MLD_CS_LD + mld_acc_row<MODE, FP8>(warp, mi) + fr + 8 * h] =
                 acc[mi][ni][2 * h + e];
         }
       }

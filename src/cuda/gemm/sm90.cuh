@@ -60,8 +60,8 @@
  * more), and after the block's wgmma complete adds sum x (row's A scale) x
  * (column's B scale) to the total. The producer's threads that copy A rows
  * also copy the rows' scales of the stage (cp.async, same full barrier);
- * thread 0 puts the stage's two B scales (gate and up blocks, or one block
- * twice) in the stage header.
+ * the consumers load the B scales themselves (the item header names the
+ * expert), a k block ahead.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -457,15 +457,7 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
           h[2] = it.row0[1];
           h[3] = it.rows[0];
           h[4] = it.rows[1];
-        }
-        if (C::ES == 1) {
-          /* the B scales of this k block: the gate rows' block and the up
-           * rows' (SwiGLU), or the one block of the plain tile twice */
-          const int r0b = it.nb * cols / 128;
-          const int r1b = MODE == ML_SM90_SWIGLU ? (p->n_out + it.nb * cols) / 128 : r0b;
-          const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
-          h[5] = __float_as_int(__ldg(p->b_scale + (eb + (size_t)r0b) * (size_t)p->kblocks + kt));
-          h[6] = __float_as_int(__ldg(p->b_scale + (eb + (size_t)r1b) * (size_t)p->kblocks + kt));
+          if (C::ES == 1) h[5] = it.expert; /* FP8: the consumers find the B scales */
         }
         ml_mbar_arrive_tx(full, C::B_BYTES);
         ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, it.nb * cols, 0, it.expert);
@@ -685,6 +677,20 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
     if (nb < 0) break;
     const int row0 = hd[1 + cw], rows = hd[3 + cw];
     const int active = rows > 0; /* uniform over the warpgroup */
+    /* B scales of the item's k blocks: the gate rows' block and the up rows'
+     * (SwiGLU: 64 columns of each), or the plain tile's one block twice;
+     * each loaded a k block before it is needed */
+    const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
+    const int r0b = nb * cols / 128;
+    const int r1b = MODE == ML_SM90_SWIGLU ? (p->n_out + nb * cols) / 128 : r0b;
+    const size_t eb = (size_t)hd[5] * (size_t)p->b_rblocks;
+    const float *bs0 = p->b_scale + (eb + (size_t)r0b) * (size_t)p->kblocks;
+    const float *bs1 = p->b_scale + (eb + (size_t)r1b) * (size_t)p->kblocks;
+    float bs_next[2] = {0.0f, 0.0f};
+    if (active) {
+      bs_next[0] = __ldg(bs0);
+      bs_next[1] = __ldg(bs1);
+    }
     int32_t sx[2];
     float sc[2] = {1.0f, 1.0f};
     if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
@@ -692,7 +698,6 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
     for (int i = 0; i < 64; ++i) d[i] = 0.0f;
     for (int kt = 0; kt < ktiles; ++kt) {
       if (kt > 0) ml_mbar_wait(ml_sm90_full(bars, stage), phase);
-      hd = headers + stage * ML_SM90_HEADER_INTS;
       if (active) {
         const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
         const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
@@ -706,16 +711,19 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
         ml_wgmma_commit();
         ml_wgmma_wait<0>();
         ml_acc_fence<64>(blk);
-        /* the scales of this stage, read before the stage goes back */
-        float as[2], bs[2];
+        /* the A scales of this stage, read before the stage goes back */
+        float as[2];
         {
           uint32_t a0 = scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)((cw * 64 + rl) * 4);
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
         }
-        bs[0] = __int_as_float(hd[5]);
-        bs[1] = __int_as_float(hd[6]);
         ml_sm90_release<C>(bars, stage);
+        const float bs[2] = {bs_next[0], bs_next[1]};
+        if (kt + 1 < ktiles) {
+          bs_next[0] = __ldg(bs0 + kt + 1);
+          bs_next[1] = __ldg(bs1 + kt + 1);
+        }
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
           /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's
