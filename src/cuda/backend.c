@@ -394,8 +394,8 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
 
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
  * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
- * both GEMMs read e4m3 operands: the decode kernels for small batches (as in
- * bf16), the sm_90a FP8 kernel past them. */
+ * both GEMMs read e4m3 operands: the decode kernels while the experts have
+ * few rows each (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights,
                                          void *y, cudaStream_t st) {
@@ -409,7 +409,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms,
                           st));
-  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
+  if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
@@ -425,6 +425,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
   ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
   ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,

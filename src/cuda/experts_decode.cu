@@ -14,6 +14,14 @@
  * 256 rows: 777 against 774), at 1024 rows slower (qwen3-30b-a3b T = 128: 386
  * against 364; deepseek-v3: 1937 against 1869). */
 MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
+/* FP8 routed GEMMs: the decode path also runs while the experts average at
+ * most this many rows (0: the bf16 rule alone). Measured on an H200 (moelink
+ * bench --fp8-experts, commit 1e4a3dc): deepseek-v3 T = 64..512 (up to 16
+ * rows an expert) 2669-3527 us against 3727-4565 on the sm_90a FP8 GEMM,
+ * qwen3-30b-a3b T = 64..512 (up to 32) 242-318 against 344-377, while
+ * mixtral-8x7b at 64 rows an expert (T = 256) is faster on the sm_90a GEMM
+ * (650 against 827). */
+MOELINK_PARAM(DECODE_FP8_ROWS_PER_EXPERT, 32)
 /* Programmatic dependent launch of the decode GEMMs (0: plain launches). */
 MOELINK_PARAM(DECODE_PDL, 1)
 /* CTAs per SM the split policy aims for. 1 (fewer, longer K splits: each
@@ -44,6 +52,12 @@ extern "C" int ml_cuda_decode_wanted(int rows, int experts) {
    * weights once per pass: the tile engine takes it from there. */
   if (experts == 1 && limit > ML_CUDA_TILE_ROWS) limit = ML_CUDA_TILE_ROWS;
   return (int64_t)rows <= limit;
+}
+
+extern "C" int ml_cuda_decode_wanted_fp8(int rows, int experts) {
+  if (ml_cuda_decode_wanted(rows, experts)) return 1;
+  if (rows <= 0 || experts <= 1) return 0;
+  return (int64_t)rows <= ml_param_DECODE_FP8_ROWS_PER_EXPERT() * (int64_t)experts;
 }
 
 /* Splits of k for a launch of max_passes passes x mblocks column blocks:

@@ -61,6 +61,12 @@ int ml_cuda_decode_passes(int rows, int experts);
  * Monotone in rows. */
 int ml_cuda_decode_wanted(int rows, int experts);
 
+/* The routed GEMMs of an FP8 layer: ml_cuda_decode_wanted, or an average of
+ * at most MOELINK_DECODE_FP8_ROWS_PER_EXPERT rows (default 32, measured) an
+ * expert. Past ml_cuda_decode_wanted the layer's split-K scratch was not
+ * sized for the call: launch with opts.splits = 1. */
+int ml_cuda_decode_wanted_fp8(int rows, int experts);
+
 /* Scratch a layer needs so that every decode launch it makes for up to
  * max_tokens tokens fits: fp32 partials and tickets (counts, not bytes).
  * shared_inter 0: no shared expert. */
