@@ -312,6 +312,29 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
   return ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32>(map, p, grid, stream);
 }
 
+/* The fields of an sm_90a launch every GEMM fills alike (FP8 fields: see
+ * ml_sm90_fp8_args). cols: output columns of a work item. */
+static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_index, int a_div,
+                              void *out, const int32_t *tiles, const int32_t *num_tiles,
+                              const float *row_scale, const int32_t *scale_index, int lda, int k,
+                              int n, int cols, int max_tiles, int dense_rows) {
+  memset(q, 0, sizeof *q);
+  q->a = (const char *)a;
+  q->a_index = a_index;
+  q->out = out;
+  q->tiles = tiles;
+  q->num_tiles = num_tiles;
+  q->row_scale = row_scale;
+  q->scale_index = row_scale != NULL ? scale_index : NULL;
+  q->a_div = a_index != NULL ? a_div : 1;
+  q->lda = lda;
+  q->k = k;
+  q->n_out = n;
+  q->nblocks = (n + cols - 1) / cols;
+  q->max_tiles = max_tiles;
+  q->dense_rows = dense_rows;
+}
+
 extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
                                                 const int32_t *a_index, int a_div, const void *b,
                                                 int n, int k, const int32_t *tiles,
@@ -333,20 +356,8 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *
     ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
                          what));
     ml_sm90_args q;
-    q.a = (const char *)a;
-    q.a_index = a_index;
-    q.out = out;
-    q.tiles = tiles;
-    q.num_tiles = num_tiles;
-    q.row_scale = NULL;
-    q.scale_index = NULL;
-    q.a_div = a_index != NULL ? a_div : 1;
-    q.lda = lda;
-    q.k = k;
-    q.n_out = n;
-    q.nblocks = (n + cols - 1) / cols;
-    q.max_tiles = max_tiles;
-    q.dense_rows = dense_rows;
+    ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n,
+                      cols, max_tiles, dense_rows);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
         dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), stream);
   }
@@ -412,20 +423,8 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *
     ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
                          what));
     ml_sm90_args q;
-    q.a = (const char *)a;
-    q.a_index = NULL;
-    q.out = out;
-    q.tiles = tiles;
-    q.num_tiles = num_tiles;
-    q.row_scale = row_scale;
-    q.scale_index = row_scale != NULL ? scale_index : NULL;
-    q.a_div = 1;
-    q.lda = lda;
-    q.k = k;
-    q.n_out = n;
-    q.nblocks = (n + cols - 1) / cols;
-    q.max_tiles = max_tiles;
-    q.dense_rows = dense_rows;
+    ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
+                      cols, max_tiles, dense_rows);
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, stream)
                    : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, stream);
@@ -515,26 +514,14 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const floa
     ml_engine_last = ML_GEMM_ENGINE_TILE;
     return MOELINK_SUCCESS;
   }
-  ml_sm90_args q;
-  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   const int cols = ml_sm90_cfg<1>::BN / 2; /* output columns (gate/up pairs) of a work item */
+  ml_sm90_args q;
+  ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
+                    max_tiles, tiles != NULL ? 0 : rows);
+  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
-  q.a = (const char *)a;
-  q.a_index = a_index;
-  q.out = out;
-  q.tiles = tiles;
-  q.num_tiles = num_tiles;
-  q.row_scale = NULL;
-  q.scale_index = NULL;
-  q.a_div = a_index != NULL ? a_div : 1;
-  q.lda = lda;
-  q.k = k;
-  q.n_out = n;
-  q.nblocks = n / cols;
-  q.max_tiles = max_tiles;
-  q.dense_rows = tiles != NULL ? 0 : rows;
   return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(
       &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream);
 }
@@ -565,26 +552,14 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, cons
     ml_engine_last = ML_GEMM_ENGINE_TILE;
     return MOELINK_SUCCESS;
   }
-  ml_sm90_args q;
-  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   const int cols = ml_sm90_cfg<1>::BN; /* output columns of a work item */
+  ml_sm90_args q;
+  ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
+                    max_tiles, tiles != NULL ? 0 : rows);
+  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
-  q.a = (const char *)a;
-  q.a_index = NULL;
-  q.out = out;
-  q.tiles = tiles;
-  q.num_tiles = num_tiles;
-  q.row_scale = row_scale;
-  q.scale_index = row_scale != NULL ? scale_index : NULL;
-  q.a_div = 1;
-  q.lda = lda;
-  q.k = k;
-  q.n_out = n;
-  q.nblocks = n / cols;
-  q.max_tiles = max_tiles;
-  q.dense_rows = tiles != NULL ? 0 : rows;
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_f32)
     return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);

@@ -193,10 +193,12 @@ static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0,
       ml_cp_async4(dst + (uint32_t)((r0 + 16 * i) * 4), sp[i] + kb, ((valid >> i) & 1) ? 4 : 0);
 }
 
-/* One stage: four k16 steps; per step two ldmatrix.x4 of weights, one per
- * 16 tokens in use, and 2 x (n8 fragments in use) MMAs. nv and np are the
- * n8 fragments and 16-token groups in use (uniform over the CTA). */
-template <int MODE, int DT>
+/* One stage: four k16 steps (FP8: k32 steps of e4m3, the same 32 bytes of a
+ * row, whose fragments sit where the 16-bit ones do); per step two
+ * ldmatrix.x4 of weights, one per 16 tokens in use, and 2 x (n8 fragments in
+ * use) MMAs into acc. nv and np are the n8 fragments and 16-token groups in
+ * use (uniform over the CTA). */
+template <int MODE, int DT, int FP8 = 0>
 static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*acc)[8][4],
                                                          int nv, int np) {
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
@@ -231,57 +233,13 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
 #pragma unroll
     for (int ni = 0; ni < MLD_BN / 8; ++ni)
       if (ni < nv) {
-        ml_mma_16816<DT>(acc[0][ni], af[0], bf[ni]);
-        ml_mma_16816<DT>(acc[1][ni], af[1], bf[ni]);
-      }
-  }
-}
-
-/* FP8: one stage (one 128-wide k block) into blk, which it zeroes first:
- * four k32 steps with the fragments of mld_compute_stage. */
-template <int MODE>
-static __device__ __forceinline__ void mld_compute_stage_fp8(uint32_t slot, float (*blk)[8][4],
-                                                             int nv, int np) {
-  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
-  const uint32_t a0 =
-      slot + (uint32_t)(mld_frag_row<MODE>(warp, 0) + (lane & 15)) * MLD_ROW_BYTES;
-  const uint32_t a1 =
-      slot + (uint32_t)(mld_frag_row<MODE>(warp, 1) + (lane & 15)) * MLD_ROW_BYTES;
-  const uint32_t xr =
-      slot + MLD_W_BYTES + (uint32_t)((lane & 7) + ((lane >> 4) << 3)) * MLD_ROW_BYTES;
-  const int a_x = (lane >> 4) ^ (lane & 7);
-  const int b_x = ((lane >> 3) & 1) ^ (lane & 7);
-#pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < MLD_BN / 8; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
-#pragma unroll
-  for (int kk = 0; kk < MLD_ROW_BYTES / 32; ++kk) {
-    uint32_t af[2][4], bf[8][2];
-    const uint32_t a_col = (uint32_t)(((2 * kk) ^ a_x) << 4);
-    const uint32_t b_col = (uint32_t)(((2 * kk) ^ b_x) << 4);
-    ml_ldmatrix_x4(a0 + a_col, af[0]);
-    ml_ldmatrix_x4(a1 + a_col, af[1]);
-#pragma unroll
-    for (int q = 0; q < MLD_BN / 16; ++q) {
-      if (q < np) {
-        uint32_t t[4];
-        ml_ldmatrix_x4(xr + (uint32_t)(q * 16 * MLD_ROW_BYTES) + b_col, t);
-        bf[2 * q][0] = t[0];
-        bf[2 * q][1] = t[1];
-        bf[2 * q + 1][0] = t[2];
-        bf[2 * q + 1][1] = t[3];
-      } else {
-        bf[2 * q][0] = bf[2 * q][1] = bf[2 * q + 1][0] = bf[2 * q + 1][1] = 0u;
-      }
-    }
-#pragma unroll
-    for (int ni = 0; ni < MLD_BN / 8; ++ni)
-      if (ni < nv) {
-        ml_mma_16832_e4m3(blk[0][ni], af[0], bf[ni]);
-        ml_mma_16832_e4m3(blk[1][ni], af[1], bf[ni]);
+        if (FP8) {
+          ml_mma_16832_e4m3(acc[0][ni], af[0], bf[ni]);
+          ml_mma_16832_e4m3(acc[1][ni], af[1], bf[ni]);
+        } else {
+          ml_mma_16816<DT>(acc[0][ni], af[0], bf[ni]);
+          ml_mma_16816<DT>(acc[1][ni], af[1], bf[ni]);
+        }
       }
   }
 }
@@ -616,7 +574,13 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
         else
           mld_wgmma_stage<64>(cur, blk);
 #else
-        mld_compute_stage_fp8<MODE>(cur, blk, nv, np);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < MLD_BN / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
+        mld_compute_stage<MODE, DT, 1>(cur, blk, nv, np);
 #endif
         mld_promote_fp8(acc, blk,
                         (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * MLD_SCALE_BYTES)),
