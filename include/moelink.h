@@ -342,7 +342,9 @@ MOELINK_API moelink_status_t moelink_moe_combine(moelink_moe_t moe, const void *
 /* A group of ranks, one process each (one GPU each on CUDA; on CPU, processes
  * of one machine sharing POSIX shared memory). No call here ever waits
  * forever: device-side waits give up after MOELINK_COMM_TIMEOUT_MS and are
- * reported by moelink_comm_check as MOELINK_ERR_TIMEOUT. */
+ * reported by moelink_comm_check as MOELINK_ERR_TIMEOUT. CPU ranks wait for
+ * each other at init up to MOELINK_COMM_INIT_TIMEOUT_MS (default: the same
+ * limit), for ranks that start far apart. */
 typedef struct moelink_comm *moelink_comm_t;
 
 /* Opaque bootstrap token made by rank 0 and handed to every rank. */

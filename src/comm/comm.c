@@ -22,6 +22,18 @@ int64_t ml_comm_timeout_ms(void) {
   return t >= 1 ? t : ML_COMM_TIMEOUT_MS_DEFAULT;
 }
 
+/* How long a rank of a CPU communicator waits for the others to join at
+ * init: MOELINK_COMM_INIT_TIMEOUT_MS, by default the same as every other
+ * wait. Processes often start far apart (a loaded machine, a model loaded
+ * before init), while a collective's peers are already running: the two may
+ * want different limits. */
+MOELINK_PARAM(COMM_INIT_TIMEOUT_MS, 0)
+int64_t ml_comm_init_timeout_ms(void);
+int64_t ml_comm_init_timeout_ms(void) {
+  int64_t t = ml_param_COMM_INIT_TIMEOUT_MS();
+  return t >= 1 ? t : ml_comm_timeout_ms();
+}
+
 #ifndef MOELINK_HAVE_NCCL
 const ml_comm_ops *ml_comm_cuda_ops(void) { return NULL; }
 #endif

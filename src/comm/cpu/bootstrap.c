@@ -170,7 +170,7 @@ static moelink_status_t ml_cpu_init_rank0(ml_cpu_comm *c, const ml_cpu_id *cid) 
   ml_cpu_backoff_init(&b);
   while (atomic_load_explicit(&h->joined, memory_order_acquire) < c->nranks) {
     int64_t waited = ml_cpu_backoff_pause(&b);
-    if (waited >= c->timeout_ms) {
+    if (waited >= c->init_timeout_ms) {
       char missing[96];
       int nmissing = ml_cpu_missing(c, missing, sizeof missing);
       shm_unlink(cid->name);
@@ -211,7 +211,7 @@ static moelink_status_t ml_cpu_init_joiner(ml_cpu_comm *c, const ml_cpu_id *cid)
       }
       if ((size_t)st.st_size >= ML_CPU_HEADER_BYTES) break;
     }
-    if (waited >= c->timeout_ms) {
+    if (waited >= c->init_timeout_ms) {
       if (fd >= 0) close(fd);
       return ml_fail(MOELINK_ERR_TIMEOUT,
                      "rank %d: waited %lld ms for init (value %d ranks) from rank 0: its shared "
@@ -233,7 +233,7 @@ static moelink_status_t ml_cpu_init_joiner(ml_cpu_comm *c, const ml_cpu_id *cid)
   uint64_t state;
   while ((state = atomic_load_explicit(&h->state, memory_order_acquire)) == 0) {
     waited = ml_cpu_backoff_pause(&b);
-    if (waited >= c->timeout_ms) {
+    if (waited >= c->init_timeout_ms) {
       munmap(h, ML_CPU_HEADER_BYTES);
       close(fd);
       return ml_fail(MOELINK_ERR_TIMEOUT,
@@ -291,7 +291,7 @@ static moelink_status_t ml_cpu_init_joiner(ml_cpu_comm *c, const ml_cpu_id *cid)
       checked = waited;
       dead0 = ml_cpu_pid_dead(atomic_load_explicit(&c->slots[0].pid, memory_order_relaxed));
     }
-    if (waited >= c->timeout_ms || dead0) {
+    if (waited >= c->init_timeout_ms || dead0) {
       /* Rank 0 unlinks the name when all joined; if it died, do it for it. */
       if (dead0) shm_unlink(cid->name);
       char missing[96];
@@ -316,6 +316,7 @@ static moelink_status_t ml_cpu_init(moelink_comm_t comm, const moelink_unique_id
   c->rank = comm->rank;
   c->nranks = comm->nranks;
   c->timeout_ms = ml_comm_timeout_ms();
+  c->init_timeout_ms = ml_comm_init_timeout_ms();
   c->stage_bytes = ML_CPU_STAGE_BYTES;
   snprintf(c->name, sizeof c->name, "%s", cid.name);
   moelink_status_t s =

@@ -30,6 +30,7 @@ extern "C" {
 
 /* MOELINK_COMM_TIMEOUT_MS (defined by the front end, src/comm/comm.c). */
 int64_t ml_comm_timeout_ms(void);
+int64_t ml_comm_init_timeout_ms(void);
 
 /* The address of `peer`'s copy of a symmetric address of this rank (any
  * address inside a buffer from moelink_symm_alloc on comm), or NULL when ptr

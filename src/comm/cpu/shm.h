@@ -81,6 +81,7 @@ typedef struct ml_cpu_symm {
 typedef struct ml_cpu_comm {
   int rank, nranks;
   int64_t timeout_ms;
+  int64_t init_timeout_ms; /* waits for the others at init */
   unsigned char *map;
   size_t map_bytes;
   ml_cpu_header *hdr;
