@@ -244,6 +244,28 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
   }
 }
 
+/* FP8: acc += blk x (weight scale of the fragment) x (token scale), the
+ * token scales of the stage at sx in shared memory. */
+template <int NB>
+static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[8][4], float (*blk)[NB][4],
+                                                       const float *sx, const float sw[2],
+                                                       int nv) {
+  const int ft = ((int)threadIdx.x & 3) * 2;
+#pragma unroll
+  for (int ni = 0; ni < NB; ++ni) {
+    if (ni >= nv) continue;
+    const float2 s = *(const float2 *)(sx + ni * 8 + ft);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const float f0 = sw[mi] * s.x, f1 = sw[mi] * s.y;
+      acc[mi][ni][0] = fmaf(blk[mi][ni][0], f0, acc[mi][ni][0]);
+      acc[mi][ni][1] = fmaf(blk[mi][ni][1], f1, acc[mi][ni][1]);
+      acc[mi][ni][2] = fmaf(blk[mi][ni][2], f0, acc[mi][ni][2]);
+      acc[mi][ni][3] = fmaf(blk[mi][ni][3], f1, acc[mi][ni][3]);
+    }
+  }
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 /* d[64 x N] (+)= W[64 x 32] X[N x 32]^T, e4m3 from shared memory (wgmma),
  * for the token counts a pass rounds up to. */
@@ -298,15 +320,18 @@ __device__ __forceinline__ void mld_wgmma_e4m3<64>(float *d, uint64_t da, uint64
                : "l"(da), "l"(db), "r"(accumulate));
 }
 
-/* One FP8 stage through wgmma: blk[h] = the stage's sums of weight rows
- * 64 h .. 64 h + 63 against the first N tokens. blk[h][ni][e] is where the
- * mma.sync path keeps the same (row, token): wgmma's accumulator of row
- * 16 warp + lane / 4 + 8 (e / 2), token 8 ni + 2 (lane % 4) + e % 2. */
+/* One FP8 stage through wgmma, promoted: blk[h] = the stage's sums of weight
+ * rows 64 h .. 64 h + 63 against the first N tokens, then acc += blk x
+ * scales (mld_promote_fp8). blk[h][ni][e] is where the mma.sync path keeps
+ * the same (row, token): wgmma's accumulator of row 16 warp + lane / 4 +
+ * 8 (e / 2), token 8 ni + 2 (lane % 4) + e % 2. Each N has its own blk:
+ * one array shared by the four token counts made ptxas serialize the wgmma
+ * (warning C7511). */
 template <int N>
-static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*blk)[8][4]) {
+static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*acc)[8][4],
+                                                       const float *sx, const float sw[2]) {
+  float blk[2][N / 8][4];
   const uint64_t dx = ml_wgmma_desc(slot + MLD_W_BYTES);
-  ml_acc_fence<32>(&blk[0][0][0]);
-  ml_acc_fence<32>(&blk[1][0][0]);
   ml_wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < MLD_ROW_BYTES / 32; ++kk)
@@ -317,8 +342,9 @@ static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*bl
                         dx + (uint64_t)(2 * kk), kk);
   ml_wgmma_commit();
   ml_wgmma_wait<0>();
-  ml_acc_fence<32>(&blk[0][0][0]);
-  ml_acc_fence<32>(&blk[1][0][0]);
+  ml_acc_fence<N / 2>(&blk[0][0][0]);
+  ml_acc_fence<N / 2>(&blk[1][0][0]);
+  mld_promote_fp8<N / 8>(acc, blk, sx, sw, N / 8);
 }
 #endif
 
@@ -332,26 +358,6 @@ template <int MODE, int FP8> static __device__ __forceinline__ int mld_acc_row(i
   return mld_frag_row<MODE>(warp, mi);
 }
 
-/* FP8: acc += blk x (weight scale of the fragment) x (token scale), the
- * token scales of the stage at sx in shared memory. */
-static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[8][4], float (*blk)[8][4],
-                                                       const float *sx, const float sw[2],
-                                                       int nv) {
-  const int ft = ((int)threadIdx.x & 3) * 2;
-#pragma unroll
-  for (int ni = 0; ni < MLD_BN / 8; ++ni) {
-    if (ni >= nv) continue;
-    const float2 s = *(const float2 *)(sx + ni * 8 + ft);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-      const float f0 = sw[mi] * s.x, f1 = sw[mi] * s.y;
-      acc[mi][ni][0] = fmaf(blk[mi][ni][0], f0, acc[mi][ni][0]);
-      acc[mi][ni][1] = fmaf(blk[mi][ni][1], f1, acc[mi][ni][1]);
-      acc[mi][ni][2] = fmaf(blk[mi][ni][2], f0, acc[mi][ni][2]);
-      acc[mi][ni][3] = fmaf(blk[mi][ni][3], f1, acc[mi][ni][3]);
-    }
-  }
-}
 
 /* Eight fp32 values rounded to DT, stored as one 16-byte write. */
 template <int DT>
@@ -561,19 +567,21 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
         sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
       }
       if (!p.no_mma) {
-        float blk[2][8][4];
+        const float *sx =
+            (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * MLD_SCALE_BYTES));
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         /* the stage's cp.async writes (generic proxy) before wgmma's reads
          * (async proxy): every thread fenced its own before the barrier */
         if (nv <= 1)
-          mld_wgmma_stage<8>(cur, blk);
+          mld_wgmma_stage<8>(cur, acc, sx, sw);
         else if (nv <= 2)
-          mld_wgmma_stage<16>(cur, blk);
+          mld_wgmma_stage<16>(cur, acc, sx, sw);
         else if (nv <= 4)
-          mld_wgmma_stage<32>(cur, blk);
+          mld_wgmma_stage<32>(cur, acc, sx, sw);
         else
-          mld_wgmma_stage<64>(cur, blk);
+          mld_wgmma_stage<64>(cur, acc, sx, sw);
 #else
+        float blk[2][8][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -581,10 +589,8 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
             for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
         mld_compute_stage<MODE, DT, 1>(cur, blk, nv, np);
+        mld_promote_fp8<8>(acc, blk, sx, sw, nv);
 #endif
-        mld_promote_fp8(acc, blk,
-                        (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * MLD_SCALE_BYTES)),
-                        sw, nv);
       }
     } else if (!p.no_mma) {
       mld_compute_stage<MODE, DT>(cur, acc, nv, np);
