@@ -169,6 +169,21 @@ static void problem_routed(problem *p, int E, const int *counts, int gap, int to
   free(perm);
 }
 
+/* Rows per expert when each of `tokens` tokens picks k distinct experts of E
+ * at random (counts zeroed by the caller). */
+static void count_distinct_routes(int *counts, int E, int tokens, int k) {
+  for (int t = 0; t < tokens; ++t) {
+    int chosen[16], nc = 0;
+    while (nc < k) {
+      const int e = (int)(rng_next() % (uint32_t)E);
+      int dup = 0;
+      for (int j = 0; j < nc; ++j) dup |= chosen[j] == e;
+      if (!dup) chosen[nc++] = e, ++counts[e];
+    }
+  }
+}
+
+
 static void problem_dense(problem *p, int rows) {
   memset(p, 0, sizeof *p);
   p->E = 1;
@@ -829,15 +844,7 @@ static void fp8_cases(void) {
   {
     /* 16 tokens x 8 distinct experts of 64 (most experts empty) */
     int counts[64] = {0};
-    for (int t = 0; t < 16; ++t) {
-      int chosen[8], nc = 0;
-      while (nc < 8) {
-        const int e = (int)(rng_next() % 64);
-        int dup = 0;
-        for (int j = 0; j < nc; ++j) dup |= chosen[j] == e;
-        if (!dup) chosen[nc++] = e, ++counts[e];
-      }
-    }
+    count_distinct_routes(counts, 64, 16, 8);
     problem_routed(&p, 64, counts, 0, 8, ml_cuda_decode_passes(128, 64));
     const fcase c = {"16 tokens over 64 experts", MOELINK_DTYPE_BF16, 256, 512, 0, 1, 0};
     run_fp8_case(&c, &p, three, 3);
@@ -1327,15 +1334,7 @@ int main(int argc, char **argv) {
   {
     /* 16 tokens x 8 distinct experts of 64, grid sized by the pass bound */
     int counts[64] = {0};
-    for (int t = 0; t < 16; ++t) {
-      int chosen[8], nc = 0;
-      while (nc < 8) {
-        const int e = (int)(rng_next() % 64);
-        int dup = 0;
-        for (int j = 0; j < nc; ++j) dup |= chosen[j] == e;
-        if (!dup) chosen[nc++] = e, ++counts[e];
-      }
-    }
+    count_distinct_routes(counts, 64, 16, 8);
     problem_routed(&p, 64, counts, 0, 8, ml_cuda_decode_passes(128, 64));
     const dcase c = {"16 tokens over 64 experts", MOELINK_DTYPE_BF16, 256, 512, 0, 0, 0};
     run_case(&c, &p, three, 3);
