@@ -50,15 +50,18 @@
  * DeepSeek-V3 reports for K = 4096 without promotion better) 5.9e-3 and
  * 4.7e-3, and up to 5.9e-3 of L2 through SwiGLU in this file's cases. Exact
  * fp32 sums would give 1.3e-7 and 6e-8: the ~1e-5 of fp32 is not what the
- * hardware gives. Bounds: per element ACC_TOL (2^-6: 2.6x the -inf model's
- * worst, 15x the toward-zero one's) times the sum of |terms|, propagated
- * through SwiGLU, plus twice the output's unit roundoff; over all owned
- * elements a relative L2 of L2_TOL (2x the -inf model's worst; bf16 output
- * rounding adds an rms of ~1.6e-3). The diagnostics print both measures, so
- * a GPU run shows which model holds. A wrong block scale, a misread k block,
- * tile, gather index or row scale is off by ~1e-1 and more. */
-#define ACC_TOL (1.0 / 64)
-#define L2_TOL 1.2e-2
+ * hardware gives. Bounds: per element ACC_TOL times the sum of |terms|,
+ * propagated through SwiGLU, plus twice the output's unit roundoff; over all
+ * owned elements a relative L2 of L2_TOL (bf16 output rounding alone adds an
+ * rms of ~1.6e-3). First set to cover either model (2^-6 and 1.2e-2); on an
+ * H200 (commit 5c57c83, both engines) the kernels reached at most 0.162 of
+ * the 2^-6 bound per element and a relative L2 of 1.69e-3 (bf16 output;
+ * fp32 outputs 2-3e-4), the toward-zero model, so the bounds are now ~3x
+ * the measurement. The diagnostics print both measures. A wrong block
+ * scale, a misread k block, tile, gather index or row scale is off by ~1e-1
+ * and more. */
+#define ACC_TOL (1.0 / 128)
+#define L2_TOL 5e-3
 #define SILU_SLOPE 1.1 /* max |silu'(x)| = 1.0998 */
 
 /* Relative error per element the output's rounding adds: twice the unit
