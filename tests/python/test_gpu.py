@@ -392,6 +392,54 @@ def test_route_and_pieces():
                 assert rel_l2(routed, want) <= 1e-2, rel_l2(routed, want)
 
 
+def e4m3_blocks(w):
+    """[E, N, K] float weights -> (e4m3 bytes, fp32 scales [E, N/128, K/128]):
+    scale = amax / 448 per 128 x 128 block (the layout fp8_experts reads)."""
+    E, N, K = w.shape
+    b = w.double().reshape(E, N // 128, 128, K // 128, 128)
+    s = (b.abs().amax(dim=(2, 4)).float() / 448.0)
+    safe = torch.where(s > 0, s, torch.ones_like(s)).double()
+    q = (b / safe[:, :, None, :, None]).float().to(torch.float8_e4m3fn)
+    return q.view(torch.uint8).reshape(E, N, K).contiguous(), s.contiguous()
+
+
+@test
+def test_fp8_experts_matches_cpu():
+    # An fp8_experts layer on this backend (torch uint8 weights and fp32 block
+    # scales) against the CPU backend's on the same bytes: the GPU runs its
+    # decode kernels at T = 3 and its large-batch FP8 GEMM at T = 300.
+    cfg = dict(CASES[5])
+    gen = torch.Generator(device=DEV)
+    gen.manual_seed(31)
+    dw, _ = make_weights(cfg, "bf16", gen)
+    fw = dict(dw)
+    fw["gate_up"], fw["gate_up_scale"] = e4m3_blocks(dw["gate_up"])
+    fw["down"], fw["down_scale"] = e4m3_blocks(dw["down"])
+
+    def to_np(t):
+        if t.dtype == torch.bfloat16:
+            return t.cpu().view(torch.int16).numpy().view(np.uint16)
+        return t.cpu().numpy()
+
+    kw = {k: v for k, v in cfg.items() if k != "name"}
+    with moelink.Context(BACKEND) as gctx, moelink.Context("cpu") as cctx:
+        g = moelink.MoE(gctx, dtype="bf16", max_tokens=512, fp8_experts=True, **kw)
+        c = moelink.MoE(cctx, dtype="bf16", max_tokens=512, fp8_experts=True, **kw)
+        assert g.fp8_experts and c.fp8_experts
+        g.set_weights(**fw)
+        c.set_weights(**{n: to_np(a) for n, a in fw.items()})
+        for T in (3, 300):
+            x, _ = make_x(cfg, T, "bf16", gen)
+            out = torch.full_like(x, float("nan"))
+            g.forward(x, out=out)
+            sync()
+            a = moelink.from_bf16(to_np(out)).astype(np.float64)
+            b = moelink.from_bf16(c.forward(to_np(x))).astype(np.float64)
+            assert np.isfinite(a).all(), "T=%d: unwritten or non-finite outputs" % T
+            err = np.linalg.norm(a - b) / np.linalg.norm(b)
+            assert err <= 1e-2, "T=%d: rel L2 %.3g" % (T, err)
+
+
 @test
 def test_quantize_matches_cpu():
     # The 8-bit rows on this backend against the CPU backend: the same bytes,
