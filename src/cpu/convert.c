@@ -95,6 +95,7 @@ const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row
 
 const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t row0, int rows,
                                     int cols, float *conv) {
+  if (ml_cpu_fp8_rows_simd(w, scale, row0, rows, cols, conv)) return conv;
   /* 256 codes: decoding through a table keeps the per-element cost at one
    * load and one multiply. */
   float lut[256];

@@ -173,9 +173,18 @@ int ml_cpu_small_ready(moelink_dtype_t dtype);
 int ml_cpu_use_small(moelink_dtype_t dtype, int m);
 /* c[m, n] (ldc) = a . w^T, a [m, K] fp32 (lda), w [n, K] of dtype read where
  * it lies, fp32 sums in an order fixed by K alone. Only when
- * ml_cpu_small_ready(dtype); does nothing otherwise. */
+ * ml_cpu_small_ready(dtype), or for f32 weights (the FP8 experts' widened
+ * rows) when ml_cpu_small_fp8_ready(); does nothing otherwise. */
 void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dtype,
                        const void *w, int n, float *c, int ldc);
+/* FP8 experts: whether blocks of m token rows take ml_cpu_gemm_small on their
+ * widened weight rows (the CPU of ml_cpu_small_ready, m <= ML_CPU_SMALL_ROWS). */
+int ml_cpu_small_fp8_ready(void);
+int ml_cpu_use_small_fp8(int m);
+/* ml_cpu_fp8_weight_rows through AVX2 (bitwise the same values); 0 when the
+ * CPU lacks it (nothing written). */
+int ml_cpu_fp8_rows_simd(const uint8_t *w, const float *scale, size_t row0, int rows, int cols,
+                         float *conv);
 
 /* Expert blocks (experts.c), shared by the routed and the shared expert. */
 /* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T), a [m, K] (lda),

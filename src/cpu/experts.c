@@ -11,8 +11,9 @@
  * bf16/f16 block would be converted, and the GEMM inputs are replaced by
  * dequantize(quantize(row)) per 128 elements: the gathered token rows right
  * after the gather, each SwiGLU row once all its gate/up items are done (an
- * item covers only some columns of I, a block of 128 may span two). The
- * small-M kernel reads bf16/f16 only, so it is never taken then. */
+ * item covers only some columns of I, a block of 128 may span two). Blocks
+ * with few token rows then go through the small-M kernel on those widened
+ * fp32 rows (ml_cpu_use_small_fp8), the others through BLAS. */
 #include "core/fp8.h"
 #include "cpu/cpu.h"
 
@@ -210,6 +211,11 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
         wg = ml_cpu_fp8_weight_rows((const uint8_t *)we, se, (size_t)c0, nc, H, conv);
         wu = ml_cpu_fp8_weight_rows((const uint8_t *)we, se, (size_t)inter + c0, nc, H,
                                     conv + (size_t)nc * H);
+        /* widened once for the item; few token rows: the small GEMM on them */
+        if (ml_cpu_use_small_fp8(m)) {
+          ml_swiglu_small(a, H, m, H, MOELINK_DTYPE_F32, wg, wu, nc, h, inter, tmp);
+          continue;
+        }
       } else {
         wg = ml_cpu_weight_rows(dt, we, (size_t)c0, nc, H, conv);
         wu = ml_cpu_weight_rows(dt, we, (size_t)inter + c0, nc, H, conv + (size_t)nc * H);
@@ -234,17 +240,20 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
       const int nc = H - c0 < b->down_cols ? H - c0 : b->down_cols;
       const char *we = down + (size_t)e * H * inter * wes;
       const int r0 = off[e], m = off[e + 1] - off[e];
-      if (!fp8 && ml_cpu_use_small(dt, m)) {
-        ml_down_small(hbuf + (size_t)r0 * inter, inter, m, inter, dt,
-                      we + (size_t)c0 * inter * es, nc, y32 + (size_t)r0 * H + c0, H,
-                      job->weights, pairs + r0);
+      /* FP8: the item's weight rows widened once, for either GEMM */
+      const float *wd8 =
+          fp8 ? ml_cpu_fp8_weight_rows((const uint8_t *)we,
+                                       dn_scale + (size_t)e * (size_t)(H / ML_FP8_BLOCK) *
+                                                      (size_t)(inter / ML_FP8_BLOCK),
+                                       (size_t)c0, nc, inter, conv)
+              : NULL;
+      if (fp8 ? ml_cpu_use_small_fp8(m) : ml_cpu_use_small(dt, m)) {
+        ml_down_small(hbuf + (size_t)r0 * inter, inter, m, inter,
+                      fp8 ? MOELINK_DTYPE_F32 : dt,
+                      fp8 ? (const void *)wd8 : we + (size_t)c0 * inter * es, nc,
+                      y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0);
       } else {
-        const float *wd =
-            fp8 ? ml_cpu_fp8_weight_rows((const uint8_t *)we,
-                                         dn_scale + (size_t)e * (size_t)(H / ML_FP8_BLOCK) *
-                                                        (size_t)(inter / ML_FP8_BLOCK),
-                                         (size_t)c0, nc, inter, conv)
-                : ml_cpu_weight_rows(dt, we, (size_t)c0, nc, inter, conv);
+        const float *wd = fp8 ? wd8 : ml_cpu_weight_rows(dt, we, (size_t)c0, nc, inter, conv);
         ml_cpu_down_block(hbuf + (size_t)r0 * inter, inter, m, inter, wd, nc,
                           y32 + (size_t)r0 * H + c0, H, job->weights, pairs + r0, b->row_chunk,
                           tmp);

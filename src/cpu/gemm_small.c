@@ -11,7 +11,14 @@
  * output is a horizontal sum at the end. Per output the order of the sums is
  * fixed (eight lanes over k = lane mod 8, a fixed lane reduction, then the
  * K % 8 tail in order), whatever tile the output falls in: results depend on
- * the shapes only. */
+ * the shapes only.
+ *
+ * FP8 weights (e4m3 bytes, an fp32 scale per 128 x 128 block) are widened
+ * once per work item into fp32 rows (ml_cpu_fp8_rows_simd, bitwise the
+ * values of ml_cpu_fp8_weight_rows) and multiplied here as fp32 weights:
+ * widening inside the tile would redo it for every 4 token rows, and the
+ * conversion costs more than the 4 multiply-adds it feeds. */
+#include "core/fp8.h"
 #include "cpu/cpu.h"
 
 #ifdef ML_CPU_X86
@@ -28,14 +35,25 @@
 #define ML_GS_TARGET __attribute__((target("avx2,fma,f16c")))
 #define ML_GS_INLINE static inline __attribute__((always_inline)) ML_GS_TARGET
 
-ML_GS_INLINE __m256 ml_gs_load(const uint16_t *p, int f16) {
+/* Weight formats of a tile. */
+enum { ML_GS_BF16 = 0, ML_GS_F16 = 1, ML_GS_F32 = 2 };
+
+ML_GS_INLINE __m256 ml_gs_load(const char *p, int fmt) {
+  if (fmt == ML_GS_F32) return _mm256_loadu_ps((const float *)p);
   const __m128i h = _mm_loadu_si128((const __m128i *)p);
-  if (f16) return _mm256_cvtph_ps(h);
+  if (fmt == ML_GS_F16) return _mm256_cvtph_ps(h);
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-ML_GS_INLINE float ml_gs_scalar(uint16_t h, int f16) {
-  if (f16) return _cvtsh_ss(h);
+ML_GS_INLINE float ml_gs_scalar(const char *p, int fmt) {
+  if (fmt == ML_GS_F32) {
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+  }
+  uint16_t h;
+  memcpy(&h, p, 2);
+  if (fmt == ML_GS_F16) return _cvtsh_ss(h);
   union {
     uint32_t u;
     float f;
@@ -52,13 +70,15 @@ ML_GS_INLINE float ml_gs_hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* One tile of mr <= ML_GS_MR token rows by nr <= ML_GS_NR weight rows; mr,
- * nr and f16 are constants at every call, so the loops unroll and the
- * accumulators stay in registers. pf: ML_GS_NR row pointers to prefetch
- * along with the rows at hand, one cache line each per 32 k. */
-ML_GS_INLINE void ml_gs_tile(const float *a, size_t lda, const uint16_t *w, int K, float *c,
-                             size_t ldc, const int mr, const int nr, const int f16,
-                             const uint16_t *const *pf) {
+/* One tile of mr <= ML_GS_MR token rows by nr <= ML_GS_NR weight rows (w:
+ * the first, rows K elements apart); mr, nr and fmt are constants at every
+ * call, so the loops unroll and the accumulators stay in registers. pf:
+ * ML_GS_NR row pointers to prefetch along with the rows at hand, one cache
+ * line each per 64 bytes of k. */
+ML_GS_INLINE void ml_gs_tile(const float *a, size_t lda, const char *w, int K, float *c,
+                             size_t ldc, const int mr, const int nr, const int fmt,
+                             const char *const *pf) {
+  const size_t es = fmt == ML_GS_F32 ? 4 : 2;
   __m256 acc[ML_GS_MR][ML_GS_NR];
 #pragma GCC unroll 4
   for (int i = 0; i < mr; ++i)
@@ -67,12 +87,12 @@ ML_GS_INLINE void ml_gs_tile(const float *a, size_t lda, const uint16_t *w, int 
   int k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[ML_GS_NR];
-    if ((k & 31) == 0) {
+    if (((size_t)k * es & 63) == 0) {
 #pragma GCC unroll 3
-      for (int j = 0; j < ML_GS_NR; ++j) _mm_prefetch((const char *)(pf[j] + k), _MM_HINT_T0);
+      for (int j = 0; j < ML_GS_NR; ++j) _mm_prefetch(pf[j] + (size_t)k * es, _MM_HINT_T0);
     }
 #pragma GCC unroll 3
-    for (int j = 0; j < nr; ++j) wv[j] = ml_gs_load(w + (size_t)j * K + k, f16);
+    for (int j = 0; j < nr; ++j) wv[j] = ml_gs_load(w + ((size_t)j * K + k) * es, fmt);
 #pragma GCC unroll 4
     for (int i = 0; i < mr; ++i) {
       const __m256 av = _mm256_loadu_ps(a + (size_t)i * lda + k);
@@ -86,21 +106,21 @@ ML_GS_INLINE void ml_gs_tile(const float *a, size_t lda, const uint16_t *w, int 
     for (int j = 0; j < nr; ++j) {
       float s = ml_gs_hsum(acc[i][j]);
       for (int kk = k; kk < K; ++kk)
-        s += a[(size_t)i * lda + kk] * ml_gs_scalar(w[(size_t)j * K + kk], f16);
+        s += a[(size_t)i * lda + kk] * ml_gs_scalar(w + ((size_t)j * K + kk) * es, fmt);
       c[(size_t)i * ldc + j] = s;
     }
 }
 
 /* The tile shape picked by (rows left, weight rows left), each case its own
  * unrolled copy. */
-#define ML_GS_CASE(MR, NR)                              \
-  case (MR) * 4 + (NR):                                 \
-    ml_gs_tile(a, lda, w, K, c, ldc, (MR), (NR), f16, pf); \
+#define ML_GS_CASE(MR, NR)                                 \
+  case (MR) * 4 + (NR):                                    \
+    ml_gs_tile(a, lda, w, K, c, ldc, (MR), (NR), fmt, pf); \
     return;
 
-ML_GS_INLINE void ml_gs_tile_any(const float *a, size_t lda, const uint16_t *w, int K, float *c,
-                                 size_t ldc, int mr, int nr, const int f16,
-                                 const uint16_t *const *pf) {
+ML_GS_INLINE void ml_gs_tile_any(const float *a, size_t lda, const char *w, int K, float *c,
+                                 size_t ldc, int mr, int nr, const int fmt,
+                                 const char *const *pf) {
   switch (mr * 4 + nr) {
     ML_GS_CASE(4, 3) ML_GS_CASE(4, 2) ML_GS_CASE(4, 1)
     ML_GS_CASE(3, 3) ML_GS_CASE(3, 2) ML_GS_CASE(3, 1)
@@ -117,31 +137,64 @@ ML_GS_INLINE void ml_gs_tile_any(const float *a, size_t lda, const uint16_t *w, 
  * next tile's rows are prefetched while this one computes (at the last tile,
  * this tile's own rows again); measured 15-20% faster when streaming the
  * weights from DRAM. */
-ML_GS_INLINE void ml_gs_run(const float *a, int lda, int m, int K, const uint16_t *w, int n,
-                            float *c, int ldc, const int f16) {
+ML_GS_INLINE void ml_gs_run(const float *a, int lda, int m, int K, const char *w, int n,
+                            float *c, int ldc, const int fmt) {
+  const size_t row = (size_t)K * (fmt == ML_GS_F32 ? 4 : 2);
   for (int j0 = 0; j0 < n; j0 += ML_GS_NR) {
     const int nr = n - j0 < ML_GS_NR ? n - j0 : ML_GS_NR;
-    const uint16_t *wj = w + (size_t)j0 * K;
+    const char *wj = w + (size_t)j0 * row;
     const int next = j0 + nr < n ? j0 + nr : j0, next_rows = j0 + nr < n ? n - next : nr;
-    const uint16_t *pf[ML_GS_NR];
+    const char *pf[ML_GS_NR];
     for (int j = 0; j < ML_GS_NR; ++j)
-      pf[j] = w + (size_t)(next + (j < next_rows ? j : next_rows - 1)) * K;
+      pf[j] = w + (size_t)(next + (j < next_rows ? j : next_rows - 1)) * row;
     for (int i0 = 0; i0 < m; i0 += ML_GS_MR) {
       const int mr = m - i0 < ML_GS_MR ? m - i0 : ML_GS_MR;
       ml_gs_tile_any(a + (size_t)i0 * lda, (size_t)lda, wj, K, c + (size_t)i0 * ldc + j0,
-                     (size_t)ldc, mr, nr, f16, pf);
+                     (size_t)ldc, mr, nr, fmt, pf);
     }
   }
 }
 
-ML_GS_TARGET static void ml_gs_bf16(const float *a, int lda, int m, int K, const uint16_t *w,
-                                    int n, float *c, int ldc) {
-  ml_gs_run(a, lda, m, K, w, n, c, ldc, 0);
+ML_GS_TARGET static void ml_gs_bf16(const float *a, int lda, int m, int K, const char *w, int n,
+                                    float *c, int ldc) {
+  ml_gs_run(a, lda, m, K, w, n, c, ldc, ML_GS_BF16);
 }
 
-ML_GS_TARGET static void ml_gs_f16(const float *a, int lda, int m, int K, const uint16_t *w,
-                                   int n, float *c, int ldc) {
-  ml_gs_run(a, lda, m, K, w, n, c, ldc, 1);
+ML_GS_TARGET static void ml_gs_f16(const float *a, int lda, int m, int K, const char *w, int n,
+                                   float *c, int ldc) {
+  ml_gs_run(a, lda, m, K, w, n, c, ldc, ML_GS_F16);
+}
+
+ML_GS_TARGET static void ml_gs_f32(const float *a, int lda, int m, int K, const char *w, int n,
+                                   float *c, int ldc) {
+  ml_gs_run(a, lda, m, K, w, n, c, ldc, ML_GS_F32);
+}
+
+/* e4m3 codes as f16 bits are their values / 256 (subnormals included), so
+ * value x scale = f16 x (scale x 256), both factors exact: the same fp32 as
+ * the table decode times the scale. The NaN codes stay NaN. */
+ML_GS_TARGET static void ml_gs_fp8_rows(const uint8_t *w, const float *scale, size_t row0,
+                                        int rows, int cols, float *conv) {
+  const size_t nb = (size_t)cols / ML_FP8_BLOCK;
+  for (int r = 0; r < rows; ++r) {
+    const size_t n = row0 + (size_t)r;
+    const uint8_t *src = w + n * (size_t)cols;
+    const float *sr = scale + (n / ML_FP8_BLOCK) * nb;
+    float *dst = conv + (size_t)r * (size_t)cols;
+    for (size_t b = 0; b < nb; ++b) {
+      const __m256 s256 = _mm256_set1_ps(sr[b] * 256.0f);
+      for (int i = 0; i < ML_FP8_BLOCK; i += 8) {
+        const size_t at = b * ML_FP8_BLOCK + (size_t)i;
+        const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + at)));
+        const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
+        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(mag, 7));
+        h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
+                                          _mm_set1_epi16(0x7e00)));
+        _mm256_storeu_ps(dst + at, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
+      }
+    }
+  }
 }
 #endif
 
@@ -159,14 +212,38 @@ int ml_cpu_use_small(moelink_dtype_t dtype, int m) {
   return m <= ML_CPU_SMALL_ROWS && ml_cpu_small_ready(dtype);
 }
 
+int ml_cpu_small_fp8_ready(void) {
+#ifdef ML_CPU_X86
+  return (ml_cpu_simd() & ML_CPU_SIMD_FMA) != 0;
+#else
+  return 0;
+#endif
+}
+
+int ml_cpu_use_small_fp8(int m) { return m <= ML_CPU_SMALL_ROWS && ml_cpu_small_fp8_ready(); }
+
 void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dtype,
                        const void *w, int n, float *c, int ldc) {
 #ifdef ML_CPU_X86
   if (dtype == MOELINK_DTYPE_BF16)
-    ml_gs_bf16(a, lda, m, K, (const uint16_t *)w, n, c, ldc);
+    ml_gs_bf16(a, lda, m, K, (const char *)w, n, c, ldc);
   else if (dtype == MOELINK_DTYPE_F16)
-    ml_gs_f16(a, lda, m, K, (const uint16_t *)w, n, c, ldc);
+    ml_gs_f16(a, lda, m, K, (const char *)w, n, c, ldc);
+  else if (dtype == MOELINK_DTYPE_F32 && (ml_cpu_simd() & ML_CPU_SIMD_FMA))
+    ml_gs_f32(a, lda, m, K, (const char *)w, n, c, ldc);
 #else
   (void)a, (void)lda, (void)m, (void)K, (void)dtype, (void)w, (void)n, (void)c, (void)ldc;
+#endif
+}
+
+int ml_cpu_fp8_rows_simd(const uint8_t *w, const float *scale, size_t row0, int rows, int cols,
+                         float *conv) {
+#ifdef ML_CPU_X86
+  if (!(ml_cpu_simd() & ML_CPU_SIMD_FMA)) return 0;
+  ml_gs_fp8_rows(w, scale, row0, rows, cols, conv);
+  return 1;
+#else
+  (void)w, (void)scale, (void)row0, (void)rows, (void)cols, (void)conv;
+  return 0;
 #endif
 }

@@ -133,6 +133,125 @@ static void test_kernel(moelink_dtype_t dt) {
   check_windows(dt);
 }
 
+/* ---- FP8 weights: widened rows (ml_cpu_fp8_weight_rows) and fp32 weights -- */
+
+/* Own decoding of an e4m3 code (finite codes only). */
+static double decode_e4m3(uint8_t b) {
+  const double s = (b & 0x80u) ? -1.0 : 1.0;
+  const int e = (b >> 3) & 15, m = b & 7;
+  return e == 0 ? s * ldexp(m, -9) : s * ldexp(8 + m, e - 10);
+}
+
+/* Any finite code: subnormals, the largest (0x7e / 0xfe) and zeros too. */
+static uint8_t rand_code(void) {
+  uint8_t b;
+  do b = (uint8_t)rng_next(); while ((b & 0x7fu) == 0x7fu);
+  return b;
+}
+
+/* n weight rows from row0 of a [rows, K] e4m3 matrix with random block scales
+ * (one block zero): widened, each must be the fp32 product of its value and
+ * its block's scale (one rounding), with the SIMD and without; then through
+ * ml_cpu_gemm_small as fp32 weights against the double sum; then a window of
+ * rows and token rows gives the same bits; a NaN code widens to NaN. */
+static void check_case_fp8(int m, int n, int K, int rows, int row0) {
+  const int lda = K + 5, ldc = n + 1, kb = K / 128;
+  float *a = malloc(sizeof(float) * (size_t)m * lda);
+  uint8_t *w = malloc((size_t)rows * K);
+  float *sc = malloc(sizeof(float) * (size_t)(rows / 128) * kb);
+  float *wf = malloc(sizeof(float) * (size_t)n * K), *wf0 = malloc(sizeof(float) * (size_t)n * K);
+  float *c = malloc(sizeof(float) * (size_t)(m + 1) * ldc);
+  float *part = malloc(sizeof(float) * (size_t)(m + 1) * ldc);
+  for (int i = 0; i < m; ++i)
+    for (int k = 0; k < lda; ++k)
+      a[(size_t)i * lda + k] = k < K ? (float)(2.0 * rng_unit() - 1.0) : NAN;
+  for (size_t q = 0; q < (size_t)rows * K; ++q) w[q] = rand_code();
+  for (int q = 0; q < (rows / 128) * kb; ++q)
+    sc[q] = (float)ldexp(0.5 + rng_unit(), (int)(rng_next() % 9) - 8);
+  sc[(rows / 128) * kb / 2] = 0.0f;
+
+  int widened = 1;
+  ml_cpu_fp8_weight_rows(w, sc, (size_t)row0, n, K, wf);
+  for (int j = 0; j < n; ++j)
+    for (int k = 0; k < K; ++k) {
+      const int r = row0 + j;
+      const float want = (float)decode_e4m3(w[(size_t)r * K + k]) * sc[(r / 128) * kb + k / 128];
+      if (memcmp(&want, &wf[(size_t)j * K + k], sizeof want) != 0) widened = 0;
+    }
+  ml_cpu_simd_limit(0);
+  ml_cpu_fp8_weight_rows(w, sc, (size_t)row0, n, K, wf0);
+  ml_cpu_simd_limit(-1);
+  CHECK(widened && memcmp(wf, wf0, sizeof(float) * (size_t)n * K) == 0,
+        "e4m3 rows %d..%d x K %d: widened to value x scale in fp32, the same with and without "
+        "the SIMD", row0, row0 + n - 1, K);
+
+  for (size_t q = 0; q < (size_t)(m + 1) * ldc; ++q) c[q] = NAN;
+  ml_cpu_gemm_small(a, lda, m, K, MOELINK_DTYPE_F32, wf, n, c, ldc);
+  int bad = 0, untouched = 1, bi = -1, bj = -1;
+  for (int i = 0; i < m + 1; ++i)
+    for (int j = 0; j < ldc; ++j) {
+      const float got = c[(size_t)i * ldc + j];
+      if (i >= m || j >= n) {
+        if (!is_nan_bits(got)) untouched = 0;
+        continue;
+      }
+      double exact = 0.0, mag = 0.0;
+      for (int k = 0; k < K; ++k) {
+        const double p = (double)a[(size_t)i * lda + k] * (double)wf[(size_t)j * K + k];
+        exact += p;
+        mag += fabs(p);
+      }
+      const double err = fabs((double)got - exact), bound = 1.01 * K * ldexp(mag, -24) + 1e-30;
+      if (!(err <= bound) && bad++ == 0) {
+        bi = i;
+        bj = j;
+      }
+    }
+  CHECK(bad == 0, "f32 weights m=%d n=%d K=%d: every element within K*2^-24*sum|aw| of the "
+        "exact sum (%d off, first at %d,%d)", m, n, K, bad, bi, bj);
+  CHECK(untouched, "f32 weights m=%d n=%d K=%d: nothing written outside [m, n]", m, n, K);
+
+  int same = 1;
+  const int i0 = m / 3, j0 = n / 2, mm = m - i0, nn = n - j0;
+  for (size_t q = 0; q < (size_t)(m + 1) * ldc; ++q) part[q] = NAN;
+  ml_cpu_gemm_small(a + (size_t)i0 * lda, lda, mm, K, MOELINK_DTYPE_F32, wf + (size_t)j0 * K, nn,
+                    part, ldc);
+  for (int i = 0; i < mm; ++i)
+    for (int j = 0; j < nn; ++j)
+      if (memcmp(&part[(size_t)i * ldc + j], &c[(size_t)(i0 + i) * ldc + j0 + j],
+                 sizeof(float)) != 0)
+        same = 0;
+  CHECK(same, "f32 weights m=%d n=%d K=%d: a window of rows and token rows gives the same bits",
+        m, n, K);
+
+  w[(size_t)(row0 + j0) * K + K / 2] = 0xffu;
+  w[(size_t)(row0 + j0) * K + K / 2 + 1] = 0x7fu;
+  ml_cpu_fp8_weight_rows(w, sc, (size_t)row0, n, K, wf);
+  int nan_ok = 1;
+  for (int j = 0; j < n; ++j)
+    for (int k = 0; k < K; ++k)
+      if (is_nan_bits(wf[(size_t)j * K + k]) != (j == j0 && (k == K / 2 || k == K / 2 + 1)))
+        nan_ok = 0;
+  CHECK(nan_ok, "e4m3 rows %d..%d: the NaN codes widen to NaN, nothing else does", row0,
+        row0 + n - 1);
+  free(a);
+  free(w);
+  free(sc);
+  free(wf);
+  free(wf0);
+  free(c);
+  free(part);
+}
+
+static void test_kernel_fp8(void) {
+  check_case_fp8(1, 1, 128, 128, 0);
+  check_case_fp8(3, 7, 256, 256, 5);
+  check_case_fp8(4, 3, 128, 256, 126);   /* rows across two scale blocks */
+  check_case_fp8(13, 20, 640, 384, 120); /* and three */
+  check_case_fp8(40, 11, 2048, 128, 100);
+  check_case_fp8(ML_CPU_SMALL_ROWS, 9, 384, 256, 130);
+}
+
 /* The routed experts of a small bf16/f16 layer, some experts under
  * ML_CPU_SMALL_ROWS rows and one over it, against the reference; then the
  * same with the SIMD switched off (conversion in C, BLAS for every block).
@@ -277,9 +396,13 @@ int main(void) {
   CHECK(!ml_cpu_small_ready(MOELINK_DTYPE_BF16) && ml_cpu_simd() == 0,
         "with the SIMD capped to none, no small-M kernel");
   ml_cpu_simd_limit(-1);
+  CHECK(ml_cpu_small_fp8_ready() == ready && ml_cpu_use_small_fp8(ML_CPU_SMALL_ROWS) == ready &&
+            !ml_cpu_use_small_fp8(ML_CPU_SMALL_ROWS + 1),
+        "FP8 experts take it on the same CPUs (%d), up to %d rows", ready, ML_CPU_SMALL_ROWS);
   if (ready) {
     test_kernel(MOELINK_DTYPE_BF16);
     test_kernel(MOELINK_DTYPE_F16);
+    test_kernel_fp8();
   } else {
     ml_t_diag("no AVX2/FMA/F16C here: the kernel itself is not tested, only the BLAS path");
   }
