@@ -95,11 +95,12 @@ const float *ml_cpu_weight_rows(moelink_dtype_t dtype, const void *w, size_t row
 
 const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t row0, int rows,
                                     int cols, float *conv) {
-  if (ml_cpu_fp8_rows_simd(w, scale, row0, rows, cols, conv)) return conv;
-  /* 256 codes: decoding through a table keeps the per-element cost at one
-   * load and one multiply. */
+  /* 256 codes: without the SIMD, decoding through a table keeps the
+   * per-element cost at one load and one multiply. */
+  const int simd = ml_cpu_fp8_simd();
   float lut[256];
-  for (int b = 0; b < 256; ++b) lut[b] = ml_e4m3_to_f32((uint8_t)b);
+  if (!simd)
+    for (int b = 0; b < 256; ++b) lut[b] = ml_e4m3_to_f32((uint8_t)b);
   const size_t nb = (size_t)cols / ML_FP8_BLOCK;
   for (int r = 0; r < rows; ++r) {
     const size_t n = row0 + (size_t)r;
@@ -109,7 +110,10 @@ const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t
     for (size_t b = 0; b < nb; ++b) {
       const float s = sr[b];
       const size_t at = b * ML_FP8_BLOCK;
-      for (int i = 0; i < ML_FP8_BLOCK; ++i) dst[at + i] = lut[src[at + i]] * s;
+      if (simd)
+        ml_cpu_fp8_block_simd(src + at, s, dst + at);
+      else
+        for (int i = 0; i < ML_FP8_BLOCK; ++i) dst[at + i] = lut[src[at + i]] * s;
     }
   }
   return conv;

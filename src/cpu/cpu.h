@@ -181,10 +181,10 @@ void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dt
  * widened weight rows (the CPU of ml_cpu_small_ready, m <= ML_CPU_SMALL_ROWS). */
 int ml_cpu_small_fp8_ready(void);
 int ml_cpu_use_small_fp8(int m);
-/* ml_cpu_fp8_weight_rows through AVX2 (bitwise the same values); 0 when the
- * CPU lacks it (nothing written). */
-int ml_cpu_fp8_rows_simd(const uint8_t *w, const float *scale, size_t row0, int rows, int cols,
-                         float *conv);
+/* Whether ml_cpu_fp8_block_simd runs here (AVX2, F16C); it widens 128 e4m3
+ * codes to value x scale in fp32, bitwise what the table decode gives. */
+int ml_cpu_fp8_simd(void);
+void ml_cpu_fp8_block_simd(const uint8_t *src, float scale, float *dst);
 
 /* Expert blocks (experts.c), shared by the routed and the shared expert. */
 /* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T), a [m, K] (lda),

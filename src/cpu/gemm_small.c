@@ -14,8 +14,8 @@
  * the shapes only.
  *
  * FP8 weights (e4m3 bytes, an fp32 scale per 128 x 128 block) are widened
- * once per work item into fp32 rows (ml_cpu_fp8_rows_simd, bitwise the
- * values of ml_cpu_fp8_weight_rows) and multiplied here as fp32 weights:
+ * once per work item into fp32 rows (ml_cpu_fp8_weight_rows, a block at a
+ * time through ml_cpu_fp8_block_simd: bitwise the table's values) and multiplied here as fp32 weights:
  * widening inside the tile would redo it for every 4 token rows, and the
  * conversion costs more than the 4 multiply-adds it feeds. */
 #include "core/fp8.h"
@@ -173,27 +173,16 @@ ML_GS_TARGET static void ml_gs_f32(const float *a, int lda, int m, int K, const 
 /* e4m3 codes as f16 bits are their values / 256 (subnormals included), so
  * value x scale = f16 x (scale x 256), both factors exact: the same fp32 as
  * the table decode times the scale. The NaN codes stay NaN. */
-ML_GS_TARGET static void ml_gs_fp8_rows(const uint8_t *w, const float *scale, size_t row0,
-                                        int rows, int cols, float *conv) {
-  const size_t nb = (size_t)cols / ML_FP8_BLOCK;
-  for (int r = 0; r < rows; ++r) {
-    const size_t n = row0 + (size_t)r;
-    const uint8_t *src = w + n * (size_t)cols;
-    const float *sr = scale + (n / ML_FP8_BLOCK) * nb;
-    float *dst = conv + (size_t)r * (size_t)cols;
-    for (size_t b = 0; b < nb; ++b) {
-      const __m256 s256 = _mm256_set1_ps(sr[b] * 256.0f);
-      for (int i = 0; i < ML_FP8_BLOCK; i += 8) {
-        const size_t at = b * ML_FP8_BLOCK + (size_t)i;
-        const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + at)));
-        const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
-        __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(mag, 7));
-        h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
-                                          _mm_set1_epi16(0x7e00)));
-        _mm256_storeu_ps(dst + at, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
-      }
-    }
+ML_GS_TARGET static void ml_gs_fp8_block(const uint8_t *src, float scale, float *dst) {
+  const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
+  for (int i = 0; i < ML_FP8_BLOCK; i += 8) {
+    const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
+    const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
+    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
+                             _mm_slli_epi16(mag, 7));
+    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
+                                      _mm_set1_epi16(0x7e00)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
   }
 }
 #endif
@@ -236,14 +225,18 @@ void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dt
 #endif
 }
 
-int ml_cpu_fp8_rows_simd(const uint8_t *w, const float *scale, size_t row0, int rows, int cols,
-                         float *conv) {
+int ml_cpu_fp8_simd(void) {
 #ifdef ML_CPU_X86
-  if (!(ml_cpu_simd() & ML_CPU_SIMD_FMA)) return 0;
-  ml_gs_fp8_rows(w, scale, row0, rows, cols, conv);
-  return 1;
+  return (ml_cpu_simd() & ML_CPU_SIMD_FMA) != 0;
 #else
-  (void)w, (void)scale, (void)row0, (void)rows, (void)cols, (void)conv;
   return 0;
+#endif
+}
+
+void ml_cpu_fp8_block_simd(const uint8_t *src, float scale, float *dst) {
+#ifdef ML_CPU_X86
+  ml_gs_fp8_block(src, scale, dst);
+#else
+  (void)src, (void)scale, (void)dst;
 #endif
 }
