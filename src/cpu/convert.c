@@ -107,13 +107,14 @@ const float *ml_cpu_fp8_weight_rows(const uint8_t *w, const float *scale, size_t
     const uint8_t *src = w + n * (size_t)cols;
     const float *sr = scale + (n / ML_FP8_BLOCK) * nb;
     float *dst = conv + (size_t)r * (size_t)cols;
+    if (simd) {
+      ml_cpu_fp8_row_simd(src, sr, cols, dst);
+      continue;
+    }
     for (size_t b = 0; b < nb; ++b) {
       const float s = sr[b];
       const size_t at = b * ML_FP8_BLOCK;
-      if (simd)
-        ml_cpu_fp8_block_simd(src + at, s, dst + at);
-      else
-        for (int i = 0; i < ML_FP8_BLOCK; ++i) dst[at + i] = lut[src[at + i]] * s;
+      for (int i = 0; i < ML_FP8_BLOCK; ++i) dst[at + i] = lut[src[at + i]] * s;
     }
   }
   return conv;

@@ -181,10 +181,11 @@ void ml_cpu_gemm_small(const float *a, int lda, int m, int K, moelink_dtype_t dt
  * widened weight rows (the CPU of ml_cpu_small_ready, m <= ML_CPU_SMALL_ROWS). */
 int ml_cpu_small_fp8_ready(void);
 int ml_cpu_use_small_fp8(int m);
-/* Whether ml_cpu_fp8_block_simd runs here (AVX2, F16C); it widens 128 e4m3
- * codes to value x scale in fp32, bitwise what the table decode gives. */
+/* Whether ml_cpu_fp8_row_simd runs here (AVX2, F16C); it widens a row of
+ * cols e4m3 codes (cols a multiple of 128, scale[i / 128] for code i) to
+ * value x scale in fp32, bitwise what the table decode gives. */
 int ml_cpu_fp8_simd(void);
-void ml_cpu_fp8_block_simd(const uint8_t *src, float scale, float *dst);
+void ml_cpu_fp8_row_simd(const uint8_t *src, const float *scale, int cols, float *dst);
 
 /* Expert blocks (experts.c), shared by the routed and the shared expert. */
 /* h[m, ldh] columns [0, nc) = silu(a . wg^T) * (a . wu^T), a [m, K] (lda),

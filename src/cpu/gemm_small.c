@@ -14,8 +14,8 @@
  * the shapes only.
  *
  * FP8 weights (e4m3 bytes, an fp32 scale per 128 x 128 block) are widened
- * once per work item into fp32 rows (ml_cpu_fp8_weight_rows, a block at a
- * time through ml_cpu_fp8_block_simd: bitwise the table's values) and multiplied here as fp32 weights:
+ * once per work item into fp32 rows (ml_cpu_fp8_weight_rows, a row at a
+ * time through ml_cpu_fp8_row_simd: bitwise the table's values) and multiplied here as fp32 weights:
  * widening inside the tile would redo it for every 4 token rows, and the
  * conversion costs more than the 4 multiply-adds it feeds. */
 #include "core/fp8.h"
@@ -173,9 +173,10 @@ ML_GS_TARGET static void ml_gs_f32(const float *a, int lda, int m, int K, const 
 /* e4m3 codes as f16 bits are their values / 256 (subnormals included), so
  * value x scale = f16 x (scale x 256), both factors exact: the same fp32 as
  * the table decode times the scale. The NaN codes stay NaN. */
-ML_GS_TARGET static void ml_gs_fp8_block(const uint8_t *src, float scale, float *dst) {
-  const __m256 s256 = _mm256_set1_ps(scale * 256.0f);
-  for (int i = 0; i < ML_FP8_BLOCK; i += 8) {
+ML_GS_TARGET static void ml_gs_fp8_row(const uint8_t *src, const float *scale, int cols,
+                                       float *dst) {
+  for (int i = 0; i < cols; i += 8) {
+    const __m256 s256 = _mm256_set1_ps(scale[i / ML_FP8_BLOCK] * 256.0f);
     const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
     const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
     __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
@@ -233,10 +234,10 @@ int ml_cpu_fp8_simd(void) {
 #endif
 }
 
-void ml_cpu_fp8_block_simd(const uint8_t *src, float scale, float *dst) {
+void ml_cpu_fp8_row_simd(const uint8_t *src, const float *scale, int cols, float *dst) {
 #ifdef ML_CPU_X86
-  ml_gs_fp8_block(src, scale, dst);
+  ml_gs_fp8_row(src, scale, cols, dst);
 #else
-  (void)src, (void)scale, (void)dst;
+  (void)src, (void)scale, (void)cols, (void)dst;
 #endif
 }
