@@ -19,8 +19,8 @@ import numpy as np
 from . import _arrays
 from ._capi import (UNIQUE_ID_BYTES, EpConfig, EpRecv, MoelinkError, Status, TpConfig, UniqueId,
                     check, load)
-from ._core import (_DTYPE_CODE, Context, _Closable, _config_dict, _dtype_enum, _need_code,
-                    check_arg, moe_config, weights_struct)
+from ._core import (_DTYPE_CODE, _QUANT, Context, _Closable, _config_dict, _dtype_enum,
+                    _need_code, check_arg, moe_config, weights_struct)
 
 _DATA = ("f32", "f16", "bf16")
 
@@ -398,14 +398,12 @@ class EP(_OnComm):
     ranks as E4M3 with block scales (the routed experts then compute on the
     dequantized rows; hidden a multiple of 128 or 32)."""
 
-    _QUANT = {"none": 0, "fp8": 1, "mxfp8": 2}
-
     _destroy = "moelink_ep_destroy"
     _what = "EP layer"
 
     def __init__(self, comm, preset=None, *, recv_capacity=0, dtype="bf16", max_tokens=1024,
                  dispatch_quant="none", **fields):
-        if dispatch_quant not in self._QUANT:
+        if dispatch_quant not in _QUANT:
             raise ValueError("dispatch_quant: expected none, fp8 or mxfp8, got %r"
                              % (dispatch_quant,))
         self._attach(comm)
@@ -413,7 +411,7 @@ class EP(_OnComm):
         c = EpConfig.init()
         c.moe = moe_config(preset, dtype=dtype, max_tokens=max_tokens, **fields)
         c.recv_capacity = int(recv_capacity)
-        c.dispatch_quant = self._QUANT[dispatch_quant]
+        c.dispatch_quant = _QUANT[dispatch_quant]
         h = ctypes.c_void_p()
         check(self._lib.moelink_ep_create(comm._h, ctypes.byref(c), ctypes.byref(h)))
         self._h = h

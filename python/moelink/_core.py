@@ -16,6 +16,8 @@ _DTYPES = {
     "fp8_e4m3": Dtype.FP8_E4M3, "fp8": Dtype.FP8_E4M3,
 }
 _DTYPE_CODE = {Dtype.F32: "f32", Dtype.BF16: "bf16", Dtype.F16: "f16", Dtype.FP8_E4M3: "fp8_e4m3"}
+# moelink_quant_t
+_QUANT = {"none": 0, "fp8": 1, "mxfp8": 2}
 
 _ROUTERS = {
     "softmax": Router.SOFTMAX_TOPK, "softmax_topk": Router.SOFTMAX_TOPK,
@@ -224,15 +226,20 @@ class Context(_Closable):
                                             float(scale), float(offset), self._stream(stream)))
         return a
 
-    _QUANT = {"fp8": 1, "mxfp8": 2}
-
-    def _quant_shapes(self, fmt, rows, cols):
-        if fmt not in self._QUANT:
+    @staticmethod
+    def _quant_rows(a, name, fmt):
+        """(description, rows, cols, scales shape, scales dtype code) of the
+        [rows, cols] array a for 8-bit rows of format fmt."""
+        if fmt not in ("fp8", "mxfp8"):
             raise ValueError("format: expected fp8 or mxfp8, got %r" % (fmt,))
+        b = _arrays.describe(a, name)
+        if len(b.shape) != 2:
+            raise ValueError("%s has shape %s; expected [rows, cols]" % (name, list(b.shape)))
+        rows, cols = b.shape
         block = 128 if fmt == "fp8" else 32
         if cols % block:
             raise ValueError("%s rows need a multiple of %d columns, got %d" % (fmt, block, cols))
-        return (rows, cols // block), ("f32" if fmt == "fp8" else "u8")
+        return b, rows, cols, (rows, cols // block), ("f32" if fmt == "fp8" else "u8")
 
     def quantize(self, x, fmt="fp8", q=None, scales=None, stream=None):
         """x [rows, cols] (f32, f16 or bf16, this context's memory) as 8-bit rows
@@ -240,11 +247,7 @@ class Context(_Closable):
         bytes and scales [rows, cols/128] float32 ("fp8") or [rows, cols/32]
         uint8 e8m0 ("mxfp8")."""
         self._alive()
-        bx = _arrays.describe(x, "x")
-        if len(bx.shape) != 2:
-            raise ValueError("x has shape %s; expected [rows, cols]" % (list(bx.shape),))
-        rows, cols = bx.shape
-        sshape, scode = self._quant_shapes(fmt, rows, cols)
+        bx, rows, cols, sshape, scode = self._quant_rows(x, "x", fmt)
         if bx.code not in ("f32", "f16", "bf16"):
             raise TypeError("quantize: x has dtype %s; need f32, f16 or bf16" % bx.dtype_name)
         bx = check_arg(self, x, "x", (rows, cols), bx.code)
@@ -254,7 +257,7 @@ class Context(_Closable):
             scales = _arrays.empty(bx, sshape, scode)
         bq = check_arg(self, q, "q", (rows, cols), "u8", out=True)
         bs = check_arg(self, scales, "scales", sshape, scode, out=True)
-        check(self._lib.moelink_quantize(self._h, self._QUANT[fmt], _dtype_enum(bx.code), bx.ptr,
+        check(self._lib.moelink_quantize(self._h, _QUANT[fmt], _dtype_enum(bx.code), bx.ptr,
                                          rows, cols, bq.ptr, bs.ptr, self._stream(stream)))
         return q, scales
 
@@ -262,17 +265,13 @@ class Context(_Closable):
         """The rows of quantize back (moelink_dequantize): out [rows, cols] of
         dtype = e4m3 value times its block's scale, rounded once."""
         self._alive()
-        bq = _arrays.describe(q, "q")
-        if len(bq.shape) != 2:
-            raise ValueError("q has shape %s; expected [rows, cols]" % (list(bq.shape),))
-        rows, cols = bq.shape
-        sshape, scode = self._quant_shapes(fmt, rows, cols)
+        _, rows, cols, sshape, scode = self._quant_rows(q, "q", fmt)
         bq = check_arg(self, q, "q", (rows, cols), "u8")
         bs = check_arg(self, scales, "scales", sshape, scode)
         if out is None:
             out = _arrays.empty(bq, (rows, cols), dtype)
         bo = check_arg(self, out, "out", (rows, cols), dtype, out=True)
-        check(self._lib.moelink_dequantize(self._h, self._QUANT[fmt], _dtype_enum(dtype), bq.ptr,
+        check(self._lib.moelink_dequantize(self._h, _QUANT[fmt], _dtype_enum(dtype), bq.ptr,
                                            bs.ptr, rows, cols, bo.ptr, self._stream(stream)))
         return out
 

@@ -63,8 +63,14 @@ static int ml_quant_threads(int nthreads, int rows, int cols) {
   return n < ML_QUANT_PARALLEL_MIN ? 1 : nthreads;
 }
 
-void ml_cpu_quant_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
-                       int cols, uint8_t *q, void *scales, int nthreads) {
+/* What ml_quant_walk does to each block. */
+enum { ML_Q_QUANT, ML_Q_DEQUANT, ML_Q_QDQ };
+
+/* The rows' blocks in order, each: x -> q + scale (quantize), q + scale ->
+ * out (dequantize), or x -> out through both (qdq). */
+static void ml_quant_walk(int op, moelink_quant_t format, moelink_dtype_t dtype, const void *x,
+                          const uint8_t *q_in, const void *scales_in, uint8_t *q_out,
+                          void *scales_out, void *out, int rows, int cols, int nthreads) {
   size_t sb;
   const int B = ml_quant_shape(format, &sb);
   const size_t es = moelink_dtype_size(dtype), nb = (size_t)(cols / B);
@@ -72,28 +78,30 @@ void ml_cpu_quant_rows(moelink_quant_t format, moelink_dtype_t dtype, const void
   for (int r = 0; r < rows; ++r) {
     float v[ML_FP8_BLOCK];
     for (size_t b = 0; b < nb; ++b) {
-      const size_t at = (size_t)r * (size_t)cols + b * (size_t)B;
-      ml_to_f32(dtype, (const char *)x + at * es, v, (size_t)B);
-      ml_quant_block(format, v, B, q + at, (unsigned char *)scales + ((size_t)r * nb + b) * sb);
+      const size_t at = (size_t)r * (size_t)cols + b * (size_t)B, sat = ((size_t)r * nb + b) * sb;
+      if (op == ML_Q_DEQUANT)
+        ml_dequant_block(format, q_in + at, (const unsigned char *)scales_in + sat, B, v);
+      else
+        ml_to_f32(dtype, (const char *)x + at * es, v, (size_t)B);
+      if (op == ML_Q_QUANT) {
+        ml_quant_block(format, v, B, q_out + at, (unsigned char *)scales_out + sat);
+        continue;
+      }
+      if (op == ML_Q_QDQ) ml_cpu_qdq_f32(format, v, (size_t)B);
+      ml_from_f32(dtype, v, (char *)out + at * es, (size_t)B);
     }
   }
 }
 
+void ml_cpu_quant_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
+                       int cols, uint8_t *q, void *scales, int nthreads) {
+  ml_quant_walk(ML_Q_QUANT, format, dtype, x, NULL, NULL, q, scales, NULL, rows, cols, nthreads);
+}
+
 void ml_cpu_dequant_rows(moelink_quant_t format, moelink_dtype_t dtype, const uint8_t *q,
                          const void *scales, int rows, int cols, void *x, int nthreads) {
-  size_t sb;
-  const int B = ml_quant_shape(format, &sb);
-  const size_t es = moelink_dtype_size(dtype), nb = (size_t)(cols / B);
-#pragma omp parallel for num_threads(ml_quant_threads(nthreads, rows, cols)) schedule(static)
-  for (int r = 0; r < rows; ++r) {
-    float v[ML_FP8_BLOCK];
-    for (size_t b = 0; b < nb; ++b) {
-      const size_t at = (size_t)r * (size_t)cols + b * (size_t)B;
-      ml_dequant_block(format, q + at,
-                       (const unsigned char *)scales + ((size_t)r * nb + b) * sb, B, v);
-      ml_from_f32(dtype, v, (char *)x + at * es, (size_t)B);
-    }
-  }
+  ml_quant_walk(ML_Q_DEQUANT, format, dtype, NULL, q, scales, NULL, NULL, x, rows, cols,
+                nthreads);
 }
 
 void ml_cpu_qdq_f32(moelink_quant_t format, float *x, size_t n) {
@@ -109,19 +117,7 @@ void ml_cpu_qdq_f32(moelink_quant_t format, float *x, size_t n) {
 
 void ml_cpu_qdq_rows(moelink_quant_t format, moelink_dtype_t dtype, const void *x, int rows,
                      int cols, void *out, int nthreads) {
-  size_t sb;
-  const int B = ml_quant_shape(format, &sb);
-  const size_t es = moelink_dtype_size(dtype), nb = (size_t)(cols / B);
-#pragma omp parallel for num_threads(ml_quant_threads(nthreads, rows, cols)) schedule(static)
-  for (int r = 0; r < rows; ++r) {
-    float v[ML_FP8_BLOCK];
-    for (size_t b = 0; b < nb; ++b) {
-      const size_t at = (size_t)r * (size_t)cols + b * (size_t)B;
-      ml_to_f32(dtype, (const char *)x + at * es, v, (size_t)B);
-      ml_cpu_qdq_f32(format, v, (size_t)B);
-      ml_from_f32(dtype, v, (char *)out + at * es, (size_t)B);
-    }
-  }
+  ml_quant_walk(ML_Q_QDQ, format, dtype, x, NULL, NULL, NULL, NULL, out, rows, cols, nthreads);
 }
 
 moelink_status_t ml_cpu_quantize(moelink_context_t ctx, moelink_quant_t format,
