@@ -35,9 +35,40 @@ static double decode(moelink_dtype_t dt, uint16_t h) {
 
 static int is_nan_bits(float v) { return v != v; }
 
-/* c [m, n] (ldc) against sum_k a[i, k] w[j, k] in double. Every fp32 sum of
- * the K products (each exact in an FMA) is within K * 2^-24 * sum |a w| of
- * the exact one, whatever the order; a lost or doubled term is far outside. */
+/* c [m, n] (ldc) against sum_k a[i, k] wd[j, k] in double, wd the weights'
+ * exact values. Every fp32 sum of the K products (each exact in an FMA) is
+ * within K * 2^-24 * sum |a w| of the exact one, whatever the order; a lost
+ * or doubled term is far outside. Row m and columns n.. of c must still be
+ * NaN. */
+static void check_product(const char *what, const float *a, int lda, int m, int K,
+                          const double *wd, int n, const float *c, int ldc) {
+  int bad = 0, untouched = 1, bi = -1, bj = -1;
+  double worst = 0.0;
+  for (int i = 0; i < m + 1; ++i)
+    for (int j = 0; j < ldc; ++j) {
+      const float got = c[(size_t)i * ldc + j];
+      if (i >= m || j >= n) {
+        if (!is_nan_bits(got)) untouched = 0;
+        continue;
+      }
+      double exact = 0.0, mag = 0.0;
+      for (int k = 0; k < K; ++k) {
+        const double p = (double)a[(size_t)i * lda + k] * wd[(size_t)j * K + k];
+        exact += p;
+        mag += fabs(p);
+      }
+      const double err = fabs((double)got - exact), bound = 1.01 * K * ldexp(mag, -24) + 1e-30;
+      if (!(err <= bound) && bad++ == 0) {
+        bi = i;
+        bj = j;
+      }
+      if (mag > 0 && err / mag > worst) worst = err / mag;
+    }
+  CHECK(bad == 0, "%s m=%d n=%d K=%d: every element within K*2^-24*sum|aw| of the exact sum "
+        "(%d off, first at %d,%d; worst err/sum|aw| %.2g)", what, m, n, K, bad, bi, bj, worst);
+  CHECK(untouched, "%s m=%d n=%d K=%d: nothing written outside [m, n]", what, m, n, K);
+}
+
 static void check_case(moelink_dtype_t dt, int m, int n, int K) {
   const int lda = K + 3, ldc = n + 2;
   float *a = malloc(sizeof(float) * (size_t)m * lda);
@@ -54,34 +85,10 @@ static void check_case(moelink_dtype_t dt, int m, int n, int K) {
 
   ml_cpu_gemm_small(a, lda, m, K, dt, w, n, c, ldc);
 
-  int bad = 0, untouched = 1, bi = -1, bj = -1;
-  double worst = 0.0;
-  for (int i = 0; i < m + 1; ++i)
-    for (int j = 0; j < ldc; ++j) {
-      const float got = c[(size_t)i * ldc + j];
-      if (i >= m || j >= n) {
-        if (!is_nan_bits(got)) untouched = 0;
-        continue;
-      }
-      double exact = 0.0, mag = 0.0;
-      for (int k = 0; k < K; ++k) {
-        const double p = (double)a[(size_t)i * lda + k] * decode(dt, w[(size_t)j * K + k]);
-        exact += p;
-        mag += fabs(p);
-      }
-      const double err = fabs((double)got - exact), bound = 1.01 * K * ldexp(mag, -24) + 1e-30;
-      if (!(err <= bound)) {
-        if (bad++ == 0) {
-          bi = i;
-          bj = j;
-        }
-      }
-      if (mag > 0 && err / mag > worst) worst = err / mag;
-    }
-  const char *dn = moelink_dtype_name(dt);
-  CHECK(bad == 0, "%s m=%d n=%d K=%d: every element within K*2^-24*sum|aw| of the exact sum "
-        "(%d off, first at %d,%d; worst err/sum|aw| %.2g)", dn, m, n, K, bad, bi, bj, worst);
-  CHECK(untouched, "%s m=%d n=%d K=%d: nothing written outside [m, n]", dn, m, n, K);
+  double *wd = malloc(sizeof(double) * (size_t)n * K);
+  for (size_t q = 0; q < (size_t)n * K; ++q) wd[q] = decode(dt, w[q]);
+  check_product(moelink_dtype_name(dt), a, lda, m, K, wd, n, c, ldc);
+  free(wd);
   free(a);
   free(w);
   free(c);
@@ -187,29 +194,10 @@ static void check_case_fp8(int m, int n, int K, int rows, int row0) {
 
   for (size_t q = 0; q < (size_t)(m + 1) * ldc; ++q) c[q] = NAN;
   ml_cpu_gemm_small(a, lda, m, K, MOELINK_DTYPE_F32, wf, n, c, ldc);
-  int bad = 0, untouched = 1, bi = -1, bj = -1;
-  for (int i = 0; i < m + 1; ++i)
-    for (int j = 0; j < ldc; ++j) {
-      const float got = c[(size_t)i * ldc + j];
-      if (i >= m || j >= n) {
-        if (!is_nan_bits(got)) untouched = 0;
-        continue;
-      }
-      double exact = 0.0, mag = 0.0;
-      for (int k = 0; k < K; ++k) {
-        const double p = (double)a[(size_t)i * lda + k] * (double)wf[(size_t)j * K + k];
-        exact += p;
-        mag += fabs(p);
-      }
-      const double err = fabs((double)got - exact), bound = 1.01 * K * ldexp(mag, -24) + 1e-30;
-      if (!(err <= bound) && bad++ == 0) {
-        bi = i;
-        bj = j;
-      }
-    }
-  CHECK(bad == 0, "f32 weights m=%d n=%d K=%d: every element within K*2^-24*sum|aw| of the "
-        "exact sum (%d off, first at %d,%d)", m, n, K, bad, bi, bj);
-  CHECK(untouched, "f32 weights m=%d n=%d K=%d: nothing written outside [m, n]", m, n, K);
+  double *wd = malloc(sizeof(double) * (size_t)n * K);
+  for (size_t q = 0; q < (size_t)n * K; ++q) wd[q] = wf[q];
+  check_product("f32 weights", a, lda, m, K, wd, n, c, ldc);
+  free(wd);
 
   int same = 1;
   const int i0 = m / 3, j0 = n / 2, mm = m - i0, nn = n - j0;
