@@ -101,6 +101,21 @@ static int tokens_of(const ep_case *ec, int it, int r) {
   return (int)((z >> 8) % (uint64_t)(ec->max_t + 1));
 }
 
+/* Tokens of all ranks in iteration it; *off and *mine: where this rank's
+ * start in the concatenation and how many there are. */
+static int iteration_rows(const ep_case *ec, int it, int *off, int *mine) {
+  int total = 0;
+  for (int r = 0; r < nranks; ++r) {
+    const int t = tokens_of(ec, it, r);
+    if (r == rank) {
+      *off = total;
+      *mine = t;
+    }
+    total += t;
+  }
+  return total;
+}
+
 /* |got - ref| against the dtype's bound; counts bitwise matches. */
 static int compare(moelink_dtype_t dt, const void *got, const void *ref, size_t n,
                    const char *what) {
@@ -256,15 +271,8 @@ static void run_case(const ep_case *ec) {
   const double t_start = ct_now_ms();
   const size_t eq0 = bitwise_equal, cmp0 = compared;
   for (int it = 0; it < ec->iters; ++it) {
-    int total = 0, mine_off = 0, mine = 0;
-    for (int r = 0; r < nranks; ++r) {
-      const int t = tokens_of(ec, it, r);
-      if (r == rank) {
-        mine_off = total;
-        mine = t;
-      }
-      total += t;
-    }
+    int mine_off = 0, mine = 0;
+    const int total = iteration_rows(ec, it, &mine_off, &mine);
     fill_x(&L, x_all, total, ec->seed * 7919 + (uint64_t)it);
     if (ec->exact) exact_values(dt, x_all, (size_t)total * c->hidden, ec->seed * 7919 + it, 2, 1.0);
     if (total > 0 && moelink_moe_forward(single, x_all, total, ref_out, NULL) != MOELINK_SUCCESS) {
@@ -1504,15 +1512,8 @@ static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
   double off_plain = 0.0;
   int plain_rows = 0;
   for (int it = 0; it < ec->iters; ++it) {
-    int total = 0, off = 0, T = 0;
-    for (int r = 0; r < nranks; ++r) {
-      const int t = tokens_of(ec, it, r);
-      if (r == rank) {
-        off = total;
-        T = t;
-      }
-      total += t;
-    }
+    int off = 0, T = 0;
+    const int total = iteration_rows(ec, it, &off, &T);
     fill_x(&L, x_all, total, ec->seed * 7919 + (uint64_t)it);
     if (total > 0) {
       CHECK_OK(moelink_quantize(ctx, qf, dt, x_all, total, H, xq, xsc, NULL), "quantize x");
