@@ -6,8 +6,9 @@
 # PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks, fp8
 # included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
-# 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs); test = gpu mgpu;
-# all = every part. Parts that need 2 GPUs are skipped on one.
+# 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
+# probe bench/stream_probe.cu and the decode GEMMs' own benchmark, gpu_test_decode --bench;
+# not in all); test = gpu mgpu; all = every part. Parts that need 2 GPUs are skipped on one.
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -135,6 +136,15 @@ if want tp && [ "$NGPU" -ge 2 ]; then
     PYTHONUNBUFFERED=1 ./"$BUILD"/moelink launch -n 2 --timeout 300 -- \
       python3 bench/compare_tp.py --json "$OUT/json/torch_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   fi
+fi
+# Where the decode GEMMs' weight stream loses time: read patterns alone, then the kernels.
+if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
+  log "stream probe"
+  nvcc -O3 -arch=sm_90a -o "$BUILD/stream_probe" bench/stream_probe.cu >>"$OUT/build.log" 2>&1 &&
+    ./"$BUILD"/stream_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
+  ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
+    tee -a "$OUT/probe.log" || rc=1
 fi
 # The device tool brings back at most 8 files: pack the JSON into one.
 (cd "$OUT" && tar czf json.tgz json && rm -rf json)
