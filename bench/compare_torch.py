@@ -96,6 +96,11 @@ def parse_args(argv=None):
                    help="moelink layer max_tokens (default: the largest --tokens)")
     p.add_argument("--flush-mib", type=int, default=256,
                    help="MiB written before each timed iteration (default: %(default)s)")
+    p.add_argument("--flush", choices=("read", "write"),
+                   default=os.environ.get("MOELINK_BENCH_L2_FLUSH") or "read",
+                   help="how the L2 is flushed: a read of the flush buffer (clean L2, default) "
+                        "or a write (dirty lines the timed call writes back); "
+                        "default from MOELINK_BENCH_L2_FLUSH as for moelink bench")
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop pipeline")
     p.add_argument("--skip-moelink", action="store_true",
                    help="run only the torch pipelines (e.g. with a library without CUDA)")
@@ -304,8 +309,9 @@ class TorchMoE:
 # ---------------------------------------------------------------------------
 
 class Timer:
-    def __init__(self, torch, device, iters, warmup, flush_mib):
+    def __init__(self, torch, device, iters, warmup, flush_mib, flush_mode="read"):
         self.torch, self.device = torch, device
+        self.flush_mode = flush_mode
         self.iters, self.warmup = iters, warmup
         self.cuda = device.type == "cuda"
         self.flush = None
@@ -330,7 +336,10 @@ class Timer:
               for _ in range(self.iters)]
         for i, (s, e) in enumerate(ev):
             if self.flush is not None:
-                self.flush.fill_(float(i))
+                if self.flush_mode == "write":
+                    self.flush.fill_(float(i))
+                else:
+                    self.flush.sum()
             s.record()
             fn()
             e.record()
@@ -510,16 +519,17 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
         "flush_mib": args.flush_mib if device.type == "cuda" else 0,
+        "l2_flush": args.flush if device.type == "cuda" else None,
         "tol": args.tol, "max_bad_frac": args.max_bad_frac, "seed": args.seed,
         "timing": "median of CUDA-event times" if device.type == "cuda" else "host timer (dry run)",
         "results": [],
     }
-    print("# %s | torch %s | moelink %s | %s | iters %d (median), warmup %d, L2 flush %d MiB" %
+    print("# %s | torch %s | moelink %s | %s | iters %d (median), warmup %d, L2 flush %d MiB (%s)" %
           (gpu, torch.__version__, meta["moelink"] or "-", args.dtype, args.iters, args.warmup,
-           meta["flush_mib"]))
+           meta["flush_mib"], meta["l2_flush"]))
     env = {"args": args, "torch": torch, "moelink": moelink, "ctx": ctx, "device": device,
            "dtype": dtype, "max_tokens": args.max_tokens or max(args.tokens),
-           "timer": Timer(torch, device, args.iters, args.warmup, args.flush_mib)}
+           "timer": Timer(torch, device, args.iters, args.warmup, args.flush_mib, args.flush)}
     all_ok = True
     for pi, name in enumerate(args.presets):
         rows, ok = run_preset(env, pi, name)

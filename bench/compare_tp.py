@@ -72,6 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--flush-mib", type=int, default=256)
+    p.add_argument("--flush", choices=("read", "write"),
+                   default=os.environ.get("MOELINK_BENCH_L2_FLUSH") or "read",
+                   help="L2 flush by a read (default) or a write of the flush buffer, as for "
+                        "moelink bench (MOELINK_BENCH_L2_FLUSH)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
     a = p.parse_args(argv)
@@ -169,7 +173,10 @@ def main(argv=None):
     def time_us(fn):
         times = []
         for it in range(-args.warmup, args.iters):
-            flush.fill_(it & 0xFF)
+            if args.flush == "write":
+                flush.fill_(it & 0xFF)
+            else:
+                flush.sum()
             dist.all_reduce(line_up)
             start.record()
             fn()
@@ -321,8 +328,9 @@ def main(argv=None):
             "dims": args.dims,
             "iters": args.iters,
             "warmup": args.warmup,
+            "l2_flush": args.flush,
             "timing": "per rank: median of iters CUDA-event-timed calls after warmup, each after "
-                      "a %d MiB buffer write and a 1-element all-reduce; a row's time is the "
+                      "a %d MiB L2 flush (l2_flush) and a 1-element all-reduce; a row's time is the "
                       "slowest rank's median" % args.flush_mib,
             "flops": "per rank: 2 * m * n * k of the rank's matmul",
             "notes": notes,

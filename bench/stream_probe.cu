@@ -12,6 +12,9 @@
  *     over blocks) against one CTA per block.
  * Nothing is computed; every loaded word is folded into a checksum so no load
  * can be dropped. Standalone: nvcc -O3 -arch=sm_90a bench/stream_probe.cu.
+ * Before each timed run the L2 is flushed by a 256 MiB memset (as the
+ * benchmarks do; it leaves the L2 full of dirty lines that the timed kernel
+ * then writes back), by a 256 MiB read, or not at all (argv[3] = 0, 1, 2).
  * Output: one line per variant, GB/s = bytes / median time of 20 runs. */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -94,6 +97,8 @@ static int cmpf(const void *a, const void *b) {
 }
 
 static char *g_flush;
+static unsigned *g_sink;
+static int g_flush_mode; /* 0: memset (leaves L2 lines dirty), 1: read, 2: none */
 #define FLUSH (256u << 20)
 
 template <typename F> static double time_us(F launch) {
@@ -102,7 +107,8 @@ template <typename F> static double time_us(F launch) {
   CK(cudaEventCreate(&e1));
   float t[20];
   for (int it = -2; it < 20; ++it) {
-    CK(cudaMemsetAsync(g_flush, it & 0xff, FLUSH));
+    if (g_flush_mode == 0) CK(cudaMemsetAsync(g_flush, it & 0xff, FLUSH));
+    if (g_flush_mode == 1) k_flat<<<528, 512>>>((const uint4 *)g_flush, FLUSH / 16, g_sink);
     CK(cudaEventRecord(e0));
     launch();
     CK(cudaGetLastError());
@@ -149,13 +155,21 @@ int main(int argc, char **argv) {
   CK(cudaMalloc(&buf, bytes));
   CK(cudaMalloc(&g_flush, FLUSH));
   CK(cudaMalloc(&sink, 1 << 20));
+  g_sink = sink;
   CK(cudaMemset(buf, 1, bytes));
   printf("stream probe: %zu rows x %zu bytes (%.1f MiB), %d blocks of 128 rows, %d SMs\n", rows,
          row_bytes, bytes / 1048576.0, nblocks, sms);
-  const double flat = time_us([&] { k_flat<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink); });
-  printf("flat grid-stride read                                         %8.1f us  %7.0f GB/s\n",
-         flat, bytes / flat / 1e3);
-  for (int per_sm = 1; per_sm <= 4; per_sm *= 2) {
+  CK(cudaMemset(g_flush, 1, FLUSH));
+  const char *fname[3] = {"memset flush", "read flush", "no flush"};
+  for (g_flush_mode = 0; g_flush_mode < 3; ++g_flush_mode) {
+    const double flat =
+        time_us([&] { k_flat<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink); });
+    printf("flat grid-stride read, %-12s                           %8.1f us  %7.0f GB/s\n",
+           fname[g_flush_mode], flat, bytes / flat / 1e3);
+  }
+  g_flush_mode = argc > 3 ? atoi(argv[3]) : 0;
+  printf("variants below: %s before each run\n", fname[g_flush_mode]);
+  for (int per_sm = 1; per_sm <= 2; per_sm *= 2) {
     variant<128, 3>(buf, row_bytes, nblocks, per_sm, 0, sms, sink, bytes);
     variant<512, 3>(buf, row_bytes, nblocks, per_sm, 0, sms, sink, bytes);
     variant<2048, 3>(buf, row_bytes, nblocks, per_sm, 0, sms, sink, bytes);

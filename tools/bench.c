@@ -75,8 +75,8 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
     fprintf(f, ", \"read_buffer_bytes\": %zu, \"matmul_TFLOPs\": ", CLI_READ_BYTES);
     cli_json_num(f, fl->matmul_tflops);
     fprintf(f, ", \"matmul\": \"cublasGemmEx bf16 %d^3, fp32 compute\", \"iters\": %d, "
-               "\"l2_flush_bytes\": %zu},\n",
-            CLI_MATMUL_N, CLI_FLOOR_ITERS, CLI_L2_FLUSH_BYTES);
+               "\"l2_flush_bytes\": %zu, \"l2_flush\": \"%s\"},\n",
+            CLI_MATMUL_N, CLI_FLOOR_ITERS, CLI_L2_FLUSH_BYTES, cli_l2_flush_name());
   } else {
     fprintf(f, "  \"baseline\": \"cblas_sgemm [T*k,H]x[H,2I] + [T*k,I]x[I,H]\",\n");
   }
@@ -183,8 +183,9 @@ int cli_cmd_bench(int argc, char **argv) {
   }
   cli_print_config(&o, 0);
   printf("device     %s\n", device);
-  printf("timing     median of %d after %d warm-up%s\n", o.iters, o.warmup,
-         cuda ? ", CUDA events, L2 flushed before each" : ", host clock");
+  printf("timing     median of %d after %d warm-up%s%s\n", o.iters, o.warmup,
+         cuda ? ", CUDA events, L2 flushed before each by a 256 MiB " : ", host clock",
+         cuda ? cli_l2_flush_name() : "");
   fflush(stdout);
 
   if (cuda) {
@@ -271,7 +272,7 @@ int cli_cmd_bench(int argc, char **argv) {
     for (int it = -o.warmup; it < o.iters; ++it) {
       double t_ms;
       if (cuda) {
-        if (gpu_memset_async(flush, it & 0xff, CLI_L2_FLUSH_BYTES, stream) ||
+        if (cli_l2_flush(flush, it, stream) ||
             gpu_timer_start(&tm, stream))
           cli_fail("%s", gpu_error());
         if (graph) {

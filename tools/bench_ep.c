@@ -342,7 +342,7 @@ static void be_time(cli_world *w, be_case *c, int variant, const be_opts *o,
     k.w = w;
 #if CLI_WORLD_GPU
     if (w->backend == MOELINK_BACKEND_CUDA &&
-        gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
+        cli_l2_flush(w->flush, it, w->stream))
       cli_fail("%s", gpu_error());
 #endif
     cli_world_barrier(w);
@@ -622,10 +622,12 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
              "  \"seed\": %llu,\n  \"timing\": ",
           c->num_experts / w->nranks, o->iters, o->warmup, (unsigned long long)o->seed);
   cli_json_str(f, cuda ? "per rank: median of iters CUDA-event-timed calls after warmup, each "
-                        "after a 256 MiB L2 flush and a 1-element NCCL all-reduce that lines "
-                        "the ranks up; a row's time is the slowest rank's median"
+                        "after a 256 MiB L2 flush (l2_flush) and a 1-element NCCL all-reduce "
+                        "that lines the ranks up; a row's time is the slowest rank's median"
                       : "per rank: median of iters host-clock-timed calls after warmup, each "
                         "after a barrier; a row's time is the slowest rank's median");
+  fprintf(f, ",\n  \"l2_flush\": ");
+  cli_json_str(f, cuda ? cli_l2_flush_name() : NULL);
   fprintf(f, ",\n  \"variants\": ");
   cli_json_str(f, "ep: moelink_ep_forward, tokens random on every rank, the layer created with "
                  "max_tokens = tokens; single: moelink_moe_forward with all experts on "
@@ -722,9 +724,10 @@ int cli_cmd_bench_ep(int argc, char **argv) {
              o.quant == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8",
              o.quant == MOELINK_QUANT_FP8 ? "an fp32 scale per 128 elements"
                                           : "an e8m0 scale per 32 elements");
-    printf("timing: median of %d after %d warm-up, %s; the slowest rank's median\n", o.iters,
-           o.warmup, cuda ? "CUDA events, L2 flushed and ranks lined up before each"
-                          : "host clock, ranks lined up before each");
+    printf("timing: median of %d after %d warm-up, %s%s%s; the slowest rank's median\n",
+           o.iters, o.warmup, cuda ? "CUDA events, L2 flushed (256 MiB " : "host clock",
+           cuda ? cli_l2_flush_name() : "", cuda ? ") and ranks lined up before each"
+                                                : ", ranks lined up before each");
     printf("T = tokens per rank; single = one device, all experts, %d*T tokens (%dx a rank's "
            "work)%s\n",
            w.nranks, w.nranks,

@@ -320,7 +320,7 @@ static double bt_time(cli_world *w, bt_case *c, int variant, const bt_opts *o) {
 #if CLI_WORLD_GPU
     if (w->backend == MOELINK_BACKEND_CUDA) {
       double ms = 0.0;
-      if (gpu_memset_async(w->flush, it & 0xff, CLI_L2_FLUSH_BYTES, w->stream))
+      if (cli_l2_flush(w->flush, it, w->stream))
         cli_fail("%s", gpu_error());
       cli_world_barrier(w);
       if (gpu_timer_start(&w->timer, w->stream)) cli_fail("%s", gpu_error());
@@ -685,10 +685,12 @@ static void bt_write_json(const char *path, const bt_opts *o, const cli_world *w
           o->iters, o->warmup, o->comm_ctas, (unsigned long long)o->seed);
   fprintf(f, "  \"timing\": ");
   cli_json_str(f, cuda ? "per rank: median of iters CUDA-event-timed calls after warmup, each "
-                        "after a 256 MiB L2 flush and a 1-element NCCL all-reduce that lines "
-                        "the ranks up; a row's time is the slowest rank's median"
+                        "after a 256 MiB L2 flush (l2_flush) and a 1-element NCCL all-reduce "
+                        "that lines the ranks up; a row's time is the slowest rank's median"
                       : "per rank: median of iters host-clock-timed calls after warmup, each "
                         "after a barrier; a row's time is the slowest rank's median");
+  fprintf(f, ",\n  \"l2_flush\": ");
+  cli_json_str(f, cuda ? cli_l2_flush_name() : NULL);
   fprintf(f, ",\n  \"baselines\": ");
   cli_json_str(f, cuda ? "gemm: cublasGemmEx (dtype in/out, CUBLAS_COMPUTE_32F) on the rank's "
                         "local problem; seq: ncclAllGather then that GEMM (ag), the GEMM then "
@@ -748,9 +750,10 @@ int cli_cmd_bench_tp(int argc, char **argv) {
            "rank's: ag n = N_local, rs/ar k = K_local)\n",
            w.nranks, w.nranks, device, moelink_dtype_name(o.dtype),
            o.layer ? "layer" : "local");
-    printf("timing: median of %d after %d warm-up, %s; the slowest rank's median\n", o.iters,
-           o.warmup, cuda ? "CUDA events, L2 flushed and ranks lined up before each"
-                          : "host clock, ranks lined up before each");
+    printf("timing: median of %d after %d warm-up, %s%s%s; the slowest rank's median\n",
+           o.iters, o.warmup, cuda ? "CUDA events, L2 flushed (256 MiB " : "host clock",
+           cuda ? cli_l2_flush_name() : "", cuda ? ") and ranks lined up before each"
+                                                : ", ranks lined up before each");
     printf("%-8s %6s %6s %6s  %10s %8s", "op", "M", "N", "K", "fused_us",
            cuda ? "TFLOP/s" : "GFLOP/s");
     if (cuda)

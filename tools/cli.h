@@ -179,5 +179,13 @@ void cli_commit(char *buf, size_t n);
 void cli_json_begin(FILE *f, const char *tool);
 /* The CPU's model name from /proc/cpuinfo ("unknown" if none). */
 void cli_cpu_model(char *buf, size_t n);
+/* The benchmarks' L2 flush before each timed call on CUDA, over a device
+ * buffer of CLI_L2_FLUSH_BYTES: a read of it (MOELINK_BENCH_L2_FLUSH=read,
+ * the default: the L2 is left clean, as for the read-bandwidth floor) or a
+ * memset (=write: dirty lines the timed call writes back; the benchmarks'
+ * flush before this option existed). A bad value is a usage error. Returns
+ * gpu_l2_flush_async's result; cli_l2_flush_name gives "read" or "write". */
+int cli_l2_flush(void *buf, int seq, void *stream);
+const char *cli_l2_flush_name(void);
 
 #endif

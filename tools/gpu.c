@@ -233,6 +233,9 @@ int gpu_timer_stop(gpu_timer *t, void *stream, double *ms) {
   *ms = 0.0;
   return GPU_NONE();
 }
+int gpu_l2_flush_async(void *buf, size_t bytes, int mode, int seq, void *stream) {
+  return GPU_NONE();
+}
 int fl_read_bandwidth(size_t bytes, int iters, double *gbps) {
   *gbps = 0.0;
   return GPU_NONE();

@@ -23,8 +23,15 @@ int gpu_d2h(void *dst, const void *src, size_t bytes);
 int gpu_stream_create(void **stream);
 void gpu_stream_destroy(void *stream);
 int gpu_stream_sync(void *stream);
-/* Writes bytes of buf with cudaMemsetAsync: evicts the weights from L2. */
+/* Writes bytes of buf with cudaMemsetAsync. */
 int gpu_memset_async(void *buf, int value, size_t bytes, void *stream);
+/* Evicts what a timed call could find in L2 (tools/floors.cu), buf being a
+ * device buffer of bytes >= 2 x the L2: GPU_FLUSH_READ reads it (the L2 is
+ * left clean, as the read-bandwidth floor finds it), GPU_FLUSH_WRITE memsets
+ * it to seq & 0xff (the L2 is left dirty: the timed call pays the write-back
+ * of up to an L2 of lines; the benchmarks' flush before commit 46bc561). */
+enum { GPU_FLUSH_READ = 0, GPU_FLUSH_WRITE = 1 };
+int gpu_l2_flush_async(void *buf, size_t bytes, int mode, int seq, void *stream);
 
 /* Stream capture into a CUDA graph: begin, then end with the instantiated
  * graph in *exec (launch with gpu_graph_launch, free with gpu_graph_destroy). */

@@ -170,6 +170,21 @@ void cli_json_begin(FILE *f, const char *tool) {
   cli_json_str(f, commit[0] ? commit : NULL);
 }
 
+static int cli_l2_flush_mode(void) {
+  const char *v = getenv("MOELINK_BENCH_L2_FLUSH");
+  if (v == NULL || *v == '\0' || strcmp(v, "read") == 0) return GPU_FLUSH_READ;
+  if (strcmp(v, "write") == 0) return GPU_FLUSH_WRITE;
+  cli_usage_error("MOELINK_BENCH_L2_FLUSH: '%s' is not read or write", v);
+}
+
+const char *cli_l2_flush_name(void) {
+  return cli_l2_flush_mode() == GPU_FLUSH_WRITE ? "write" : "read";
+}
+
+int cli_l2_flush(void *buf, int seq, void *stream) {
+  return gpu_l2_flush_async(buf, CLI_L2_FLUSH_BYTES, cli_l2_flush_mode(), seq, stream);
+}
+
 void cli_commit(char *buf, size_t n) {
   buf[0] = '\0';
   const char *env = getenv("MOELINK_COMMIT");
