@@ -29,7 +29,7 @@ int gpu_memset_async(void *buf, int value, size_t bytes, void *stream);
  * device buffer of bytes >= 2 x the L2: GPU_FLUSH_READ reads it (the L2 is
  * left clean, as the read-bandwidth floor finds it), GPU_FLUSH_WRITE memsets
  * it to seq & 0xff (the L2 is left dirty: the timed call pays the write-back
- * of up to an L2 of lines; the benchmarks' flush before commit 46bc561). */
+ * of up to an L2 of lines; the benchmarks' flush before commit e958a9d). */
 enum { GPU_FLUSH_READ = 0, GPU_FLUSH_WRITE = 1 };
 int gpu_l2_flush_async(void *buf, size_t bytes, int mode, int seq, void *stream);
 
