@@ -91,6 +91,15 @@ static __global__ void k_flat(const uint4 *p, size_t n, unsigned *sink) {
   if (acc == 0x12345678u) sink[blockIdx.x] = acc;
 }
 
+/* the flush as tools/floors.cu does it: plain loads (default cache policy) */
+static __global__ void k_flush(const uint4 *p, size_t n, unsigned *sink) {
+  const size_t stride = (size_t)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    acc ^= fold(p[i]);
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+
 static int cmpf(const void *a, const void *b) {
   const float x = *(const float *)a, y = *(const float *)b;
   return x < y ? -1 : x > y;
@@ -108,7 +117,7 @@ template <typename F> static double time_us(F launch) {
   float t[20];
   for (int it = -2; it < 20; ++it) {
     if (g_flush_mode == 0) CK(cudaMemsetAsync(g_flush, it & 0xff, FLUSH));
-    if (g_flush_mode == 1) k_flat<<<528, 512>>>((const uint4 *)g_flush, FLUSH / 16, g_sink);
+    if (g_flush_mode == 1) k_flush<<<528, 512>>>((const uint4 *)g_flush, FLUSH / 16, g_sink);
     CK(cudaEventRecord(e0));
     launch();
     CK(cudaGetLastError());
@@ -166,6 +175,14 @@ int main(int argc, char **argv) {
         time_us([&] { k_flat<<<sms * 4, 512>>>((const uint4 *)buf, bytes / 16, sink); });
     printf("flat grid-stride read, %-12s                           %8.1f us  %7.0f GB/s\n",
            fname[g_flush_mode], flat, bytes / flat / 1e3);
+  }
+  /* does the read flush evict? a 32 MiB read (fits the L2) after each kind */
+  for (g_flush_mode = 0; g_flush_mode < 3; ++g_flush_mode) {
+    const size_t small = (size_t)32 << 20;
+    const double us =
+        time_us([&] { k_flat<<<sms * 4, 512>>>((const uint4 *)buf, small / 16, sink); });
+    printf("32 MiB read (fits the L2), %-12s                       %8.1f us  %7.0f GB/s\n",
+           fname[g_flush_mode], us, small / us / 1e3);
   }
   g_flush_mode = argc > 3 ? atoi(argv[3]) : 0;
   printf("variants below: %s before each run\n", fname[g_flush_mode]);
