@@ -424,7 +424,10 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                    st));
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
-  ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+  /* The plan was complete before the x quantize kernel started (a plain
+   * launch), and that kernel lets the gate/up GEMM start at once: the GEMM
+   * may read the tiles and stream weights before its dependency wait. */
+  ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL | ML_DECODE_PLAN_EARLY);
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
@@ -435,8 +438,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
                           m->hs, sms, st));
-  /* the plan was complete before the gate/up GEMM let anything start */
-  o.flags |= ML_DECODE_PLAN_EARLY;
+  /* the down GEMM likewise streams its weights while h is quantized */
   ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,
                             moe->w.down_scale, cfg->hidden, cfg->inter, plan->tiles,
                             plan->num_tiles, passes, pairs, weights,

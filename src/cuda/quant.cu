@@ -11,6 +11,11 @@ template <int DT, int FMT>
 static __global__ void __launch_bounds__(ML_QK_THREADS)
     ml_quantize_kernel(const char *x, int rows, int cols, uint8_t *q, char *scales,
                        size_t scale_row) {
+  /* A kernel launched after this one with programmatic stream serialization
+   * (the FP8 layer's decode GEMMs) may start now and stream its weights: it
+   * reads q and the scales only after its grid dependency wait, which waits
+   * for this whole grid. */
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int lane = (int)threadIdx.x & 31;
   const int groups = (cols + ML_QK_GROUP - 1) / ML_QK_GROUP;
   const long long items = (long long)rows * groups;
