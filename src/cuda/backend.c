@@ -340,26 +340,9 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
   if (((uintptr_t)ids & 3u) || ((uintptr_t)weights & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_ids %p / topk_weights %p not 4-byte aligned",
                    (void *)ids, (void *)weights);
-  ml_cuda_router_args a;
-  memset(&a, 0, sizeof a);
-  a.dtype = cfg->dtype;
-  a.x = x;
-  a.w = moe->w.router;
-  a.bias = cfg->correction_bias ? moe->w.correction_bias : NULL;
-  a.num_tokens = T;
-  a.hidden = cfg->hidden;
-  a.num_experts = cfg->num_experts;
-  a.top_k = cfg->top_k;
-  a.router = cfg->router;
-  a.renormalize = cfg->renormalize;
-  a.n_group = cfg->n_group;
-  a.topk_group = cfg->topk_group;
-  a.routed_scaling = cfg->routed_scaling;
-  a.ids = ids;
-  a.weights = weights;
-  a.splits = ml_cuda_router_splits(T, cfg->hidden, c->sm_count);
-  a.partials = m->partials;
-  a.tickets = m->tickets;
+  const ml_cuda_router_args a =
+      ml_cuda_router_args_for(cfg, x, moe->w.router, moe->w.correction_bias, T, ids, weights,
+                              m->partials, m->tickets, c->sm_count);
   ML_TRY(ml_cuda_router(&a, st));
   return ml_cu_step(st, "router");
 }

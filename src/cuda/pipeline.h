@@ -43,6 +43,14 @@ typedef struct ml_cuda_router_args {
   int32_t *tickets;          /* splits > 1: [blocks] zero-initialized, left zero */
 } ml_cuda_router_args;
 
+/* The arguments that route T tokens of x as the layer cfg does, with router
+ * weights w and correction bias (used when cfg->correction_bias), into ids
+ * and weights, splits chosen for sm_count SMs over the scratch partials /
+ * tickets. */
+ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg, const void *x,
+                                            const void *w, const float *bias, int num_tokens,
+                                            int32_t *ids, float *weights, float *partials,
+                                            int32_t *tickets, int sm_count);
 /* Hidden-dimension splits for T tokens: 1 when the token blocks alone fill
  * the GPU; never more than sm_count / blocks, so blocks * splits <= sm_count. */
 int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);

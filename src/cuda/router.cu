@@ -24,6 +24,7 @@
 #include <limits.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define ML_R_TOKENS 16
 #define ML_R_WARPS 16
@@ -398,6 +399,35 @@ extern "C" size_t ml_cuda_router_smem(int num_experts) {
   const size_t select = 3 * ML_R_TOKENS * E_pad * sizeof(float) +
                         (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
   return ring > select ? ring : select;
+}
+
+extern "C" ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg,
+                                                       const void *x, const void *w,
+                                                       const float *bias, int num_tokens,
+                                                       int32_t *ids, float *weights,
+                                                       float *partials, int32_t *tickets,
+                                                       int sm_count) {
+  ml_cuda_router_args a;
+  memset(&a, 0, sizeof a);
+  a.dtype = cfg->dtype;
+  a.x = x;
+  a.w = w;
+  a.bias = cfg->correction_bias ? bias : NULL;
+  a.num_tokens = num_tokens;
+  a.hidden = cfg->hidden;
+  a.num_experts = cfg->num_experts;
+  a.top_k = cfg->top_k;
+  a.router = cfg->router;
+  a.renormalize = cfg->renormalize;
+  a.n_group = cfg->n_group;
+  a.topk_group = cfg->topk_group;
+  a.routed_scaling = cfg->routed_scaling;
+  a.ids = ids;
+  a.weights = weights;
+  a.splits = ml_cuda_router_splits(num_tokens, cfg->hidden, sm_count);
+  a.partials = partials;
+  a.tickets = tickets;
+  return a;
 }
 
 extern "C" size_t ml_cuda_router_partial_floats(int num_experts, int sm_count) {

@@ -298,27 +298,9 @@ static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const v
 /* This rank's T tokens routed as the whole layer routes them: ids, wts. */
 static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                      cudaStream_t st) {
-  const moelink_moe_config_t *c = &ep->cfg.moe;
-  ml_cuda_router_args r;
-  memset(&r, 0, sizeof r);
-  r.dtype = c->dtype;
-  r.x = x;
-  r.w = ep->w.router;
-  r.bias = c->correction_bias ? ep->w.correction_bias : NULL;
-  r.num_tokens = T;
-  r.hidden = c->hidden;
-  r.num_experts = c->num_experts;
-  r.top_k = c->top_k;
-  r.router = c->router;
-  r.renormalize = c->renormalize;
-  r.n_group = c->n_group;
-  r.topk_group = c->topk_group;
-  r.routed_scaling = c->routed_scaling;
-  r.ids = w->ids;
-  r.weights = w->wts;
-  r.splits = ml_cuda_router_splits(T, c->hidden, w->a.sms);
-  r.partials = w->r_partials;
-  r.tickets = w->r_tickets;
+  const ml_cuda_router_args r =
+      ml_cuda_router_args_for(&ep->cfg.moe, x, ep->w.router, ep->w.correction_bias, T, w->ids,
+                              w->wts, w->r_partials, w->r_tickets, w->a.sms);
   return ml_cuda_router(&r, st);
 }
 
