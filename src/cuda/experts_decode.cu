@@ -299,6 +299,22 @@ static int mld_pdl(const ml_decode_opts *o, cudaStream_t stream) {
          stream != cudaStreamLegacy;
 }
 
+/* The gathered rows of a SwiGLU launch: row r reads a_index[r] / a_div. */
+static moelink_status_t mld_gather(const char *what, const int32_t *a_index, int a_div,
+                                   mld_args *p) {
+  if (a_index != NULL && a_div < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  p->a_index = a_index;
+  p->a_div = a_index != NULL ? a_div : 1;
+  return MOELINK_SUCCESS;
+}
+
+/* The row scale of a scaled launch (NULL: 1; scale_index NULL: by row). */
+static void mld_row_scales(const float *row_scale, const int32_t *scale_index, mld_args *p) {
+  p->row_scale = row_scale;
+  p->scale_index = row_scale != NULL ? scale_index : NULL;
+}
+
 extern "C" moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void *a, int lda,
                                                   const int32_t *a_index, int a_div,
                                                   const void *b, int n, int k,
@@ -310,11 +326,8 @@ extern "C" moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void
   unsigned grid = 0;
   ML_TRY(mld_prepare(what, 1, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
                      &p, &grid));
-  if (a_index != NULL && a_div < 1)
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  ML_TRY(mld_gather(what, a_index, a_div, &p));
   if (grid == 0) return MOELINK_SUCCESS;
-  p.a_index = a_index;
-  p.a_div = a_index != NULL ? a_div : 1;
   const int pdl = mld_pdl(o, stream);
   if (dt == MOELINK_DTYPE_BF16)
     return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 0>(&p, grid, MLD_K_SWIGLU_BF16, pdl,
@@ -337,8 +350,7 @@ extern "C" moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void
   ML_TRY(mld_prepare(what, 0, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
                      &p, &grid));
   if (grid == 0) return MOELINK_SUCCESS;
-  p.row_scale = row_scale;
-  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  mld_row_scales(row_scale, scale_index, &p);
   const int pdl = mld_pdl(o, stream);
   if (dt == MOELINK_DTYPE_BF16)
     return out_f32 ? mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 1>(
@@ -382,12 +394,9 @@ extern "C" moelink_status_t ml_cuda_fp8_swiglu(moelink_dtype_t out_dt, const uin
   unsigned grid = 0;
   ML_TRY(mld_prepare(what, 1, 1, out_dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows,
                      out, o, &p, &grid));
-  if (a_index != NULL && a_div < 1)
-    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
+  ML_TRY(mld_gather(what, a_index, a_div, &p));
   if (grid == 0) return MOELINK_SUCCESS;
   ML_TRY(mld_fp8_scales(what, a_scale, b_scale, &p));
-  p.a_index = a_index;
-  p.a_div = a_index != NULL ? a_div : 1;
   const int pdl = mld_pdl(o, stream);
   if (out_dt == MOELINK_DTYPE_F32)
     return mld_launch<MOELINK_DTYPE_BF16, MLD_SWIGLU, 1, 1>(
@@ -414,8 +423,7 @@ extern "C" moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uin
                      out, o, &p, &grid));
   if (grid == 0) return MOELINK_SUCCESS;
   ML_TRY(mld_fp8_scales(what, a_scale, b_scale, &p));
-  p.row_scale = row_scale;
-  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  mld_row_scales(row_scale, scale_index, &p);
   const int pdl = mld_pdl(o, stream);
   /* fp32 output: the output dtype plays no part, one kernel serves both */
   if (out_f32)
