@@ -48,6 +48,7 @@ typedef struct layer {
   uint64_t seed;
   void *router, *gate_up, *down, *sh_gu, *sh_down, *sh_gate;
   float *bias;
+  float *gu_scale, *dn_scale; /* cfg.fp8_experts: gate_up / down hold e4m3 bytes */
   moelink_moe_weights_t full;
   moelink_moe_t ref;
   moelink_ep_t ep;
@@ -118,21 +119,42 @@ static void layer_make(layer *L, const char *name, const moelink_moe_config_t *c
   const size_t es = moelink_dtype_size(dt), H = (size_t)c->hidden, I = (size_t)c->inter;
   const size_t E = (size_t)c->num_experts, Is = (size_t)c->shared_inter, M = (size_t)c->max_tokens;
   const size_t n_router = E * H, n_gu = E * 2 * I * H, n_down = E * H * I;
+  /* expert weight bytes an element: e4m3 with fp8_experts */
+  const size_t wes = c->fp8_experts ? 1 : es;
   L->row = H * es;
   L->router = mg_dev(n_router * es);
-  L->gate_up = mg_dev(n_gu * es);
-  L->down = mg_dev(n_down * es);
+  L->gate_up = mg_dev(n_gu * wes);
+  L->down = mg_dev(n_down * wes);
   fill(dt, L->router, n_router, ref_tensor_seed(seed, REF_T_ROUTER),
        ref_tensor_scale(c, REF_T_ROUTER), 0.0f);
-  fill(dt, L->gate_up, n_gu, ref_tensor_seed(seed, REF_T_GATE_UP),
-       ref_tensor_scale(c, REF_T_GATE_UP), 0.0f);
-  fill(dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN), ref_tensor_scale(c, REF_T_DOWN),
-       0.0f);
+  if (c->fp8_experts) {
+    /* e4m3 codes and 128 x 128 block scales as the host reference makes
+     * them (the library has no device-side weight quantizer) */
+    ref_layer R;
+    if (ref_layer_make(&R, c, seed, 0.0) != 0) mg_bail("fp8 expert weights (host)");
+    const size_t n_gus = E * (2 * I / 128) * (H / 128), n_dns = E * (H / 128) * (I / 128);
+    L->gu_scale = (float *)mg_dev(n_gus * sizeof(float));
+    L->dn_scale = (float *)mg_dev(n_dns * sizeof(float));
+    MG_CUDA(cudaMemcpy(L->gate_up, R.gate_up, n_gu, cudaMemcpyHostToDevice));
+    MG_CUDA(cudaMemcpy(L->down, R.down, n_down, cudaMemcpyHostToDevice));
+    MG_CUDA(cudaMemcpy(L->gu_scale, R.gate_up_scale, n_gus * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    MG_CUDA(cudaMemcpy(L->dn_scale, R.down_scale, n_dns * sizeof(float),
+                       cudaMemcpyHostToDevice));
+    ref_layer_free(&R);
+  } else {
+    fill(dt, L->gate_up, n_gu, ref_tensor_seed(seed, REF_T_GATE_UP),
+         ref_tensor_scale(c, REF_T_GATE_UP), 0.0f);
+    fill(dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN),
+         ref_tensor_scale(c, REF_T_DOWN), 0.0f);
+  }
   moelink_moe_weights_t w = MOELINK_MOE_WEIGHTS_INIT;
   w.dtype = dt;
   w.router = L->router;
   w.gate_up = L->gate_up;
   w.down = L->down;
+  w.gate_up_scale = L->gu_scale;
+  w.down_scale = L->dn_scale;
   if (Is > 0) {
     L->sh_gu = mg_dev(2 * Is * H * es);
     L->sh_down = mg_dev(H * Is * es);
@@ -184,8 +206,12 @@ static void layer_make(layer *L, const char *name, const moelink_moe_config_t *c
         name, mg_now() - t0, ws, W.rank, L->first, L->first + L->El, got.recv_capacity);
   if (L->first < 0 || L->El != c->num_experts / W.size) mg_bail("ep_get_config disagrees");
   moelink_moe_weights_t lw = w;
-  lw.gate_up = (const char *)L->gate_up + (size_t)L->first * 2 * I * H * es;
-  lw.down = (const char *)L->down + (size_t)L->first * H * I * es;
+  lw.gate_up = (const char *)L->gate_up + (size_t)L->first * 2 * I * H * wes;
+  lw.down = (const char *)L->down + (size_t)L->first * H * I * wes;
+  if (c->fp8_experts) {
+    lw.gate_up_scale = L->gu_scale + (size_t)L->first * (2 * I / 128) * (H / 128);
+    lw.down_scale = L->dn_scale + (size_t)L->first * (H / 128) * (I / 128);
+  }
   MG_MUST(moelink_ep_set_weights(L->ep, &lw), "moelink_ep_set_weights");
 
   const size_t rows = M + GUARD_ROWS, all_rows = (size_t)W.size * rows;
@@ -207,7 +233,7 @@ static void layer_free(layer *L) {
   CHECK_OK(moelink_moe_destroy(L->ref), "moe_destroy (reference)");
   void *bufs[] = {L->router, L->gate_up, L->down,  L->sh_gu, L->sh_down, L->sh_gate,
                   L->bias,   L->x_all,   L->ref_out, L->x,   L->out,     L->out2,
-                  L->ids,    L->wts};
+                  L->ids,    L->wts,     L->gu_scale, L->dn_scale};
   for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; ++i)
     if (bufs[i]) cudaFree(bufs[i]);
   free(L->h_out);
@@ -1232,6 +1258,15 @@ int main(void) {
   /* Qwen3-like: k = 8 of 32 (16 local experts, more than k). */
   moelink_moe_config_t q3 = make_config("qwen3-30b-a3b", bf, 512, 128, 32, 8, 0, 72);
   run_layer("qwen3-like E=32 k=8", &q3, 0);
+  /* FP8 experts (e4m3 weights, 128 x 128 block scales; token rows quantized
+   * per 128 on the expert's rank), deepseek-like with the shared expert, and
+   * a mixtral-like f16 one: against the single-GPU FP8 layer */
+  moelink_moe_config_t f8 = make_config("deepseek-v3", bf, 512, 256, 16, 4, 128, 70);
+  f8.fp8_experts = 1;
+  run_layer("fp8 experts deepseek-like E=16 k=4", &f8, 0);
+  moelink_moe_config_t f8m = make_config("mixtral-8x7b", f16, 256, 384, 8, 2, 0, 40);
+  f8m.fp8_experts = 1;
+  run_layer("fp8 experts mixtral-like f16 E=8 k=2", &f8m, 0);
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "layers: moelink_comm_check");
   ml_t_diag("layers done in %.1f s", mg_now() - t0);
 
