@@ -611,7 +611,8 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * field, a bad moe config: the message names the field, num_experts not a
  * multiple of the rank count, recv_capacity < 0), UNSUPPORTED (no
  * expert-parallel ops for the communicator's backend in this build: CUDA
- * needs the NCCL communicator and all ranks in one NVLink domain; fp8),
+ * needs the NCCL communicator and all ranks in one NVLink domain; moe.dtype
+ * FP8_E4M3: the layer computes in bf16 or f16, FP8 weights are fp8_experts),
  * OUT_OF_MEMORY, TIMEOUT (a peer never came). On CUDA this version receives
  * every rank's whole step at once (buffers for ranks * moe.max_tokens rows,
  * still fixed by the config) and ignores recv_capacity. */
