@@ -148,6 +148,7 @@ static int count_touched(moelink_moe_t moe, const moelink_moe_config_t *c, const
 int cli_cmd_bench(int argc, char **argv) {
   cli_opts o;
   cli_parse(argc, argv, 1, &o);
+  (void)cli_l2_flush_name(); /* a bad MOELINK_BENCH_L2_FLUSH is a usage error on any backend */
   const moelink_moe_config_t *c = &o.cfg;
   const int cuda = o.backend == MOELINK_BACKEND_CUDA;
   if (!cuda && o.graph) cli_usage_error("--graph: CUDA graphs need --backend cuda");

@@ -692,6 +692,7 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
 int cli_cmd_bench_ep(int argc, char **argv) {
   be_opts o;
   be_parse(argc, argv, &o);
+  (void)cli_l2_flush_name(); /* a bad MOELINK_BENCH_L2_FLUSH is a usage error on any backend */
   int custom = 0;
   const moelink_moe_config_t cfg = be_config(&o, &custom);
   cli_world w;

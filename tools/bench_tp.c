@@ -733,6 +733,7 @@ static void bt_write_json(const char *path, const bt_opts *o, const cli_world *w
 int cli_cmd_bench_tp(int argc, char **argv) {
   bt_opts o;
   bt_parse(argc, argv, &o);
+  (void)cli_l2_flush_name(); /* a bad MOELINK_BENCH_L2_FLUSH is a usage error on any backend */
   cli_world w;
   cli_world_open(&w, "bench tp", o.backend, o.threads);
 #if CLI_WORLD_GPU

@@ -2,7 +2,8 @@
 bench exits 0 and its JSON records fp8_experts (1 with the flag, 0 without)
 with one row per token count; run verifies an f16 layer of odd shape whose
 FP8 experts the CLI generates on all cores; a hidden size that is not a
-multiple of 128 is a usage error (exit 2).
+multiple of 128 is a usage error (exit 2), and so is a MOELINK_BENCH_L2_FLUSH
+that is neither read nor write (on any backend).
 
 usage: bench_fp8_smoke.py MOELINK_EXE JSON_PATH"""
 import json
@@ -50,4 +51,8 @@ assert "(experts fp8)" in p.stdout and "f16" in p.stdout, p.stdout
 p = subprocess.run([exe, "run", "--fp8-experts", "--hidden", "200"], stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE, text=True, timeout=60)
 assert p.returncode == 2 and "128" in p.stderr, (p.returncode, p.stderr)
+env = dict(os.environ, MOELINK_BENCH_L2_FLUSH="sometimes")
+p = subprocess.run([exe, "bench", "--backend", "cpu", *shape, "--tokens", "3", "--iters", "1"],
+                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=60, env=env)
+assert p.returncode == 2 and "MOELINK_BENCH_L2_FLUSH" in p.stderr, (p.returncode, p.stderr)
 print("ok")
