@@ -134,7 +134,7 @@ fail:
  * everything a timed call could find there. A read leaves the L2 clean; a
  * memset leaves it full of dirty lines that the next kernel writes back to
  * DRAM while it runs (measured with bench/stream_probe.cu on an H200: a
- * 448 MiB read took 120.0 us after a 256 MiB memset, 107.8 after a 256 MiB
+ * 448 MiB read took 121.2 us after a 256 MiB memset, 108.2 after a 256 MiB
  * read). The result is never 0x9e3779b9 in practice; the store only keeps
  * the loads alive. */
 static __global__ void fl_flush_kernel(const uint4 *p, size_t n, unsigned *sink) {
