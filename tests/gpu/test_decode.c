@@ -27,7 +27,9 @@
  * With --bench (not run by ctest): the decode GEMMs beside the tile engine's
  * on full-size presets (weights filled on the device, routing and plan from
  * the library), K-split sweeps, and the whole layer eager and replayed from a
- * CUDA graph. Times are medians with L2 flushed before each run. */
+ * CUDA graph. Times are medians with the L2 flushed before each run by a
+ * 256 MiB memset (the CLI benchmarks read instead since commit e958a9d: see
+ * docs/PERF.md; this tool keeps the memset so its numbers stay comparable). */
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
 #include "harness.h"
