@@ -1034,6 +1034,52 @@ static void host_combine(moelink_dtype_t dt, const void *y, const int32_t *pair_
     }
 }
 
+/* What one dispatch received (cap rows, kl local slots), kept to compare a
+ * second dispatch with it. */
+typedef struct recv_copy {
+  unsigned char *rows;
+  int32_t *ids;
+  float *w;
+  int cap, kl;
+  size_t row;
+} recv_copy;
+
+static void recv_copy_init(recv_copy *c, int cap, int kl, size_t row) {
+  c->cap = cap;
+  c->kl = kl;
+  c->row = row;
+  c->rows = (unsigned char *)ct_alloc((size_t)cap * row);
+  c->ids = (int32_t *)ct_alloc((size_t)cap * kl * 4);
+  c->w = (float *)ct_alloc((size_t)cap * kl * 4);
+}
+
+static void recv_copy_free(recv_copy *c) {
+  free(c->rows);
+  free(c->ids);
+  free(c->w);
+}
+
+static void recv_copy_save(recv_copy *c, const moelink_ep_recv_t *r) {
+  memcpy(c->rows, r->rows, (size_t)c->cap * c->row);
+  memcpy(c->ids, r->expert_ids, (size_t)c->cap * c->kl * 4);
+  memcpy(c->w, r->weights, (size_t)c->cap * c->kl * 4);
+}
+
+/* Whether r holds bitwise the saved ids, weights and token rows (rows that
+ * hold no token may differ); *held: the rows that hold a token. */
+static int recv_copy_same(const recv_copy *c, const moelink_ep_recv_t *r, int *held) {
+  int same = memcmp(c->ids, r->expert_ids, (size_t)c->cap * c->kl * 4) == 0 &&
+             memcmp(c->w, r->weights, (size_t)c->cap * c->kl * 4) == 0;
+  *held = 0;
+  for (int q = 0; same && q < c->cap; ++q)
+    if (c->ids[(size_t)q * c->kl] >= 0) {
+      ++*held;
+      same = memcmp(c->rows + (size_t)q * c->row, (const char *)r->rows + (size_t)q * c->row,
+                    c->row) == 0;
+    }
+  return same;
+}
+
 /* dispatch, the engine's own plan and experts on a local layer, combine:
  * against the single-rank layer's pieces (its experts' outputs, combined on
  * the host, empty slots skipped) and, without empty slots, its forward (no
@@ -1076,9 +1122,8 @@ static void run_pieces_layer(const ep_case *ec) {
   unsigned char *y_pair = (unsigned char *)ct_alloc((size_t)cap * kl * row);
   unsigned char *out = (unsigned char *)ct_alloc(all * row);
   unsigned char *out2 = (unsigned char *)ct_alloc(all * row);
-  unsigned char *saved_rows = (unsigned char *)ct_alloc((size_t)cap * row);
-  int32_t *saved_ids = (int32_t *)ct_alloc((size_t)cap * kl * 4);
-  float *saved_w = (float *)ct_alloc((size_t)cap * kl * 4);
+  recv_copy saved;
+  recv_copy_init(&saved, cap, kl, row);
   int failures = 0;
   for (int it = 0; it < ec->iters; ++it) {
     int total = 0, off = 0, T = 0;
@@ -1122,17 +1167,12 @@ static void run_pieces_layer(const ep_case *ec) {
         break;
       }
       if (pass == 0) {
-        memcpy(saved_rows, recv.rows, (size_t)cap * row);
-        memcpy(saved_ids, recv.expert_ids, (size_t)cap * kl * 4);
-        memcpy(saved_w, recv.weights, (size_t)cap * kl * 4);
+        recv_copy_save(&saved, &recv);
       } else {
-        int same = memcmp(saved_ids, recv.expert_ids, (size_t)cap * kl * 4) == 0 &&
-                   memcmp(saved_w, recv.weights, (size_t)cap * kl * 4) == 0;
-        for (int r = 0; same && r < cap; ++r)
-          if (saved_ids[(size_t)r * kl] >= 0)
-            same = memcmp(saved_rows + (size_t)r * row, (const char *)recv.rows + (size_t)r * row,
-                          row) == 0;
-        CHECK(same, "%s call %d: the same dispatch again hands out the same rows", ec->name, it);
+        int held = 0;
+        const int same = recv_copy_same(&saved, &recv, &held);
+        CHECK(same, "%s call %d: the same dispatch again hands out the same rows (%d hold a "
+              "token)", ec->name, it, held);
       }
       CHECK_OK(moelink_moe_plan(local, recv.expert_ids, cap, plan_local, NULL), "local plan");
       CHECK_OK(moelink_moe_experts(local, recv.rows, cap, plan_local, recv.weights, y, NULL),
@@ -1207,9 +1247,7 @@ static void run_pieces_layer(const ep_case *ec) {
   free(y_pair);
   free(out);
   free(out2);
-  free(saved_rows);
-  free(saved_ids);
-  free(saved_w);
+  recv_copy_free(&saved);
   CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
   moelink_moe_destroy(local);
   moelink_moe_destroy(single);
@@ -1505,9 +1543,9 @@ static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
   const int ltile = local ? moelink_moe_tile_rows(local) : 1;
   void *plan_local = pieces ? ct_alloc(moelink_plan_bytes(cap, kl, El, ltile)) : NULL;
   unsigned char *y = pieces ? (unsigned char *)ct_alloc((size_t)cap * kl * row) : NULL;
-  unsigned char *saved_rows = pieces ? (unsigned char *)ct_alloc((size_t)cap * row) : NULL;
-  int32_t *saved_ids = pieces ? (int32_t *)ct_alloc((size_t)cap * kl * 4) : NULL;
-  float *saved_w = pieces ? (float *)ct_alloc((size_t)cap * kl * 4) : NULL;
+  recv_copy saved;
+  memset(&saved, 0, sizeof saved);
+  if (pieces) recv_copy_init(&saved, cap, kl, row);
   int failures = 0;
   double off_plain = 0.0;
   int plain_rows = 0;
@@ -1588,19 +1626,10 @@ static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
         break;
       }
       if (pass == 0) {
-        memcpy(saved_rows, recv.rows, (size_t)cap * row);
-        memcpy(saved_ids, recv.expert_ids, (size_t)cap * kl * 4);
-        memcpy(saved_w, recv.weights, (size_t)cap * kl * 4);
+        recv_copy_save(&saved, &recv);
       } else {
-        int same = memcmp(saved_ids, recv.expert_ids, (size_t)cap * kl * 4) == 0 &&
-                   memcmp(saved_w, recv.weights, (size_t)cap * kl * 4) == 0;
         int held = 0;
-        for (int r = 0; same && r < cap; ++r)
-          if (saved_ids[(size_t)r * kl] >= 0) {
-            ++held;
-            same = memcmp(saved_rows + (size_t)r * row,
-                          (const char *)recv.rows + (size_t)r * row, row) == 0;
-          }
+        const int same = recv_copy_same(&saved, &recv, &held);
         CHECK(same, "%s: rank %d's %d received rows, ids and weights bitwise the same from "
               "dispatch and dispatch_quantized (rank 0 %s, the others %s)",
               what, rank, held, (it & 1) ? "dispatch_quantized" : "dispatch",
@@ -1650,9 +1679,7 @@ static void run_quant_case(const ep_case *ec, moelink_quant_t qf) {
   free(out2);
   free(plan_local);
   free(y);
-  free(saved_rows);
-  free(saved_ids);
-  free(saved_w);
+  recv_copy_free(&saved);
   CHECK_OK(moelink_ep_destroy(ep), "ep_destroy");
   moelink_moe_destroy(local);
   moelink_moe_destroy(single);
