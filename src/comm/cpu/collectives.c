@@ -109,19 +109,30 @@ static void ml_cpu_reduce(const ml_cpu_call *k, uint64_t round, size_t at, void 
   }
 }
 
-static moelink_status_t ml_cpu_enter(ml_cpu_comm *c) { return ml_cpu_failed(c); }
+/* The start of a collective of count elements a rank: the call's record,
+ * then, on a communicator of one rank, the whole operation (recv = send):
+ * *done says so. */
+static moelink_status_t ml_cpu_begin(ml_cpu_call *k, moelink_comm_t comm, ml_cpu_op op,
+                                     moelink_dtype_t dtype, size_t count, const void *send,
+                                     void *recv, int *done) {
+  ml_cpu_call_init(k, comm, op, dtype, count);
+  *done = 0;
+  ML_TRY(ml_cpu_failed(k->c));
+  if (k->c->nranks == 1) {
+    if (send != recv) memcpy(recv, send, count * moelink_dtype_size(dtype));
+    *done = 1;
+  }
+  return MOELINK_SUCCESS;
+}
 
 moelink_status_t ml_cpu_allreduce(moelink_comm_t comm, const void *send, void *recv,
                                   size_t count, moelink_dtype_t dtype, void *stream) {
   ml_cpu_call k;
-  ml_cpu_call_init(&k, comm, ML_CPU_OP_ALLREDUCE, dtype, count);
+  int done;
+  ML_TRY(ml_cpu_begin(&k, comm, ML_CPU_OP_ALLREDUCE, dtype, count, send, recv, &done));
+  if (done) return MOELINK_SUCCESS;
   ml_cpu_comm *c = k.c;
-  ML_TRY(ml_cpu_enter(c));
   size_t es = moelink_dtype_size(dtype);
-  if (c->nranks == 1) {
-    if (send != recv) memcpy(recv, send, count * es);
-    return MOELINK_SUCCESS;
-  }
   const unsigned char *s = (const unsigned char *)send;
   unsigned char *r = (unsigned char *)recv;
   size_t chunk = c->stage_bytes / es;
@@ -143,16 +154,13 @@ moelink_status_t ml_cpu_allreduce(moelink_comm_t comm, const void *send, void *r
 moelink_status_t ml_cpu_allgather(moelink_comm_t comm, const void *send, void *recv,
                                   size_t count, moelink_dtype_t dtype, void *stream) {
   ml_cpu_call k;
-  ml_cpu_call_init(&k, comm, ML_CPU_OP_ALLGATHER, dtype, count);
+  int done;
+  ML_TRY(ml_cpu_begin(&k, comm, ML_CPU_OP_ALLGATHER, dtype, count, send, recv, &done));
+  if (done) return MOELINK_SUCCESS;
   ml_cpu_comm *c = k.c;
-  ML_TRY(ml_cpu_enter(c));
   size_t es = moelink_dtype_size(dtype);
   const unsigned char *s = (const unsigned char *)send;
   unsigned char *r = (unsigned char *)recv;
-  if (c->nranks == 1) {
-    memcpy(recv, send, count * es);
-    return MOELINK_SUCCESS;
-  }
   size_t chunk = c->stage_bytes / es;
   for (size_t off = 0; off < count; off += chunk) {
     size_t n = count - off < chunk ? count - off : chunk;
@@ -174,16 +182,13 @@ moelink_status_t ml_cpu_allgather(moelink_comm_t comm, const void *send, void *r
 moelink_status_t ml_cpu_reduce_scatter(moelink_comm_t comm, const void *send, void *recv,
                                        size_t count, moelink_dtype_t dtype, void *stream) {
   ml_cpu_call k;
-  ml_cpu_call_init(&k, comm, ML_CPU_OP_REDUCE_SCATTER, dtype, count);
+  int done;
+  ML_TRY(ml_cpu_begin(&k, comm, ML_CPU_OP_REDUCE_SCATTER, dtype, count, send, recv, &done));
+  if (done) return MOELINK_SUCCESS;
   ml_cpu_comm *c = k.c;
-  ML_TRY(ml_cpu_enter(c));
   size_t es = moelink_dtype_size(dtype);
   const unsigned char *s = (const unsigned char *)send;
   unsigned char *r = (unsigned char *)recv;
-  if (c->nranks == 1) {
-    memcpy(recv, send, count * es);
-    return MOELINK_SUCCESS;
-  }
   /* A half holds one sub-block per destination rank, at the same place on
    * every rank, so rank q reduces sub-block q of all halves. */
   size_t chunk = c->stage_bytes / ((size_t)c->nranks * es);
