@@ -326,15 +326,11 @@ static void check_pieces(const char *what, moelink_moe_t m, const moelink_moe_co
 }
 
 static void run_preset(const reduced *rp, moelink_dtype_t dt, uint64_t seed) {
-  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
-  if (moelink_moe_preset(rp->preset, &cfg) != MOELINK_SUCCESS) {
+  moelink_moe_config_t cfg;
+  if (ref_preset_reduced(rp->preset, rp->H, rp->I, rp->Is, dt, &cfg) != 0) {
     CHECK(0, "preset %s: %s", rp->preset, moelink_last_error());
     return;
   }
-  cfg.hidden = rp->H;
-  cfg.inter = rp->I;
-  if (cfg.shared_inter > 0) cfg.shared_inter = rp->Is;
-  cfg.dtype = dt;
   ref_layer L;
   fp8_w f;
   memset(&f, 0, sizeof f);

@@ -132,15 +132,11 @@ static unsigned char *forward_and_check(const char *what, const ref_layer *L, mo
 
 static void run_preset(const reduced *rp, moelink_dtype_t dt, uint64_t seed) {
   const char *dn = moelink_dtype_name(dt);
-  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
-  if (moelink_moe_preset(rp->preset, &cfg) != MOELINK_SUCCESS) {
+  moelink_moe_config_t cfg;
+  if (ref_preset_reduced(rp->preset, rp->H, rp->I, rp->Is, dt, &cfg) != 0) {
     CHECK(0, "preset %s: %s", rp->preset, moelink_last_error());
     return;
   }
-  cfg.hidden = rp->H;
-  cfg.inter = rp->I;
-  if (cfg.shared_inter > 0) cfg.shared_inter = rp->Is;
-  cfg.dtype = dt;
   cfg.max_tokens = 3;
   ref_layer L;
   if (ref_layer_make(&L, &cfg, seed, 0.0) != 0) {

@@ -18,6 +18,18 @@ uint64_t ref_tensor_seed(uint64_t layer_seed, int tensor) {
   return z;
 }
 
+int ref_preset_reduced(const char *preset, int H, int I, int Is, moelink_dtype_t dt,
+                       moelink_moe_config_t *cfg) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  if (moelink_moe_preset(preset, &c) != MOELINK_SUCCESS) return -1;
+  c.hidden = H;
+  c.inter = I;
+  if (c.shared_inter > 0) c.shared_inter = Is;
+  c.dtype = dt;
+  *cfg = c;
+  return 0;
+}
+
 float ref_tensor_scale(const moelink_moe_config_t *cfg, int tensor) {
   /* Entries are uniform in [-scale, scale), variance scale^2 / 3; x has
    * variance 1/3. Router 3/sqrt(H): logits of standard deviation 1, so the

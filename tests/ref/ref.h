@@ -95,6 +95,12 @@ uint64_t ref_tensor_seed(uint64_t layer_seed, int tensor);
 /* Scale used for a tensor (what ref_layer_make passes to moelink_fill_random). */
 float ref_tensor_scale(const moelink_moe_config_t *cfg, int tensor);
 
+/* A preset at test sizes: the preset's routing with hidden H, inter I, the
+ * shared expert's inter Is where the preset has one, and dtype dt. Returns
+ * 0, or -1 for an unknown preset (moelink_last_error says why). */
+int ref_preset_reduced(const char *preset, int H, int I, int Is, moelink_dtype_t dt,
+                       moelink_moe_config_t *cfg);
+
 /* Allocates and fills a layer. Returns 0, or -1 (out of memory / bad cfg). */
 int ref_layer_make(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed, double zipf_alpha);
 /* ref_layer_make in two steps, for callers that spread FP8 experts over
