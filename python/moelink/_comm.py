@@ -136,7 +136,6 @@ class Comm(_Closable):
 
     # -- lifetime --------------------------------------------------------
 
-
     def close(self):
         """Destroys the TP and EP objects made on it, then leaves the group
         (collective: every rank closes, in the same order)."""
@@ -287,7 +286,6 @@ class _OnComm(_Closable):
         self.ctx = comm.ctx
         self._lib = comm._lib
         self._h = None
-
 
     def close(self):
         """Frees it (collective: every rank closes it, in the same order). On
