@@ -8,7 +8,8 @@
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu and the decode GEMMs' own benchmark, gpu_test_decode --bench;
-# not in all); test = gpu mgpu; all = every part. Parts that need 2 GPUs are skipped on one.
+# not in all), profile (nsys + ncu kernel times at decode sizes; not in all); test = gpu mgpu;
+# all = every part. Parts that need 2 GPUs are skipped on one.
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -145,6 +146,35 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
+fi
+# Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
+# replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel
+# run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases.
+if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
+  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  log "profile: nsys=${NSYS:-none} ncu=${NCU:-none}"
+  mkdir -p "$OUT/json/prof"
+  for p in ${PROFILE_PRESETS:-qwen3-30b-a3b mixtral-8x7b deepseek-v3}; do
+    for q in bf16 fp8; do
+      f=""; [ $q = fp8 ] && f=--fp8-experts
+      tag=${p}_$q
+      if [ -n "$NSYS" ]; then
+        "$NSYS" profile -q -o "$OUT/prof_$tag" --force-overwrite true --cuda-graph-trace=node \
+          ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --graph --iters 10 --warmup 2 \
+          --tokens "${PROFILE_TOKENS:-1,16}" >>"$OUT/profile.log" 2>&1 &&
+        "$NSYS" stats -q --report cuda_gpu_trace --format csv -o "$OUT/json/prof/nsys_$tag" \
+          "$OUT/prof_$tag.nsys-rep" >>"$OUT/profile.log" 2>&1 || rc=1
+        rm -f "$OUT/prof_$tag.nsys-rep" "$OUT/prof_$tag.sqlite"
+      fi
+      if [ -n "$NCU" ]; then
+        "$NCU" --clock-control none --metrics gpu__time_duration.sum -k 'regex:^(ml_|mld_)' --csv \
+          ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --iters 2 --warmup 1 \
+          --tokens "${PROFILE_TOKENS:-1,16}" >"$OUT/json/prof/ncu_$tag.csv" 2>>"$OUT/profile.log" || rc=1
+      fi
+      log "profiled $tag"
+    done
+  done
 fi
 # The device tool brings back at most 8 files: pack the JSON into one.
 (cd "$OUT" && tar czf json.tgz json && rm -rf json)
