@@ -91,6 +91,9 @@ static int ml_cu_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
  * and name the step whose kernels faulted. For debugging only: it costs a
  * host round trip per step (skipped while the stream is being captured). */
 MOELINK_PARAM(CUDA_SYNC_CHECK, 0)
+/* 0: a forward of one block of tokens builds its plan with the plan kernel
+ * instead of in the router kernel (an A/B switch for the benchmarks). */
+MOELINK_PARAM(ROUTER_PLAN, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
   if (!ml_param_CUDA_SYNC_CHECK()) return MOELINK_SUCCESS;
@@ -326,7 +329,8 @@ static void ml_cu_moe_fini(moelink_moe_t moe) {
 /* ---- the pieces ------------------------------------------------------------------ */
 
 static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T, int32_t *ids,
-                                         float *weights, cudaStream_t st) {
+                                         float *weights, const moelink_plan_t *plan,
+                                         cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
@@ -340,9 +344,10 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
   if (((uintptr_t)ids & 3u) || ((uintptr_t)weights & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_ids %p / topk_weights %p not 4-byte aligned",
                    (void *)ids, (void *)weights);
-  const ml_cuda_router_args a =
+  ml_cuda_router_args a =
       ml_cuda_router_args_for(cfg, x, moe->w.router, moe->w.correction_bias, T, ids, weights,
                               m->partials, m->tickets, c->sm_count);
+  a.plan = plan;
   ML_TRY(ml_cuda_router(&a, st));
   return ml_cu_step(st, "router");
 }
@@ -496,11 +501,16 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   if (ml_cu_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "out %p must be 16-byte aligned on the CUDA backend",
                    out);
-  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, st));
   moelink_plan_t plan;
   ML_TRY(moelink_plan_view(m->plan, T, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS, &plan));
-  ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
-  ML_TRY(ml_cu_step(st, "plan"));
+  /* a single block of tokens gets its plan from the router kernel */
+  const int fused_plan =
+      ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
+  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL, st));
+  if (!fused_plan) {
+    ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
+    ML_TRY(ml_cu_step(st, "plan"));
+  }
   ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
   const float *sh = NULL;
   if (cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1)) {
@@ -571,7 +581,7 @@ static moelink_status_t ml_cu_dequantize_impl(moelink_context_t ctx, moelink_qua
 
 static moelink_status_t ml_cu_route(moelink_moe_t moe, const void *x, int T, int32_t *ids,
                                     float *weights, void *stream) {
-  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, (cudaStream_t)stream));
+  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, NULL, (cudaStream_t)stream));
 }
 
 static moelink_status_t ml_cu_plan(moelink_moe_t moe, const int32_t *ids, int T,

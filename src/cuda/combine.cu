@@ -9,7 +9,12 @@
  *
  * The shared expert's gate sigmoid(x . w_g) is computed here too, by each
  * CTA of the token, with a fixed-shape tree reduction; it saves a launch and
- * a [T] buffer. */
+ * a [T] buffer.
+ *
+ * Where the stream allows it the kernel is launched as a programmatic
+ * dependent of the previous one (the expert GEMMs let it launch once they
+ * have all started) and waits for it before touching memory: its launch
+ * latency hides behind their tail. */
 #include "core/dtype.cuh"
 #include "cuda/pipeline.h"
 
@@ -34,6 +39,8 @@ template <int DT>
 static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const ml_combine_params p) {
   const int t = (int)blockIdx.x, tid = (int)threadIdx.x;
   const int chunks = p.H / 8;
+  /* a no-op unless launched as a programmatic dependent */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const int per = (chunks + (int)gridDim.y - 1) / (int)gridDim.y;
   const int q0 = (int)blockIdx.y * per, q1 = q0 + per < chunks ? q0 + per : chunks;
   __shared__ int s_rows[ML_CUDA_MAX_TOPK];
@@ -131,13 +138,23 @@ extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
   const int most = (chunks + ML_C_THREADS - 1) / ML_C_THREADS;
   if (parts > most) parts = most;
   if (parts < 1) parts = 1;
-  const dim3 grid((unsigned)num_tokens, (unsigned)parts);
-  if (dt == MOELINK_DTYPE_BF16) {
-    ml_combine_kernel<MOELINK_DTYPE_BF16><<<grid, ML_C_THREADS, 0, stream>>>(p);
-    ML_CUDA_LAUNCHED("ml_combine_kernel<bf16>");
-  } else {
-    ml_combine_kernel<MOELINK_DTYPE_F16><<<grid, ML_C_THREADS, 0, stream>>>(p);
-    ML_CUDA_LAUNCHED("ml_combine_kernel<f16>");
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[1];
+  memset(&cfg, 0, sizeof cfg);
+  cfg.gridDim = dim3((unsigned)num_tokens, (unsigned)parts, 1);
+  cfg.blockDim = dim3(ML_C_THREADS, 1, 1);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = ml_cuda_pdl_allowed(stream) ? 1 : 0;
+  const cudaError_t e =
+      dt == MOELINK_DTYPE_BF16 ? cudaLaunchKernelEx(&cfg, ml_combine_kernel<MOELINK_DTYPE_BF16>, p)
+                               : cudaLaunchKernelEx(&cfg, ml_combine_kernel<MOELINK_DTYPE_F16>, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA, "launch of the combine kernel (%d x %d CTAs) failed: %s",
+                   num_tokens, parts, cudaGetErrorString(e));
   }
   return MOELINK_SUCCESS;
 }

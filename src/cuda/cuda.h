@@ -39,6 +39,13 @@ moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t
 /* Rows per tile of the grouped GEMMs; plans built by the CUDA backend use it. */
 #define ML_CUDA_TILE_ROWS 64
 
+/* Whether a kernel may be launched on stream with programmatic stream
+ * serialization (PDL): not on the legacy default stream, which also orders
+ * itself against every blocking stream, and not with MOELINK_DECODE_PDL=0
+ * (docs/ENV.md). A kernel so launched waits (griddepcontrol.wait) before it
+ * reads or writes anything of the stream's earlier kernels. */
+int ml_cuda_pdl_allowed(cudaStream_t stream);
+
 /* ---- grouped GEMM engine (src/cuda/gemm/, src/cuda/experts.cu) ----------
  * Problems are described by a tile list in the plan layout: tiles[3*i] =
  * expert, tiles[3*i+1] = first row, tiles[3*i+2] = rows (1..ML_CUDA_TILE_ROWS),

@@ -292,11 +292,12 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   return MOELINK_SUCCESS;
 }
 
-/* Not on the legacy default stream, which also orders itself against every
- * blocking stream: there launches keep their plain semantics. */
+extern "C" int ml_cuda_pdl_allowed(cudaStream_t stream) {
+  return ml_param_DECODE_PDL() != 0 && stream != NULL && stream != cudaStreamLegacy;
+}
+
 static int mld_pdl(const ml_decode_opts *o, cudaStream_t stream) {
-  return (o->flags & ML_DECODE_PDL) != 0 && ml_param_DECODE_PDL() != 0 && stream != NULL &&
-         stream != cudaStreamLegacy;
+  return (o->flags & ML_DECODE_PDL) != 0 && ml_cuda_pdl_allowed(stream);
 }
 
 /* The gathered rows of a SwiGLU launch: row r reads a_index[r] / a_div. */

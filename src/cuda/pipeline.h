@@ -41,6 +41,10 @@ typedef struct ml_cuda_router_args {
   int splits;                /* >= 1, from ml_cuda_router_splits */
   float *partials;           /* splits > 1: ml_cuda_router_partial_floats() floats */
   int32_t *tickets;          /* splits > 1: [blocks] zero-initialized, left zero */
+  /* NULL, or a plan view (tile_rows ML_CUDA_TILE_ROWS) that the kernel fills
+   * from the ids it chose, as ml_cuda_plan would; only where
+   * ml_cuda_router_builds_plan(num_tokens, top_k) */
+  const moelink_plan_t *plan;
 } ml_cuda_router_args;
 
 /* The arguments that route T tokens of x as the layer cfg does, with router
@@ -54,6 +58,8 @@ ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg, con
 /* Hidden-dimension splits for T tokens: 1 when the token blocks alone fill
  * the GPU; never more than sm_count / blocks, so blocks * splits <= sm_count. */
 int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);
+/* Whether the router kernel can build the plan of T tokens (one block). */
+int ml_cuda_router_builds_plan(int num_tokens, int top_k);
 /* Floats of partial logits that blocks * splits <= sm_count CTAs may write. */
 size_t ml_cuda_router_partial_floats(int num_experts, int sm_count);
 /* Dynamic shared memory of the router kernel for E experts. */

@@ -19,18 +19,9 @@
 #define CCCL_DISABLE_NVTX
 #include <cub/device/device_radix_sort.cuh>
 
-#include "cuda/pipeline.h"
+#include "cuda/plan.cuh"
 
 #include <stdint.h>
-
-#define ML_P_THREADS 512
-#define ML_FULL 0xffffffffu
-
-static_assert(ML_P_THREADS >= ML_CUDA_MAX_EXPERTS, "block 0 gives each expert a thread");
-
-typedef struct ml_plan_ptrs {
-  int32_t *offsets, *sorted_pairs, *pair_rows, *tiles, *num_tiles;
-} ml_plan_ptrs;
 
 static int ml_plan_key_bits(int num_experts) {
   int bits = 1;
@@ -61,72 +52,6 @@ static __device__ __forceinline__ int ml_plan_lower_bound(const uint32_t *keys, 
   return lo;
 }
 
-/* Offsets, tile counts and the tile list, by one block of ML_P_THREADS:
- * thread e < E passes expert e's rows [begin, end) of the sorted order (the
- * others anything); every thread of the block must call it. */
-static __device__ void ml_plan_schedule(int E, int begin, int end, ml_plan_ptrs plan) {
-  __shared__ int s_off[ML_CUDA_MAX_EXPERTS + 1];  /* row offsets */
-  __shared__ int s_tile[ML_CUDA_MAX_EXPERTS + 1]; /* first tile of each expert */
-  __shared__ int s_warp[ML_P_THREADS / 32];
-  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int tiles = 0;
-  if (tid < E) {
-    s_off[tid] = begin;
-    plan.offsets[tid] = begin;
-    if (tid == E - 1) {
-      s_off[E] = end;
-      plan.offsets[E] = end;
-    }
-    tiles = (end - begin + ML_CUDA_TILE_ROWS - 1) / ML_CUDA_TILE_ROWS;
-  }
-  /* Exclusive scan of the per-expert tile counts over the block. */
-  int incl = tiles;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(ML_FULL, incl, o);
-    if (lane >= o) incl += v;
-  }
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  if (warp == 0) {
-    int w = lane < ML_P_THREADS / 32 ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(ML_FULL, w, o);
-      if (lane >= o) w += v;
-    }
-    if (lane < ML_P_THREADS / 32) s_warp[lane] = w;
-  }
-  __syncthreads();
-  incl += warp > 0 ? s_warp[warp - 1] : 0;
-  const int total = s_warp[ML_P_THREADS / 32 - 1];
-  if (tid < E) s_tile[tid] = incl - tiles;
-  if (tid == 0) {
-    s_tile[E] = total;
-    *plan.num_tiles = total;
-  }
-  __syncthreads();
-
-  /* Tile i belongs to the last expert whose first tile is <= i: the experts
-   * after it with the same first tile have none, and the next one with tiles
-   * starts past i. */
-  for (int i = tid; i < total; i += ML_P_THREADS) {
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) >> 1;
-      if (s_tile[mid] <= i)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    const int first = s_off[lo] + (i - s_tile[lo]) * ML_CUDA_TILE_ROWS;
-    const int left = s_off[lo + 1] - first;
-    plan.tiles[3 * i] = lo;
-    plan.tiles[3 * i + 1] = first;
-    plan.tiles[3 * i + 2] = left < ML_CUDA_TILE_ROWS ? left : ML_CUDA_TILE_ROWS;
-  }
-}
-
 static __global__ void __launch_bounds__(ML_P_THREADS)
     ml_plan_finish(const uint32_t *__restrict__ keys, const int32_t *__restrict__ vals, int pairs,
                    int num_experts, ml_plan_ptrs plan) {
@@ -145,60 +70,22 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
     begin = ml_plan_lower_bound(keys, pairs, (uint32_t)tid);
     end = ml_plan_lower_bound(keys, pairs, (uint32_t)tid + 1);
   }
-  ml_plan_schedule(num_experts, begin, end, plan);
+  __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
+  ml_plan_schedule(num_experts, begin, end, plan, ml_plan_scratch_at(scratch));
 }
 
 /* The whole plan of at most ML_P_THREADS pairs in one block (decode sizes:
- * one launch instead of keys, sort and finish). Thread i holds pair i; its
- * row is the rows of smaller keys plus the pairs before it with its key: a
- * stable counting sort, the same order as the radix sort. */
+ * one launch instead of keys, sort and finish). */
 static __global__ void __launch_bounds__(ML_P_THREADS)
     ml_plan_small(const int32_t *__restrict__ ids, int pairs, int num_experts, ml_plan_ptrs plan) {
-  __shared__ uint32_t s_key[ML_P_THREADS];
-  __shared__ int s_count[ML_CUDA_MAX_EXPERTS + 1];
-  __shared__ int s_first[ML_CUDA_MAX_EXPERTS + 1];
-  const int tid = (int)threadIdx.x, E = num_experts;
-  uint32_t key = (uint32_t)E;
+  __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
+  const int tid = (int)threadIdx.x;
+  uint32_t key = (uint32_t)num_experts;
   if (tid < pairs) {
     const int32_t id = ids[tid];
-    key = id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
+    key = id >= 0 && id < num_experts ? (uint32_t)id : (uint32_t)num_experts;
   }
-  s_key[tid] = key;
-  for (int e = tid; e <= E; e += ML_P_THREADS) s_count[e] = 0;
-  __syncthreads();
-  if (tid < pairs) atomicAdd(&s_count[key], 1);
-  __syncthreads();
-  /* First row of each key (0..E): an exclusive scan by one warp, E+1 <= 513
-   * entries in 17 steps of 32. */
-  if (tid < 32) {
-    int carry = 0;
-    for (int e0 = 0; e0 <= E; e0 += 32) {
-      const int e = e0 + tid;
-      const int c = e <= E ? s_count[e] : 0;
-      int incl = c;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(ML_FULL, incl, o);
-        if (tid >= o) incl += v;
-      }
-      if (e <= E) s_first[e] = carry + incl - c;
-      carry += __shfl_sync(ML_FULL, incl, 31);
-    }
-  }
-  __syncthreads();
-  if (tid < pairs) {
-    int before = 0;
-    for (int j = 0; j < tid; ++j) before += s_key[j] == key;
-    const int r = s_first[key] + before;
-    plan.sorted_pairs[r] = tid;
-    plan.pair_rows[tid] = key < (uint32_t)E ? r : -1;
-  }
-  int begin = 0, end = 0;
-  if (tid < E) {
-    begin = s_first[tid];
-    end = begin + s_count[tid];
-  }
-  ml_plan_schedule(E, begin, end, plan);
+  ml_plan_block(key, pairs, num_experts, plan, ml_plan_scratch_at(scratch));
 }
 
 extern "C" moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts,
@@ -223,12 +110,7 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     return ml_fail(MOELINK_ERR_INTERNAL, "plan: view has tile_rows %d, not %d", plan->tile_rows,
                    ML_CUDA_TILE_ROWS);
   const int pairs = num_tokens * top_k; /* the front end bounds max_tokens * k */
-  ml_plan_ptrs p;
-  p.offsets = plan->expert_offsets;
-  p.sorted_pairs = plan->sorted_pairs;
-  p.pair_rows = plan->pair_rows;
-  p.tiles = plan->tiles;
-  p.num_tiles = plan->num_tiles;
+  const ml_plan_ptrs p = ml_plan_ptrs_of(plan);
   if (pairs <= ML_P_THREADS) {
     ml_plan_small<<<1, ML_P_THREADS, 0, stream>>>(ids, pairs, num_experts, p);
     ML_CUDA_LAUNCHED("ml_plan_small");

@@ -14,10 +14,22 @@
  * then stream through one SM. With splits > 1 the chunks of a block are cut
  * into ranges, one CTA per range; each writes its fp32 partial logits to
  * global memory and takes a ticket; the CTA that takes the last ticket adds
- * the partials in range order (the same order whichever CTA finishes last,
- * so results are deterministic), resets the ticket and does the selection.
- * Nobody waits for anybody, so there is no deadlock whatever the scheduling. */
-#include "cuda/pipeline.h"
+ * the partials, resets the ticket and does the selection. Its sum has a
+ * fixed shape, whichever CTA finishes last (deterministic results): the
+ * ranges are cut into G consecutive groups, each summed in range order by
+ * one thread per 4 logits with up to ML_R_BATCH loads in flight (a chain of
+ * one L2 round trip per range cost up to 20 us at 56 ranges), then the G
+ * group sums are added in group order. Nobody waits for anybody, so there is
+ * no deadlock whatever the scheduling.
+ *
+ * A single block of tokens (T <= 16) also gets its plan from this kernel:
+ * the CTA that selected the experts sorts the T*k pairs (plan.cuh), which
+ * saves the plan's launch at decode sizes.
+ *
+ * The kernel lets the next one launch at once: a kernel launched after it
+ * with programmatic stream serialization waits (griddepcontrol.wait) before
+ * it reads anything written here. */
+#include "cuda/plan.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,11 +46,14 @@
 #define ML_R_STAGES 3
 #define ML_R_TILES_PER_WARP 4       /* ML_CUDA_MAX_EXPERTS / 8 / ML_R_WARPS */
 #define ML_R_PER_LANE 16            /* ML_CUDA_MAX_EXPERTS / 32 */
+#define ML_R_BATCH 8                /* partial loads in flight per thread */
 #define ML_FULL 0xffffffffu
 
 static_assert(ML_R_TILES_PER_WARP * 8 * ML_R_WARPS == ML_CUDA_MAX_EXPERTS, "tile ownership");
 static_assert(ML_R_PER_LANE * 32 == ML_CUDA_MAX_EXPERTS, "selection registers");
 static_assert(ML_CUDA_MAX_TOPK <= 32, "a lane keeps one winner");
+static_assert(ML_R_THREADS == ML_P_THREADS, "the router's CTA builds the plan");
+static_assert(ML_R_TOKENS * ML_CUDA_MAX_TOPK <= ML_P_THREADS, "a thread for each pair");
 
 typedef struct ml_router_params {
   const void *x;
@@ -48,6 +63,8 @@ typedef struct ml_router_params {
   float *weights;
   float *partials;
   int32_t *tickets;
+  ml_plan_ptrs plan;
+  int build_plan;             /* one block of tokens: this CTA builds the plan too */
   int T, H, E, k;
   int router, renormalize, n_group, topk_group;
   float scaling;
@@ -311,6 +328,70 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, float *S
   }
 }
 
+/* ---- the sum of the partial logits ---------------------------------------------- */
+
+/* L4[i] = the sum over ranges q < splits of part[q * stride4 + i], i < n4,
+ * in the fixed shape described above; P is scratch for ML_R_THREADS float4.
+ * Every thread of the CTA must call it. */
+static __device__ void ml_r_sum_partials(const float4 *part, int splits, int stride4, int n4,
+                                         float4 *L4, float4 *P) {
+  const int tid = (int)threadIdx.x;
+  int G = 1;
+  if (n4 < ML_R_THREADS) {
+    G = ML_R_THREADS / n4;
+    if (G > splits) G = splits;
+  }
+  for (int u = tid; u < n4 * G; u += ML_R_THREADS) {
+    const int i = u % n4, grp = u / n4;
+    const int q0 = (int)((long long)grp * splits / G);
+    const int q1 = (int)((long long)(grp + 1) * splits / G);
+    float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int q = q0; q < q1; q += ML_R_BATCH) {
+      float4 b[ML_R_BATCH];
+#pragma unroll
+      for (int j = 0; j < ML_R_BATCH; ++j)
+        b[j] = q + j < q1 ? __ldcg(part + (size_t)(q + j) * stride4 + i)
+                          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int j = 0; j < ML_R_BATCH; ++j) {
+        if (q + j < q1) {
+          v.x += b[j].x;
+          v.y += b[j].y;
+          v.z += b[j].z;
+          v.w += b[j].w;
+        }
+      }
+    }
+    if (G == 1)
+      L4[i] = v;
+    else
+      P[grp * n4 + i] = v;
+  }
+  if (G == 1) return;
+  __syncthreads();
+  for (int i = tid; i < n4; i += ML_R_THREADS) {
+    float4 v = P[i];
+    for (int grp = 1; grp < G; ++grp) {
+      const float4 b = P[grp * n4 + i];
+      v.x += b.x;
+      v.y += b.y;
+      v.z += b.z;
+      v.w += b.w;
+    }
+    L4[i] = v;
+  }
+}
+
+/* Bytes of the scratch that follows the selection's: the partial sums'
+ * groups, then the plan's. */
+#define ML_R_SUM_BYTES (ML_R_THREADS * 16)
+#define ML_R_PLAN_BYTES (ML_PLAN_SCRATCH_INTS * 4)
+
+static __host__ __device__ __forceinline__ size_t ml_r_select_bytes(int E_pad) {
+  return 3 * (size_t)ML_R_TOKENS * (size_t)E_pad * sizeof(float) +
+         (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
+}
+
 /* ---- the kernel ---------------------------------------------------------------- */
 
 template <int DT>
@@ -326,6 +407,8 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
   const int c0 = (int)((long long)s * chunks / splits);
   const int nc = (int)((long long)(s + 1) * chunks / splits) - c0;
   const int stage_bytes = (ML_R_TOKENS + E_pad) * ML_R_ROW;
+  /* Dependents may launch now; they wait for this grid before reading. */
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   float acc[ML_R_TILES_PER_WARP][4];
 #pragma unroll
@@ -371,11 +454,9 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     if (!ml_r_last) return;
     __threadfence();
     const float *base = p.partials + (size_t)blockIdx.x * splits * ML_R_TOKENS * E_pad;
-    for (int i = (int)threadIdx.x; i < rows * E_pad; i += ML_R_THREADS) {
-      float v = 0.0f;
-      for (int q = 0; q < splits; ++q) v += __ldcg(base + (size_t)q * ML_R_TOKENS * E_pad + i);
-      L[i] = v;
-    }
+    /* E_pad is a multiple of 8: rows of float4, 16-byte aligned */
+    ml_r_sum_partials((const float4 *)base, splits, ML_R_TOKENS * E_pad / 4, rows * E_pad / 4,
+                      (float4 *)L, (float4 *)(ml_r_smem + ml_r_select_bytes(E_pad)));
   } else {
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
   }
@@ -389,16 +470,33 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     ml_r_select(p, L + warp * E_pad, S + warp * E_pad, G + warp * E_pad,
                 O + warp * ML_CUDA_MAX_TOPK, t, lane);
   }
+  if (p.build_plan) {
+    /* the host asks for it only with one block of tokens (t0 = 0) */
+    __syncthreads(); /* every token's winners are in O */
+    const int *O = (const int *)(L + 3 * ML_R_TOKENS * E_pad);
+    const int pairs = p.T * p.k, tid = (int)threadIdx.x;
+    uint32_t key = (uint32_t)p.E;
+    if (tid < pairs) {
+      const int id = O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k];
+      key = id >= 0 && id < p.E ? (uint32_t)id : (uint32_t)p.E;
+    }
+    ml_plan_block(key, pairs, p.E, p.plan,
+                  ml_plan_scratch_at((int *)(ml_r_smem + ml_r_select_bytes(E_pad) +
+                                             ML_R_SUM_BYTES)));
+  }
 }
 
 /* ---- host side ------------------------------------------------------------------ */
 
 extern "C" size_t ml_cuda_router_smem(int num_experts) {
-  const size_t E_pad = (size_t)ml_r_epad(num_experts);
-  const size_t ring = (size_t)ML_R_STAGES * (ML_R_TOKENS + E_pad) * ML_R_ROW;
-  const size_t select = 3 * ML_R_TOKENS * E_pad * sizeof(float) +
-                        (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
-  return ring > select ? ring : select;
+  const int E_pad = ml_r_epad(num_experts);
+  const size_t ring = (size_t)ML_R_STAGES * (ML_R_TOKENS + (size_t)E_pad) * ML_R_ROW;
+  const size_t after = ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES + ML_R_PLAN_BYTES;
+  return ring > after ? ring : after;
+}
+
+extern "C" int ml_cuda_router_builds_plan(int num_tokens, int top_k) {
+  return num_tokens >= 1 && num_tokens <= ML_R_TOKENS && num_tokens * top_k <= ML_P_THREADS;
 }
 
 extern "C" ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg,
@@ -470,6 +568,10 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   if (a->splits > 1 && (a->partials == NULL || a->tickets == NULL))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: splits %d without partials/tickets",
                    a->splits);
+  if (a->plan != NULL && (!ml_cuda_router_builds_plan(a->num_tokens, a->top_k) ||
+                          a->plan->tile_rows != ML_CUDA_TILE_ROWS))
+    return ml_fail(MOELINK_ERR_INTERNAL, "router: cannot build the plan of T %d, k %d here",
+                   a->num_tokens, a->top_k);
   ml_router_params p;
   p.x = a->x;
   p.w = a->w;
@@ -478,6 +580,9 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.weights = a->weights;
   p.partials = a->partials;
   p.tickets = a->tickets;
+  memset(&p.plan, 0, sizeof p.plan);
+  p.build_plan = a->plan != NULL;
+  if (a->plan != NULL) p.plan = ml_plan_ptrs_of(a->plan);
   p.T = a->num_tokens;
   p.H = a->hidden;
   p.E = a->num_experts;

@@ -1,0 +1,171 @@
+/* The plan of a small batch built by one block of ML_P_THREADS threads, as
+ * device functions: the plan kernels (plan.cu) call them, and so does the
+ * router (router.cu), which for a single block of tokens builds the plan
+ * right after choosing the experts and saves a launch.
+ *
+ * Scratch is passed in, not declared __shared__ here, so that a kernel with
+ * a large dynamic shared memory (the router's) can lay it over memory it no
+ * longer needs instead of adding static shared memory to its limit. */
+#ifndef MOELINK_CUDA_PLAN_CUH
+#define MOELINK_CUDA_PLAN_CUH
+
+#include "cuda/pipeline.h"
+
+#include <stdint.h>
+
+#define ML_P_THREADS 512
+#define ML_P_FULL 0xffffffffu
+
+static_assert(ML_P_THREADS >= ML_CUDA_MAX_EXPERTS, "a thread for each expert");
+
+typedef struct ml_plan_ptrs {
+  int32_t *offsets, *sorted_pairs, *pair_rows, *tiles, *num_tiles;
+} ml_plan_ptrs;
+
+/* The device pointers of a plan view. */
+static inline ml_plan_ptrs ml_plan_ptrs_of(const moelink_plan_t *plan) {
+  ml_plan_ptrs p;
+  p.offsets = plan->expert_offsets;
+  p.sorted_pairs = plan->sorted_pairs;
+  p.pair_rows = plan->pair_rows;
+  p.tiles = plan->tiles;
+  p.num_tiles = plan->num_tiles;
+  return p;
+}
+
+/* Shared-memory scratch of ml_plan_block / ml_plan_schedule. */
+typedef struct ml_plan_scratch {
+  uint32_t *key;  /* [ML_P_THREADS] */
+  int *count;     /* [E + 1] pairs of each key */
+  int *first;     /* [E + 1] first sorted row of each key */
+  int *off;       /* [E + 1] row offsets */
+  int *tile;      /* [E + 1] first tile of each expert */
+  int *warp;      /* [ML_P_THREADS / 32] */
+} ml_plan_scratch;
+
+#define ML_PLAN_SCRATCH_INTS (ML_P_THREADS + 4 * (ML_CUDA_MAX_EXPERTS + 1) + ML_P_THREADS / 32)
+
+/* The scratch laid over ML_PLAN_SCRATCH_INTS ints at base. */
+static __device__ __forceinline__ ml_plan_scratch ml_plan_scratch_at(int *base) {
+  ml_plan_scratch s;
+  s.key = (uint32_t *)base;
+  s.count = base + ML_P_THREADS;
+  s.first = s.count + ML_CUDA_MAX_EXPERTS + 1;
+  s.off = s.first + ML_CUDA_MAX_EXPERTS + 1;
+  s.tile = s.off + ML_CUDA_MAX_EXPERTS + 1;
+  s.warp = s.tile + ML_CUDA_MAX_EXPERTS + 1;
+  return s;
+}
+
+/* Offsets, tile counts and the tile list: thread e < E passes expert e's
+ * rows [begin, end) of the sorted order (the others anything); every thread
+ * of the block must call it. */
+static __device__ void ml_plan_schedule(int E, int begin, int end, ml_plan_ptrs plan,
+                                        const ml_plan_scratch &s) {
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int tiles = 0;
+  if (tid < E) {
+    s.off[tid] = begin;
+    plan.offsets[tid] = begin;
+    if (tid == E - 1) {
+      s.off[E] = end;
+      plan.offsets[E] = end;
+    }
+    tiles = (end - begin + ML_CUDA_TILE_ROWS - 1) / ML_CUDA_TILE_ROWS;
+  }
+  /* Exclusive scan of the per-expert tile counts over the block. */
+  int incl = tiles;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(ML_P_FULL, incl, o);
+    if (lane >= o) incl += v;
+  }
+  if (lane == 31) s.warp[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < ML_P_THREADS / 32 ? s.warp[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(ML_P_FULL, w, o);
+      if (lane >= o) w += v;
+    }
+    if (lane < ML_P_THREADS / 32) s.warp[lane] = w;
+  }
+  __syncthreads();
+  incl += warp > 0 ? s.warp[warp - 1] : 0;
+  const int total = s.warp[ML_P_THREADS / 32 - 1];
+  if (tid < E) s.tile[tid] = incl - tiles;
+  if (tid == 0) {
+    s.tile[E] = total;
+    *plan.num_tiles = total;
+  }
+  __syncthreads();
+
+  /* Tile i belongs to the last expert whose first tile is <= i: the experts
+   * after it with the same first tile have none, and the next one with tiles
+   * starts past i. */
+  for (int i = tid; i < total; i += ML_P_THREADS) {
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s.tile[mid] <= i)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int first = s.off[lo] + (i - s.tile[lo]) * ML_CUDA_TILE_ROWS;
+    const int left = s.off[lo + 1] - first;
+    plan.tiles[3 * i] = lo;
+    plan.tiles[3 * i + 1] = first;
+    plan.tiles[3 * i + 2] = left < ML_CUDA_TILE_ROWS ? left : ML_CUDA_TILE_ROWS;
+  }
+}
+
+/* The whole plan of pairs <= ML_P_THREADS pairs: thread i passes pair i's
+ * key (its expert, or E for an invalid id; anything past pairs). Its row is
+ * the rows of smaller keys plus the pairs before it with its key: a stable
+ * counting sort, the order of the radix sort of the large path. Every thread
+ * of the block must call it. */
+static __device__ void ml_plan_block(uint32_t key, int pairs, int E, ml_plan_ptrs plan,
+                                     const ml_plan_scratch &s) {
+  const int tid = (int)threadIdx.x;
+  if (tid >= pairs) key = (uint32_t)E;
+  s.key[tid] = key;
+  for (int e = tid; e <= E; e += ML_P_THREADS) s.count[e] = 0;
+  __syncthreads();
+  if (tid < pairs) atomicAdd(&s.count[key], 1);
+  __syncthreads();
+  /* First row of each key (0..E): an exclusive scan by one warp, E+1 <= 513
+   * entries in 17 steps of 32. */
+  if (tid < 32) {
+    int carry = 0;
+    for (int e0 = 0; e0 <= E; e0 += 32) {
+      const int e = e0 + tid;
+      const int c = e <= E ? s.count[e] : 0;
+      int incl = c;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int v = __shfl_up_sync(ML_P_FULL, incl, o);
+        if (tid >= o) incl += v;
+      }
+      if (e <= E) s.first[e] = carry + incl - c;
+      carry += __shfl_sync(ML_P_FULL, incl, 31);
+    }
+  }
+  __syncthreads();
+  if (tid < pairs) {
+    int before = 0;
+    for (int j = 0; j < tid; ++j) before += s.key[j] == key;
+    const int r = s.first[key] + before;
+    plan.sorted_pairs[r] = tid;
+    plan.pair_rows[tid] = key < (uint32_t)E ? r : -1;
+  }
+  int begin = 0, end = 0;
+  if (tid < E) {
+    begin = s.first[tid];
+    end = begin + s.count[tid];
+  }
+  ml_plan_schedule(E, begin, end, plan, s);
+}
+
+#endif

@@ -1,0 +1,236 @@
+/* The router kernel (ml_cuda_router, src/cuda/router.cu) on its own:
+ *
+ * - For one block of tokens (T <= 16) it can build the plan itself. That plan
+ *   must be bitwise the plan ml_cuda_plan builds from the same ids, and the
+ *   ids and weights bitwise those of the same launch without the plan. Plan
+ *   buffers are poisoned (0xFF) the same way before both, so entries neither
+ *   writes must stay equal too.
+ * - With splits > 1 the logits are partial sums added by the last CTA. The
+ *   result must match one CTA per block (splits = 1): the same experts, where
+ *   the token is not within fp32 rounding of another choice (ref_route_margin
+ *   below GU_TIE), and weights within 1e-4 relative. Two launches must be
+ *   bitwise equal, and the tickets must be back at zero after each.
+ *
+ * Shapes: the routing of mixtral-8x7b, qwen3-30b-a3b (E 128, k 8) and
+ * deepseek-v3 (sigmoid, correction bias, 8 groups keep 4, scale 2.5) at their
+ * full hidden sizes, so the split counts are the real ones (up to 56 for
+ * deepseek's H 7168), E 512 with k 16 (top-k softmax), and an odd shape
+ * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 16. */
+#include "cuda/pipeline.h"
+#include "gpu_util.h"
+
+static int g_sms, g_optin;
+
+typedef struct rcase {
+  const char *name;
+  int E, k, H;
+  moelink_router_t router;
+  int renorm, groups, keep, bias;
+  float scale;
+} rcase;
+
+static const rcase g_cases[] = {
+    {"mixtral-like", 8, 2, 4096, MOELINK_ROUTER_SOFTMAX_TOPK, 1, 1, 1, 0, 1.0f},
+    {"qwen3-like", 128, 8, 2048, MOELINK_ROUTER_SOFTMAX_TOPK, 1, 1, 1, 0, 1.0f},
+    {"deepseek-like", 256, 8, 7168, MOELINK_ROUTER_SIGMOID_TOPK, 1, 8, 4, 1, 2.5f},
+    {"wide", 512, 16, 1024, MOELINK_ROUTER_TOPK_SOFTMAX, 0, 1, 1, 0, 1.0f},
+    {"odd", 37, 5, 520, MOELINK_ROUTER_SOFTMAX_TOPK, 0, 1, 1, 0, 1.0f},
+};
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static float unit(void) { /* [-1, 1) */
+  g_rng ^= g_rng << 13;
+  g_rng ^= g_rng >> 7;
+  g_rng ^= g_rng << 17;
+  return (float)((double)(g_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static uint16_t to_bf16(float f) { /* round to nearest even; inputs are finite */
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+typedef struct routed {
+  int32_t *ids;
+  float *w;
+  void *plan; /* host copy of the plan buffer, or NULL */
+} routed;
+
+/* One launch on the device buffers; copies ids, weights and (with plan_buf)
+ * the plan back, and checks the tickets came back to zero. */
+static void launch(const char *what, ml_cuda_router_args a, int T, int k, int E, int splits,
+                   void *plan_buf, size_t plan_bytes, int fused, int via_plan, int32_t *tickets,
+                   routed *out) {
+  moelink_plan_t view;
+  a.splits = splits;
+  a.plan = NULL;
+  if (plan_buf != NULL) {
+    GU_MUST(moelink_plan_view(plan_buf, T, k, E, ML_CUDA_TILE_ROWS, &view), "plan view");
+    gu_poison(plan_buf, plan_bytes);
+    if (fused) a.plan = &view;
+  }
+  gu_poison(a.ids, (size_t)T * k * 4);
+  gu_poison(a.weights, (size_t)T * k * 4);
+  CHECK_OK(ml_cuda_router(&a, NULL), what);
+  if (via_plan) {
+    ml_cuda_sort_ws ws; /* unused at these sizes: one block sorts */
+    memset(&ws, 0, sizeof ws);
+    CHECK_OK(ml_cuda_plan(a.ids, T, k, E, &ws, &view, NULL), what);
+  }
+  GU_CUDA(cudaDeviceSynchronize());
+  gu_d2h(out->ids, a.ids, (size_t)T * k * 4);
+  gu_d2h(out->w, a.weights, (size_t)T * k * 4);
+  if (plan_buf != NULL) gu_d2h(out->plan, plan_buf, plan_bytes);
+  int32_t t[1] = {1};
+  gu_d2h(t, tickets, sizeof t);
+  CHECK(t[0] == 0, "%s: ticket back at zero (%d)", what, t[0]);
+}
+
+static void run_case(const rcase *c, int T) {
+  char what[200];
+  const int E = c->E, k = c->k, H = c->H;
+  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
+  cfg.hidden = H;
+  cfg.inter = 64;
+  cfg.num_experts = E;
+  cfg.top_k = k;
+  cfg.router = c->router;
+  cfg.renormalize = c->renorm;
+  cfg.n_group = c->groups;
+  cfg.topk_group = c->keep;
+  cfg.routed_scaling = c->scale;
+  cfg.correction_bias = c->bias;
+  cfg.dtype = MOELINK_DTYPE_BF16;
+  cfg.max_tokens = T;
+
+  uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
+  float *hb = gu_host((size_t)E * 4);
+  const float ws = 3.0f / sqrtf((float)H);
+  for (size_t i = 0; i < (size_t)T * H; ++i) hx[i] = to_bf16(unit());
+  for (size_t i = 0; i < (size_t)E * H; ++i) hw[i] = to_bf16(ws * unit());
+  for (int e = 0; e < E; ++e) hb[e] = 0.05f * unit();
+  void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
+  float *db = gu_dev((size_t)E * 4);
+  gu_h2d(dx, hx, (size_t)T * H * 2);
+  gu_h2d(dw, hw, (size_t)E * H * 2);
+  gu_h2d(db, hb, (size_t)E * 4);
+  int32_t *dids = gu_dev((size_t)T * k * 4);
+  float *dwts = gu_dev((size_t)T * k * 4);
+  float *parts = gu_dev(ml_cuda_router_partial_floats(E, g_sms) * sizeof(float));
+  int32_t *tickets = gu_dev((size_t)g_sms * 4);
+  GU_CUDA(cudaMemset(tickets, 0, (size_t)g_sms * 4));
+  const size_t pb = moelink_plan_bytes(T, k, E, ML_CUDA_TILE_ROWS);
+  void *dplan = gu_dev(pb);
+
+  ml_cuda_router_args a = ml_cuda_router_args_for(&cfg, dx, dw, db, T, dids, dwts, parts,
+                                                  tickets, g_sms);
+  const int splits = a.splits;
+  routed A, B, C, D;
+  routed *all[4] = {&A, &B, &C, &D};
+  for (int i = 0; i < 4; ++i) {
+    all[i]->ids = gu_host((size_t)T * k * 4);
+    all[i]->w = gu_host((size_t)T * k * 4);
+    all[i]->plan = gu_host(pb);
+  }
+  snprintf(what, sizeof what, "%s T %d (H %d, E %d, k %d, %d splits)", c->name, T, H, E, k,
+           splits);
+  CHECK(ml_cuda_router_builds_plan(T, k), "%s: one block builds its plan", what);
+
+  /* A: the plan from the router; B: the router, then ml_cuda_plan */
+  launch(what, a, T, k, E, splits, dplan, pb, 1, 0, tickets, &A);
+  launch(what, a, T, k, E, splits, dplan, pb, 0, 1, tickets, &B);
+  CHECK(memcmp(A.ids, B.ids, (size_t)T * k * 4) == 0, "%s: ids bitwise equal with the plan",
+        what);
+  CHECK(memcmp(A.w, B.w, (size_t)T * k * 4) == 0, "%s: weights bitwise equal with the plan",
+        what);
+  size_t diff = pb;
+  for (size_t i = 0; i < pb; ++i)
+    if (((unsigned char *)A.plan)[i] != ((unsigned char *)B.plan)[i]) {
+      diff = i;
+      break;
+    }
+  CHECK(diff == pb, "%s: the router's plan is bitwise ml_cuda_plan's (first difference at byte "
+        "%zu of %zu)", what, diff, pb);
+  moelink_plan_t v;
+  moelink_plan_view(A.plan, T, k, E, ML_CUDA_TILE_ROWS, &v);
+  int want_tiles = 0, valid = 1;
+  for (int e = 0; e < E; ++e) {
+    const int n = v.expert_offsets[e + 1] - v.expert_offsets[e];
+    valid &= n >= 0;
+    want_tiles += (n + ML_CUDA_TILE_ROWS - 1) / ML_CUDA_TILE_ROWS;
+  }
+  CHECK(valid && v.expert_offsets[0] == 0 && v.expert_offsets[E] == T * k &&
+            *v.num_tiles == want_tiles,
+        "%s: offsets 0..%d (%d) and %d tiles (%d)", what, T * k, v.expert_offsets[E],
+        want_tiles, *v.num_tiles);
+
+  /* C: the same launch again, bitwise; D: one CTA per block */
+  launch(what, a, T, k, E, splits, NULL, 0, 0, 0, tickets, &C);
+  CHECK(memcmp(A.ids, C.ids, (size_t)T * k * 4) == 0 &&
+            memcmp(A.w, C.w, (size_t)T * k * 4) == 0,
+        "%s: two launches bitwise equal", what);
+  launch(what, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &D);
+  moelink_moe_weights_t w;
+  memset(&w, 0, sizeof w);
+  w.size = sizeof w;
+  w.dtype = MOELINK_DTYPE_BF16;
+  w.router = hw;
+  w.correction_bias = c->bias ? hb : NULL;
+  int flipped = 0, ties = 0, off = 0;
+  double worst = 0.0;
+  for (int t = 0; t < T; ++t) {
+    const int same = memcmp(A.ids + (size_t)t * k, D.ids + (size_t)t * k, (size_t)k * 4) == 0;
+    if (!same) {
+      const double m = ref_route_margin(&cfg, &w, hx + (size_t)t * H);
+      if (m >= 0 && m < GU_TIE)
+        ++ties;
+      else
+        ++flipped;
+      continue;
+    }
+    for (int j = 0; j < k; ++j) {
+      const double x = A.w[(size_t)t * k + j], y = D.w[(size_t)t * k + j];
+      const double r = fabs(x - y) / (fabs(y) > 1e-30 ? fabs(y) : 1e-30);
+      if (r > worst) worst = r;
+      off += !(r <= 1e-4);
+    }
+  }
+  CHECK(flipped == 0, "%s: %d splits choose the experts of one CTA (%d differ, %d near ties)",
+        what, splits, flipped, ties);
+  CHECK(off == 0, "%s: weights within 1e-4 of one CTA's (worst %.2e)", what, worst);
+
+  for (int i = 0; i < 4; ++i) {
+    free(all[i]->ids);
+    free(all[i]->w);
+    free(all[i]->plan);
+  }
+  free(hx);
+  free(hw);
+  free(hb);
+  gu_free(dx);
+  gu_free(dw);
+  gu_free(db);
+  gu_free(dids);
+  gu_free(dwts);
+  gu_free(parts);
+  gu_free(tickets);
+  gu_free(dplan);
+}
+
+int main(void) {
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major < 9) {
+    printf("Bail out! no sm_90 GPU\n");
+    return 1;
+  }
+  g_sms = prop.multiProcessorCount;
+  g_optin = (int)prop.sharedMemPerBlockOptin;
+  GU_MUST(ml_cuda_router_prepare(g_optin), "router shared memory");
+  ml_t_diag("device 0: %s, %d SMs", prop.name, g_sms);
+  const int Ts[] = {1, 3, 16};
+  for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c)
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; ++i) run_case(&g_cases[c], Ts[i]);
+  return ml_test_done();
+}
