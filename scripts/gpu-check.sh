@@ -8,7 +8,8 @@
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu and the decode GEMMs' own benchmark, gpu_test_decode --bench;
-# not in all), profile (nsys + ncu kernel times at decode sizes; not in all); test = gpu mgpu;
+# not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
+# replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # all = every part. Parts that need 2 GPUs are skipped on one.
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
@@ -146,6 +147,25 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
+fi
+# Decode sizes as CUDA-graph replays, bf16 and FP8 experts; each AB_ENV setting (VAR=VALUE,
+# space-separated) runs the bf16 case again under it, in the same process order. Not in all.
+if case "$PARTS" in *" decode "*) true;; *) false;; esac; then
+  for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+    for q in bf16 fp8; do
+      f=""; [ $q = fp8 ] && f=--fp8-experts
+      log "decode $p $q (graph replay)"
+      ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --graph \
+        --tokens "${DECODE_TOKENS:-1,16,128}" --json "$OUT/json/decode_${p}_$q.json" 2>&1 |
+        tee -a "$OUT/decode.log" || rc=1
+    done
+    for ab in ${AB_ENV:-}; do
+      log "decode $p bf16 (graph replay) with $ab"
+      env "$ab" ./"$BUILD"/moelink bench --backend cuda --preset "$p" --graph \
+        --tokens "${DECODE_TOKENS:-1,16,128}" --json "$OUT/json/decode_${p}_bf16_${ab%%=*}.json" 2>&1 |
+        tee -a "$OUT/decode.log" || rc=1
+    done
+  done
 fi
 # Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel
