@@ -208,7 +208,7 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->sh_out = ml_cu_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
   L->partials = ml_cu_take(&cur, ml_cuda_router_partial_floats(cfg->num_experts, c->sm_count) *
                                      sizeof(float));
-  L->tickets_bytes = (size_t)(c->sm_count > 0 ? c->sm_count : 1) * sizeof(int32_t);
+  L->tickets_bytes = ml_cuda_router_tickets(c->sm_count) * sizeof(int32_t);
   L->tickets = ml_cu_take(&cur, L->tickets_bytes);
   ml_cuda_decode_scratch(cfg->max_tokens, cfg->top_k, cfg->num_experts, cfg->hidden, cfg->inter,
                          cfg->shared_inter, c->sm_count, &L->dec_part_floats,

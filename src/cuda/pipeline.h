@@ -40,7 +40,8 @@ typedef struct ml_cuda_router_args {
   float *weights;            /* [T, k] out */
   int splits;                /* >= 1, from ml_cuda_router_splits */
   float *partials;           /* splits > 1: ml_cuda_router_partial_floats() floats */
-  int32_t *tickets;          /* splits > 1: [blocks] zero-initialized, left zero */
+  int32_t *tickets;          /* splits > 1: ml_cuda_router_tickets() zero-initialized,
+                                left zero */
   /* NULL, or a plan view (tile_rows ML_CUDA_TILE_ROWS) that the kernel fills
    * from the ids it chose, as ml_cuda_plan would; only where
    * ml_cuda_router_builds_plan(num_tokens, top_k) */
@@ -60,6 +61,8 @@ ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg, con
 int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);
 /* Whether the router kernel can build the plan of T tokens (one block). */
 int ml_cuda_router_builds_plan(int num_tokens, int top_k);
+/* Tickets the router may use with sm_count SMs. */
+size_t ml_cuda_router_tickets(int sm_count);
 /* Floats of partial logits that blocks * splits <= sm_count CTAs may write. */
 size_t ml_cuda_router_partial_floats(int num_experts, int sm_count);
 /* Dynamic shared memory of the router kernel for E experts. */

@@ -65,6 +65,7 @@ typedef struct ml_router_params {
   int32_t *tickets;
   ml_plan_ptrs plan;
   int build_plan;             /* one block of tokens: this CTA builds the plan too */
+  int cta_select;             /* the whole CTA selects (small rows * E^2); two-level sums */
   int T, H, E, k;
   int router, renormalize, n_group, topk_group;
   float scaling;
@@ -248,11 +249,11 @@ static __device__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out
   return chosen;
 }
 
-/* One token: L holds its fp32 logits (becomes the unbiased scores), S the
- * selection scores, G group scratch, O the k winners. */
-static __device__ void ml_r_select(const ml_router_params &p, float *L, float *S, float *G, int *O,
-                                   int t, int lane) {
-  const int E = p.E, k = p.k;
+/* One token's scores, by one warp: L holds its fp32 logits and becomes the
+ * unbiased scores, S gets the selection scores (bias added, NaN as -inf: a
+ * total order). */
+static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S, int lane) {
+  const int E = p.E;
   if (p.router == MOELINK_ROUTER_SOFTMAX_TOPK) {
     float m = -INFINITY;
     for (int e = lane; e < E; e += 32) m = fmaxf(m, L[e]);
@@ -266,26 +267,35 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, float *S
   }
   for (int e = lane; e < E; e += 32) {
     const float s = p.bias != NULL ? L[e] + p.bias[e] : L[e];
-    S[e] = isnan(s) ? -INFINITY : s; /* a total order for the selection */
+    S[e] = isnan(s) ? -INFINITY : s;
   }
-  __syncwarp();
+}
 
+/* A group's score: the sum of its two best selection scores (its best alone
+ * for groups of one), -inf rather than NaN. */
+static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, int gsize) {
+  float best = -INFINITY, second = -INFINITY;
+  for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
+    const float s = S[e];
+    if (s > best) {
+      second = best;
+      best = s;
+    } else if (s > second) {
+      second = s;
+    }
+  }
+  const float gs = gsize >= 2 ? best + second : best;
+  return isnan(gs) ? -INFINITY : gs;
+}
+
+/* One token's k winners into O, by one warp: group limit, then k rounds of a
+ * warp-wide argmax (the path for many tokens or experts). */
+static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, float *G, int *O,
+                                        int lane) {
+  const int E = p.E;
   if (p.n_group > 1) {
     const int gsize = E / p.n_group;
-    for (int g = lane; g < p.n_group; g += 32) {
-      float best = -INFINITY, second = -INFINITY;
-      for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
-        const float s = S[e];
-        if (s > best) {
-          second = best;
-          best = s;
-        } else if (s > second) {
-          second = s;
-        }
-      }
-      const float gs = gsize >= 2 ? best + second : best;
-      G[g] = isnan(gs) ? -INFINITY : gs;
-    }
+    for (int g = lane; g < p.n_group; g += 32) G[g] = ml_r_group_score(S, g, gsize);
     __syncwarp();
     const unsigned kept = ml_r_warp_topk(G, p.n_group, p.topk_group, NULL, lane);
     __syncwarp(); /* every lane has read G before it turns into flags */
@@ -299,10 +309,61 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, float *S
       if (G[e / gsize] == 0.0f) S[e] = -INFINITY; /* dropped groups: excluded, never 0 */
     __syncwarp();
   }
+  (void)ml_r_warp_topk(S, E, p.k, O, lane);
+}
 
-  (void)ml_r_warp_topk(S, E, k, O, lane);
-  __syncwarp();
+/* Where element i of a[0..n) ranks: how many come before it in decreasing
+ * order with ties to the lower index (the order ml_r_warp_topk picks in). */
+static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
+  const float v = a[i];
+  int r = 0;
+#pragma unroll 4
+  for (int j = 0; j < n; ++j) {
+    const float u = a[j];
+    r += (u > v) | ((u == v) & (j < i));
+  }
+  return r;
+}
 
+/* All tokens' k winners, by the whole CTA (every thread calls it): each
+ * (token, group) finds its group's rank, each (token, expert) its rank
+ * among the kept experts, and the k first write themselves into O. The same
+ * winners in the same order as the warp path. Its work grows as rows * E^2,
+ * the warp path's as k rounds of dependent shuffles per token (in parallel
+ * over tokens), so it is taken while rows * E^2 <= ML_R_RANK_WORK: measured
+ * on the H200, graph-replayed layers 3-5 us faster at T = 1 (qwen3-30b-a3b,
+ * deepseek-v3), and 6-38 us slower when taken at T = 16 and 128. */
+#define ML_R_RANK_WORK 65536
+
+static __device__ void ml_r_choose_block(const ml_router_params &p, float *S, float *G, int *O,
+                                         int E_pad, int rows) {
+  const int E = p.E, tid = (int)threadIdx.x;
+  if (p.n_group > 1) {
+    const int ng = p.n_group, gsize = E / ng;
+    for (int u = tid; u < rows * ng; u += ML_R_THREADS) {
+      const int t = u / ng, g = u % ng;
+      G[t * E_pad + g] = ml_r_group_score(S + t * E_pad, g, gsize);
+    }
+    __syncthreads();
+    /* experts of groups past the topk_group best: excluded, never 0 */
+    for (int u = tid; u < rows * E; u += ML_R_THREADS) {
+      const int t = u / E, e = u % E;
+      if (ml_r_rank(G + t * E_pad, ng, e / gsize) >= p.topk_group) S[t * E_pad + e] = -INFINITY;
+    }
+    __syncthreads();
+  }
+  for (int u = tid; u < rows * E; u += ML_R_THREADS) {
+    const int t = u / E, e = u % E;
+    const int r = ml_r_rank(S + t * E_pad, E, e);
+    if (r < p.k) O[t * ML_CUDA_MAX_TOPK + r] = e;
+  }
+}
+
+/* One token's routing weights from its winners O and unbiased scores L, by
+ * one warp, written out with the ids. */
+static __device__ void ml_r_weights(const ml_router_params &p, const float *L, const int *O, int t,
+                                    int lane) {
+  const int k = p.k;
   int id = 0;
   float w = 0.0f;
   if (lane < k) {
@@ -382,6 +443,35 @@ static __device__ void ml_r_sum_partials(const float4 *part, int splits, int str
   }
 }
 
+/* Whether this CTA is the last of count to get here (after its global
+ * writes are visible); the last one resets the ticket for the next launch.
+ * Every thread of the CTA must call it; flag is shared scratch. */
+static __device__ __forceinline__ bool ml_r_ticket(int32_t *ticket, int count, int *flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *flag = atomicAdd(ticket, 1) == count - 1;
+    if (*flag) *ticket = 0;
+  }
+  __syncthreads();
+  if (!*flag) return false;
+  __threadfence();
+  return true;
+}
+
+/* Ranges per group of the two-level sum: all of them (one level) while the
+ * last CTA's read is at most 512 KiB, else about sqrt(splits). Measured on
+ * the H200 (router alone, L2 flushed): deepseek-v3's 56 ranges of 16 tokens
+ * (917 KB) 36.1 -> 31.5 us with two levels; at 131-229 KB (qwen3-30b-a3b
+ * T = 16, deepseek-v3 T = 4) the second ticket cost more than it saved
+ * (+1.9 and +0.7 us). */
+static __device__ __forceinline__ int ml_r_group_splits(int splits, int n4) {
+  if (splits < 8 || (long long)splits * n4 * 16 <= 512 * 1024) return splits;
+  int gs = 1;
+  while (gs * gs < splits) ++gs;
+  return gs;
+}
+
 /* Bytes of the scratch that follows the selection's: the partial sums'
  * groups, then the plan's. */
 #define ML_R_SUM_BYTES (ML_R_THREADS * 16)
@@ -440,40 +530,52 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
   /* Rows of tokens past T are padding: never stored, summed or selected. */
   const int rows = p.T - t0 < ML_R_TOKENS ? p.T - t0 : ML_R_TOKENS;
   if (splits > 1) {
-    float *part = p.partials + ((size_t)blockIdx.x * splits + s) * ML_R_TOKENS * E_pad;
-    ml_r_store_acc(part, E_pad, acc, warp, g, c, n_tiles, rows);
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const int ticket = atomicAdd(&p.tickets[blockIdx.x], 1);
-      ml_r_last = ticket == splits - 1;
-      /* All splits have counted; the next launch finds the ticket at zero. */
-      if (ml_r_last) p.tickets[blockIdx.x] = 0;
+    const int stride4 = ML_R_TOKENS * E_pad / 4, n4 = rows * E_pad / 4;
+    float4 *part = (float4 *)(p.partials + (size_t)blockIdx.x * splits * ML_R_TOKENS * E_pad);
+    float4 *P = (float4 *)(ml_r_smem + ml_r_select_bytes(E_pad));
+    ml_r_store_acc((float *)(part + (size_t)s * stride4), E_pad, acc, warp, g, c, n_tiles, rows);
+    const int gs = p.cta_select ? ml_r_group_splits(splits, n4) : splits;
+    if (gs < splits) {
+      /* Two levels: the last CTA of each group of gs ranges sums them into
+       * the group's first range, then the last group sums the groups. */
+      const int ng = (splits + gs - 1) / gs, grp = s / gs, q0 = grp * gs;
+      const int q1 = q0 + gs < splits ? q0 + gs : splits;
+      if (!ml_r_ticket(p.tickets + gridDim.x + blockIdx.x * ng + grp, q1 - q0, &ml_r_last))
+        return;
+      ml_r_sum_partials(part + (size_t)q0 * stride4, q1 - q0, stride4, n4,
+                        part + (size_t)q0 * stride4, P);
+      if (!ml_r_ticket(p.tickets + blockIdx.x, ng, &ml_r_last)) return;
+      ml_r_sum_partials(part, ng, gs * stride4, n4, (float4 *)L, P);
+    } else {
+      if (!ml_r_ticket(p.tickets + blockIdx.x, splits, &ml_r_last)) return;
+      ml_r_sum_partials(part, splits, stride4, n4, (float4 *)L, P);
     }
-    __syncthreads();
-    if (!ml_r_last) return;
-    __threadfence();
-    const float *base = p.partials + (size_t)blockIdx.x * splits * ML_R_TOKENS * E_pad;
-    /* E_pad is a multiple of 8: rows of float4, 16-byte aligned */
-    ml_r_sum_partials((const float4 *)base, splits, ML_R_TOKENS * E_pad / 4, rows * E_pad / 4,
-                      (float4 *)L, (float4 *)(ml_r_smem + ml_r_select_bytes(E_pad)));
   } else {
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
   }
   __syncthreads();
 
+  /* Selection: warp w scores token t0 + w; the winners come from the whole
+   * CTA (small rows * E^2) or from the token's warp; warp w then writes
+   * token t0 + w's ids and weights. */
+  float *S = L + ML_R_TOKENS * E_pad;
+  float *G = S + ML_R_TOKENS * E_pad;
+  int *O = (int *)(G + ML_R_TOKENS * E_pad);
   const int t = t0 + warp;
-  if (t < p.T) {
-    float *S = L + ML_R_TOKENS * E_pad;
-    float *G = S + ML_R_TOKENS * E_pad;
-    int *O = (int *)(G + ML_R_TOKENS * E_pad);
-    ml_r_select(p, L + warp * E_pad, S + warp * E_pad, G + warp * E_pad,
-                O + warp * ML_CUDA_MAX_TOPK, t, lane);
+  if (warp < rows) ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, lane);
+  if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
+    __syncthreads();
+    ml_r_choose_block(p, S, G, O, E_pad, rows);
+    __syncthreads();
+  } else if (warp < rows) {
+    __syncwarp();
+    ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
+    __syncwarp();
   }
+  if (warp < rows) ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
   if (p.build_plan) {
     /* the host asks for it only with one block of tokens (t0 = 0) */
     __syncthreads(); /* every token's winners are in O */
-    const int *O = (const int *)(L + 3 * ML_R_TOKENS * E_pad);
     const int pairs = p.T * p.k, tid = (int)threadIdx.x;
     uint32_t key = (uint32_t)p.E;
     if (tid < pairs) {
@@ -488,11 +590,21 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
 
 /* ---- host side ------------------------------------------------------------------ */
 
+/* 0: each token's warp selects its experts and one CTA sums all partial
+ * logits (the kernel before the CTA-wide selection; for A/B measurements). */
+MOELINK_PARAM(ROUTER_CTA_SELECT, 1)
+
 extern "C" size_t ml_cuda_router_smem(int num_experts) {
   const int E_pad = ml_r_epad(num_experts);
   const size_t ring = (size_t)ML_R_STAGES * (ML_R_TOKENS + (size_t)E_pad) * ML_R_ROW;
   const size_t after = ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES + ML_R_PLAN_BYTES;
   return ring > after ? ring : after;
+}
+
+extern "C" size_t ml_cuda_router_tickets(int sm_count) {
+  /* a block ticket per token block and one per range group: blocks *
+   * splits <= sm_count, so both together need at most 2 * sm_count */
+  return 2 * (size_t)(sm_count > 0 ? sm_count : 1);
 }
 
 extern "C" int ml_cuda_router_builds_plan(int num_tokens, int top_k) {
@@ -582,6 +694,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.tickets = a->tickets;
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
+  p.cta_select = ml_param_ROUTER_CTA_SELECT() != 0;
   if (a->plan != NULL) p.plan = ml_plan_ptrs_of(a->plan);
   p.T = a->num_tokens;
   p.H = a->hidden;

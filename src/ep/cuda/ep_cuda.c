@@ -76,7 +76,7 @@ typedef struct ml_epc {
   void *sh_h;           /* [max_tokens][Is] */
   float *sh_out;        /* [max_tokens][H] */
   float *r_partials;    /* the router's split-K partial logits */
-  int32_t *r_tickets;   /* [sms], zero between router launches */
+  int32_t *r_tickets;   /* ml_cuda_router_tickets(sms), zero between router launches */
   int cap;
 } ml_epc;
 
@@ -135,7 +135,7 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
   ML_EPC_TAKE(w->r_partials, float *,
               ml_cuda_router_partial_floats(c->num_experts, w->a.sms) * sizeof(float));
-  ML_EPC_TAKE(w->r_tickets, int32_t *, (size_t)(w->a.sms > 0 ? w->a.sms : 1) * 4);
+  ML_EPC_TAKE(w->r_tickets, int32_t *, ml_cuda_router_tickets(w->a.sms) * 4);
 #undef ML_EPC_TAKE
   return off;
 }
