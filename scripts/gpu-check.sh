@@ -7,8 +7,8 @@
 # included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
-# probe bench/stream_probe.cu and the decode GEMMs' own benchmark, gpu_test_decode --bench;
-# not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
+# probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
+# own benchmark, gpu_test_decode --bench; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # all = every part. Parts that need 2 GPUs are skipped on one.
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
@@ -144,6 +144,11 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   log "stream probe"
   nvcc -O3 -arch=sm_90a -o "$BUILD/stream_probe" bench/stream_probe.cu >>"$OUT/build.log" 2>&1 &&
     ./"$BUILD"/stream_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  log "router probe"
+  gcc -std=c11 -O2 -Isrc -Iinclude -I"${CUDA_HOME:-/usr/local/cuda}/include" bench/router_probe.c \
+    "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm -lpthread \
+    -ldl -o "$BUILD/router_probe" >>"$OUT/build.log" 2>&1 &&
+    ./"$BUILD"/router_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
