@@ -94,6 +94,9 @@ MOELINK_PARAM(CUDA_SYNC_CHECK, 0)
 /* 0: a forward of one block of tokens builds its plan with the plan kernel
  * instead of in the router kernel (an A/B switch for the benchmarks). */
 MOELINK_PARAM(ROUTER_PLAN, 1)
+/* 0: a small batch's shared expert runs after the routed experts instead of
+ * beside the router (an A/B switch for the benchmarks). */
+MOELINK_PARAM(SHARED_FIRST, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
   if (!ml_param_CUDA_SYNC_CHECK()) return MOELINK_SUCCESS;
@@ -329,7 +332,7 @@ static void ml_cu_moe_fini(moelink_moe_t moe) {
 /* ---- the pieces ------------------------------------------------------------------ */
 
 static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T, int32_t *ids,
-                                         float *weights, const moelink_plan_t *plan,
+                                         float *weights, const moelink_plan_t *plan, int pdl,
                                          cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
@@ -348,6 +351,7 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
       ml_cuda_router_args_for(cfg, x, moe->w.router, moe->w.correction_bias, T, ids, weights,
                               m->partials, m->tickets, c->sm_count);
   a.plan = plan;
+  a.pdl = pdl;
   ML_TRY(ml_cuda_router(&a, st));
   return ml_cu_step(st, "router");
 }
@@ -503,35 +507,55 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
                    out);
   moelink_plan_t plan;
   ML_TRY(moelink_plan_view(m->plan, T, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS, &plan));
+  /* A small batch's shared expert takes the decode GEMMs. Its gate/up GEMM
+   * goes first and the router runs beside it as a programmatic dependent
+   * (the router's CTAs fit next to one decode CTA per SM): the router's
+   * chain of round trips hides behind the shared weights' stream. The router
+   * waits for the gate/up GEMM before it completes, so every later kernel's
+   * wait still covers both. */
+  const int shared_decode = cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1);
+  const int shared_first = shared_decode && ml_param_SHARED_FIRST() != 0 &&
+                           ml_cuda_pdl_allowed(st);
+  const ml_decode_opts so = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+  if (shared_first) {
+    ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
+                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &so,
+                                 st));
+    ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
+  }
   /* a single block of tokens gets its plan from the router kernel */
   const int fused_plan =
       ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
-  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL, st));
+  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL, shared_first,
+                          st));
+  if (shared_first) {
+    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
+                                 cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
+                                 m->sh_out, 1, &so, st));
+    ML_TRY(ml_cu_step(st, "shared expert down GEMM (decode)"));
+  }
   if (!fused_plan) {
     ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
     ML_TRY(ml_cu_step(st, "plan"));
   }
   ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
-  const float *sh = NULL;
-  if (cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1)) {
+  const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;
+  if (shared_decode && !shared_first) {
     /* the shared expert of a small batch: decode GEMMs, dense rows */
-    ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
     ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &o,
+                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &so,
                                  st));
     ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
                                  cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
-                                 m->sh_out, 1, &o, st));
+                                 m->sh_out, 1, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
-    sh = m->sh_out;
-  } else if (cfg->shared_inter > 0) {
+  } else if (cfg->shared_inter > 0 && !shared_decode) {
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
                                cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, st));
     ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
                                cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
                                m->sh_out, 1, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
-    sh = m->sh_out;
   }
   ML_TRY(ml_cuda_combine(cfg->dtype, m->y, plan.pair_rows, T, cfg->top_k, cfg->hidden, sh, x,
                          cfg->shared_gate ? w->shared_gate : NULL, out, st));
@@ -581,7 +605,7 @@ static moelink_status_t ml_cu_dequantize_impl(moelink_context_t ctx, moelink_qua
 
 static moelink_status_t ml_cu_route(moelink_moe_t moe, const void *x, int T, int32_t *ids,
                                     float *weights, void *stream) {
-  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, NULL, (cudaStream_t)stream));
+  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, NULL, 0, (cudaStream_t)stream));
 }
 
 static moelink_status_t ml_cu_plan(moelink_moe_t moe, const int32_t *ids, int T,

@@ -46,6 +46,11 @@ typedef struct ml_cuda_router_args {
    * from the ids it chose, as ml_cuda_plan would; only where
    * ml_cuda_router_builds_plan(num_tokens, top_k) */
   const moelink_plan_t *plan;
+  /* 1: launched as a programmatic dependent of the stream's previous kernel
+   * (where ml_cuda_pdl_allowed): it runs beside it, reads only x, w and
+   * bias (which that kernel must not write), and waits for it before it
+   * completes */
+  int pdl;
 } ml_cuda_router_args;
 
 /* The arguments that route T tokens of x as the layer cfg does, with router

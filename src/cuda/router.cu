@@ -28,7 +28,10 @@
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
- * it reads anything written here. */
+ * it reads anything written here. Launched itself as a programmatic
+ * dependent (args.pdl), it runs beside the previous kernel and its finishing
+ * CTAs wait for that kernel before they exit, so that this grid completes
+ * after it. */
 #include "cuda/plan.cuh"
 
 #include <cuda_bf16.h>
@@ -586,6 +589,8 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
                   ml_plan_scratch_at((int *)(ml_r_smem + ml_r_select_bytes(E_pad) +
                                              ML_R_SUM_BYTES)));
   }
+  /* a no-op unless launched as a programmatic dependent */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
 /* ---- host side ------------------------------------------------------------------ */
@@ -705,15 +710,25 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.n_group = a->n_group;
   p.topk_group = a->topk_group;
   p.scaling = a->routed_scaling;
-  const dim3 grid((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
-                  (unsigned)a->splits);
-  const size_t smem = ml_cuda_router_smem(a->num_experts);
-  if (a->dtype == MOELINK_DTYPE_BF16) {
-    ml_router_kernel<MOELINK_DTYPE_BF16><<<grid, ML_R_THREADS, smem, stream>>>(p);
-    ML_CUDA_LAUNCHED("ml_router_kernel<bf16>");
-  } else {
-    ml_router_kernel<MOELINK_DTYPE_F16><<<grid, ML_R_THREADS, smem, stream>>>(p);
-    ML_CUDA_LAUNCHED("ml_router_kernel<f16>");
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[1];
+  memset(&cfg, 0, sizeof cfg);
+  cfg.gridDim = dim3((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
+                     (unsigned)a->splits, 1);
+  cfg.blockDim = dim3(ML_R_THREADS, 1, 1);
+  cfg.dynamicSmemBytes = ml_cuda_router_smem(a->num_experts);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a->pdl && ml_cuda_pdl_allowed(stream) ? 1 : 0;
+  const cudaError_t e = a->dtype == MOELINK_DTYPE_BF16
+                            ? cudaLaunchKernelEx(&cfg, ml_router_kernel<MOELINK_DTYPE_BF16>, p)
+                            : cudaLaunchKernelEx(&cfg, ml_router_kernel<MOELINK_DTYPE_F16>, p);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA, "launch of the router kernel (%u x %u CTAs) failed: %s",
+                   cfg.gridDim.x, cfg.gridDim.y, cudaGetErrorString(e));
   }
   return MOELINK_SUCCESS;
 }

@@ -299,6 +299,13 @@ int main(void) {
    * tickets that every run must leave at zero: 50 replays. */
   graph_case("qwen2-57b-a14b reduced", reduced("qwen2-57b-a14b", MOELINK_DTYPE_F16, 64), 0.0, 7,
              50, 32, 1);
+  /* A decode step of deepseek-v3's routing (groups, bias, shared expert):
+   * the shared gate/up GEMM first, the router beside it as a programmatic
+   * dependent, the plan built by the router (T <= 16). */
+  graph_case("deepseek-v3 reduced, decode", reduced("deepseek-v3", MOELINK_DTYPE_BF16, 16), 0.0,
+             1, 20, 36, 0);
+  graph_case("deepseek-v3 reduced, 16 tokens", reduced("deepseek-v3", MOELINK_DTYPE_BF16, 16),
+             0.0, 16, 20, 37, 0);
   /* Every token on experts 0 and 1: long tile lists for two experts. */
   graph_case("mixtral-8x7b reduced, skewed", reduced("mixtral-8x7b", MOELINK_DTYPE_BF16, 4097),
              30.0, 4097, 3, 33, 0);
