@@ -605,7 +605,8 @@ static moelink_status_t ml_cu_dequantize_impl(moelink_context_t ctx, moelink_qua
 
 static moelink_status_t ml_cu_route(moelink_moe_t moe, const void *x, int T, int32_t *ids,
                                     float *weights, void *stream) {
-  ML_CU_GUARDED(moe->ctx, ml_cu_route_impl(moe, x, T, ids, weights, NULL, 0, (cudaStream_t)stream));
+  ML_CU_GUARDED(moe->ctx,
+                ml_cu_route_impl(moe, x, T, ids, weights, NULL, 0, (cudaStream_t)stream));
 }
 
 static moelink_status_t ml_cu_plan(moelink_moe_t moe, const int32_t *ids, int T,

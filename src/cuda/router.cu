@@ -1,5 +1,5 @@
 /* The router in one kernel: logits on tensor cores, then scores, correction
- * bias, group limit, top-k and final weights, one warp per token.
+ * bias, group limit, top-k and final weights.
  *
  * A CTA owns 16 tokens (the M of mma.m16n8k16) and all E <= 512 experts (E
  * padded to a multiple of 8 with copies of the last row, whose columns are
@@ -15,16 +15,19 @@
  * into ranges, one CTA per range; each writes its fp32 partial logits to
  * global memory and takes a ticket; the CTA that takes the last ticket adds
  * the partials, resets the ticket and does the selection. Its sum has a
- * fixed shape, whichever CTA finishes last (deterministic results): the
- * ranges are cut into G consecutive groups, each summed in range order by
- * one thread per 4 logits with up to ML_R_BATCH loads in flight (a chain of
- * one L2 round trip per range cost up to 20 us at 56 ranges), then the G
- * group sums are added in group order. Nobody waits for anybody, so there is
- * no deadlock whatever the scheduling.
+ * fixed shape, whichever CTA finishes last (deterministic results): one
+ * thread per 4 logits and group of consecutive ranges, with up to ML_R_BATCH
+ * loads in flight, then the groups in order. When that one CTA would read
+ * more than 512 KiB, the sum takes two levels: the last CTA of each group of
+ * ~sqrt(splits) ranges sums them, then the last of those sums the groups.
+ * Nobody waits for anybody, so there is no deadlock whatever the scheduling.
  *
- * A single block of tokens (T <= 16) also gets its plan from this kernel:
- * the CTA that selected the experts sorts the T*k pairs (plan.cuh), which
- * saves the plan's launch at decode sizes.
+ * Selection: each token's warp computes its scores; the winners come from
+ * the whole CTA (every (token, expert) computes its rank) while rows * E^2
+ * is small, else from k rounds of a warp-wide argmax per token; each token's
+ * warp then writes its ids and weights. A single block of tokens (T <= 16)
+ * also gets its plan from this kernel: the CTA that selected the experts
+ * sorts the T*k pairs (plan.cuh), which saves the plan's launch.
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
@@ -334,7 +337,7 @@ static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
  * winners in the same order as the warp path. Its work grows as rows * E^2,
  * the warp path's as k rounds of dependent shuffles per token (in parallel
  * over tokens), so it is taken while rows * E^2 <= ML_R_RANK_WORK: measured
- * on the H200, graph-replayed layers 3-5 us faster at T = 1 (qwen3-30b-a3b,
+ * on the H200, graph-replayed layers 4-7 us faster at T = 1 (qwen3-30b-a3b,
  * deepseek-v3), and 6-38 us slower when taken at T = 16 and 128. */
 #define ML_R_RANK_WORK 65536
 
