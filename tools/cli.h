@@ -173,8 +173,9 @@ double cli_tflops(double flops, double us);
 /* The commit the numbers belong to: MOELINK_COMMIT (a copy of the tree
  * without .git, as on a lent GPU machine), else git's HEAD, else "". */
 void cli_commit(char *buf, size_t n);
-/* Opens a benchmark's JSON object: "tool", "version", "date" (UTC) and
- * "git_commit" (cli_commit, null when unknown); the caller goes on with
+/* Opens a benchmark's JSON object: "tool", "version", "date" (UTC),
+ * "git_commit" (cli_commit, null when unknown) and "env" (every MOELINK_*
+ * variable of the process, name to value, sorted); the caller goes on with
  * ",\n  \"key\": ..." members and closes the object. */
 void cli_json_begin(FILE *f, const char *tool);
 /* The CPU's model name from /proc/cpuinfo ("unknown" if none). */

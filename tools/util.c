@@ -153,6 +153,37 @@ void cli_json_field(FILE *f, const char *key, double v) {
 
 double cli_tflops(double flops, double us) { return flops / (us * 1e-6) / 1e12; }
 
+static int cli_cmp_str(const void *a, const void *b) {
+  return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* "env": every MOELINK_* variable of the process, sorted by name: the
+ * library's parameters (docs/ENV.md) that a run was made under. */
+static void cli_json_env(FILE *f) {
+  extern char **environ;
+  size_t n = 0;
+  for (char **e = environ; e && *e; ++e) n += strncmp(*e, "MOELINK_", 8) == 0;
+  const char **v = n ? (const char **)malloc(n * sizeof *v) : NULL;
+  size_t m = 0;
+  if (v)
+    for (char **e = environ; *e && m < n; ++e)
+      if (strncmp(*e, "MOELINK_", 8) == 0) v[m++] = *e;
+  qsort(v, m, sizeof *v, cli_cmp_str);
+  fprintf(f, ",\n  \"env\": {");
+  for (size_t i = 0; i < m; ++i) {
+    const char *eq = strchr(v[i], '=');
+    char name[256];
+    const size_t len = eq ? (size_t)(eq - v[i]) : strlen(v[i]);
+    snprintf(name, sizeof name, "%.*s", (int)(len < sizeof name ? len : sizeof name - 1), v[i]);
+    fprintf(f, "%s", i ? ", " : "");
+    cli_json_str(f, name);
+    fprintf(f, ": ");
+    cli_json_str(f, eq ? eq + 1 : "");
+  }
+  fprintf(f, "}");
+  free(v);
+}
+
 void cli_json_begin(FILE *f, const char *tool) {
   char date[64], commit[64];
   time_t now = time(NULL);
@@ -168,6 +199,7 @@ void cli_json_begin(FILE *f, const char *tool) {
   cli_json_str(f, date);
   fprintf(f, ",\n  \"git_commit\": ");
   cli_json_str(f, commit[0] ? commit : NULL);
+  cli_json_env(f);
 }
 
 static int cli_l2_flush_mode(void) {

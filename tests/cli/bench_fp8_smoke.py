@@ -1,6 +1,7 @@
 """`moelink bench` and `moelink run` with --fp8-experts on the CPU backend: the
 bench exits 0 and its JSON records fp8_experts (1 with the flag, 0 without)
-with one row per token count; run verifies an f16 layer of odd shape whose
+with one row per token count, and its MOELINK_* environment (a quote in a
+value included); run verifies an f16 layer of odd shape whose
 FP8 experts the CLI generates on all cores; a hidden size that is not a
 multiple of 128 is a usage error (exit 2), and so is a MOELINK_BENCH_L2_FLUSH
 that is neither read nor write (on any backend).
@@ -16,13 +17,13 @@ shape = ["--hidden", "384", "--inter", "128", "--experts", "7", "--topk", "3"]
 tokens = [3, 19]
 
 
-def bench(extra):
+def bench(extra, env=None):
     if os.path.exists(path):
         os.remove(path)
     cmd = [exe, "bench", "--backend", "cpu", *shape, "--tokens", ",".join(map(str, tokens)),
            "--iters", "1", "--warmup", "0", "--json", path, *extra]
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                       timeout=120)
+                       timeout=120, env=env)
     sys.stdout.write(p.stdout)
     sys.stderr.write(p.stderr)
     assert p.returncode == 0, f"{cmd}: exit code {p.returncode}"
@@ -34,11 +35,16 @@ def bench(extra):
     assert [r["tokens"] for r in d["rows"]] == tokens, d["rows"]
     for r in d["rows"]:
         assert r["median_ms"] > 0, r
+    # the JSON records the run's MOELINK_* environment, and nothing else of it
+    want = {k: v for k, v in (env or os.environ).items() if k.startswith("MOELINK_")}
+    assert d["env"] == want, (d["env"], want)
     return c
 
 
 assert bench(["--fp8-experts"])["fp8_experts"] == 1
-assert bench([])["fp8_experts"] == 0
+base = {k: v for k, v in os.environ.items() if not k.startswith("MOELINK_")}
+assert bench([], env=dict(base, MOELINK_SHARED_FIRST="0", MOELINK_ZZ_TEST='a "b"',
+                          HOME_NOT_MOELINK="x"))["fp8_experts"] == 0
 
 p = subprocess.run([exe, "run", "--backend", "cpu", *shape, "--dtype", "f16", "--fp8-experts",
                     "--tokens", "19", "--verify"], stdout=subprocess.PIPE,
