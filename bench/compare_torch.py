@@ -520,6 +520,7 @@ def main(argv=None):
         "dtype": args.dtype, "iters": args.iters, "warmup": args.warmup,
         "flush_mib": args.flush_mib if device.type == "cuda" else 0,
         "l2_flush": args.flush if device.type == "cuda" else None,
+        "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("MOELINK_")},
         "tol": args.tol, "max_bad_frac": args.max_bad_frac, "seed": args.seed,
         "timing": "median of CUDA-event times" if device.type == "cuda" else "host timer (dry run)",
         "results": [],

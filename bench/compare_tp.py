@@ -318,6 +318,7 @@ def main(argv=None):
             "tool": "bench/compare_tp.py",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "git_commit": os.environ.get("MOELINK_COMMIT") or None,
+            "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith("MOELINK_")},
             "gpu": name,
             "nranks": world,
             "tp": world,
