@@ -16,6 +16,7 @@
  * have all started) and waits for it before touching memory: its launch
  * latency hides behind their tail. */
 #include "core/dtype.cuh"
+#include "core/launch.cuh"
 #include "cuda/pipeline.h"
 
 #include <cuda_bf16.h>
@@ -138,19 +139,13 @@ extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
   const int most = (chunks + ML_C_THREADS - 1) / ML_C_THREADS;
   if (parts > most) parts = most;
   if (parts < 1) parts = 1;
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  memset(&cfg, 0, sizeof cfg);
-  cfg.gridDim = dim3((unsigned)num_tokens, (unsigned)parts, 1);
-  cfg.blockDim = dim3(ML_C_THREADS, 1, 1);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = ml_cuda_pdl_allowed(stream) ? 1 : 0;
+  void (*kernel)(const ml_combine_params) = dt == MOELINK_DTYPE_BF16
+                                                ? ml_combine_kernel<MOELINK_DTYPE_BF16>
+                                                : ml_combine_kernel<MOELINK_DTYPE_F16>;
+  void *args[] = {&p};
   const cudaError_t e =
-      dt == MOELINK_DTYPE_BF16 ? cudaLaunchKernelEx(&cfg, ml_combine_kernel<MOELINK_DTYPE_BF16>, p)
-                               : cudaLaunchKernelEx(&cfg, ml_combine_kernel<MOELINK_DTYPE_F16>, p);
+      ml_launch_kernel((const void *)kernel, dim3((unsigned)num_tokens, (unsigned)parts, 1),
+                       dim3(ML_C_THREADS, 1, 1), 0, ml_cuda_pdl_allowed(stream), stream, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ml_fail(MOELINK_ERR_CUDA, "launch of the combine kernel (%d x %d CTAs) failed: %s",

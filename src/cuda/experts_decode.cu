@@ -1,6 +1,7 @@
 /* Host side of the decode expert GEMMs (decode.h; kernels in gemm/decode.cuh):
  * the path policy (which GEMM path, how many K splits), the scratch a layer
  * reserves for them, argument checks and launches. */
+#include "core/launch.cuh"
 #include "cuda/gemm/decode.cuh"
 #include "cuda/gemm/decode.h"
 
@@ -173,17 +174,9 @@ static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, 
   void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8>;
   const int smem = FP8 ? MLD_FP8_SMEM_BYTES : MLD_SMEM_BYTES;
   ML_TRY(mld_allow_smem((const void *)kernel, which, smem));
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(grid, 1, 1);
-  cfg.blockDim = dim3(MLD_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = (size_t)smem;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, *p);
+  void *args[] = {(void *)p};
+  const cudaError_t e = ml_launch_kernel((const void *)kernel, dim3(grid, 1, 1),
+                                         dim3(MLD_THREADS, 1, 1), (size_t)smem, pdl, stream, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs%s) failed: %s", name, grid,

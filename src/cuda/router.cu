@@ -35,6 +35,7 @@
  * dependent (args.pdl), it runs beside the previous kernel and its finishing
  * CTAs wait for that kernel before they exit, so that this grid completes
  * after it. */
+#include "core/launch.cuh"
 #include "cuda/plan.cuh"
 
 #include <cuda_bf16.h>
@@ -713,25 +714,19 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.n_group = a->n_group;
   p.topk_group = a->topk_group;
   p.scaling = a->routed_scaling;
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  memset(&cfg, 0, sizeof cfg);
-  cfg.gridDim = dim3((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
-                     (unsigned)a->splits, 1);
-  cfg.blockDim = dim3(ML_R_THREADS, 1, 1);
-  cfg.dynamicSmemBytes = ml_cuda_router_smem(a->num_experts);
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a->pdl && ml_cuda_pdl_allowed(stream) ? 1 : 0;
-  const cudaError_t e = a->dtype == MOELINK_DTYPE_BF16
-                            ? cudaLaunchKernelEx(&cfg, ml_router_kernel<MOELINK_DTYPE_BF16>, p)
-                            : cudaLaunchKernelEx(&cfg, ml_router_kernel<MOELINK_DTYPE_F16>, p);
+  const dim3 grid((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
+                  (unsigned)a->splits, 1);
+  void (*kernel)(const ml_router_params) = a->dtype == MOELINK_DTYPE_BF16
+                                               ? ml_router_kernel<MOELINK_DTYPE_BF16>
+                                               : ml_router_kernel<MOELINK_DTYPE_F16>;
+  void *args[] = {&p};
+  const cudaError_t e = ml_launch_kernel(
+      (const void *)kernel, grid, dim3(ML_R_THREADS, 1, 1), ml_cuda_router_smem(a->num_experts),
+      a->pdl && ml_cuda_pdl_allowed(stream), stream, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ml_fail(MOELINK_ERR_CUDA, "launch of the router kernel (%u x %u CTAs) failed: %s",
-                   cfg.gridDim.x, cfg.gridDim.y, cudaGetErrorString(e));
+                   grid.x, grid.y, cudaGetErrorString(e));
   }
   return MOELINK_SUCCESS;
 }

@@ -18,6 +18,7 @@
  * other all-reduce algorithms: every rank gets bitwise the same result. */
 #include "comm/cuda/comm_cuda.h"
 #include "core/dtype.cuh"
+#include "core/launch.cuh"
 
 #include <string.h>
 
@@ -186,19 +187,9 @@ extern "C" moelink_status_t ml_ccu_allreduce_ll(const ml_ccu_ll *ll, int rank, i
   void (*kernel)(ml_ll_args) = dt == MOELINK_DTYPE_F32    ? ml_ll_kernel<MOELINK_DTYPE_F32>
                                : dt == MOELINK_DTYPE_BF16 ? ml_ll_kernel<MOELINK_DTYPE_BF16>
                                                           : ml_ll_kernel<MOELINK_DTYPE_F16>;
-  cudaLaunchConfig_t cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(threads);
-  cfg.stream = stream;
-  if (ll->pdl) {
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, a);
+  void *args[] = {&a};
+  cudaError_t err =
+      ml_launch_kernel((const void *)kernel, dim3(grid), dim3(threads), 0, ll->pdl, stream, args);
   if (err == cudaSuccess) err = cudaGetLastError();
   if (err != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "launch of the low-latency all-reduce (%u CTAs) failed: %s",
