@@ -497,6 +497,25 @@ static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int
   return ml_cu_step(st, "combine");
 }
 
+/* The shared expert of a small batch on the decode GEMMs (dense rows):
+ * gate/up into sh_h, then down into sh_out (fp32). */
+static moelink_status_t ml_cu_shared_gate_up_decode(moelink_moe_t moe, const void *x, int T,
+                                                    const ml_decode_opts *o, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  return ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, moe->w.shared_gate_up,
+                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, o, st);
+}
+
+static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
+                                                 const ml_decode_opts *o, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  return ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, moe->w.shared_down,
+                               cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
+                               m->sh_out, 1, o, st);
+}
+
 static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int T, void *out,
                                            cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
@@ -518,9 +537,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
                            ml_cuda_pdl_allowed(st);
   const ml_decode_opts so = ml_cu_decode_opts(moe, ML_DECODE_PDL);
   if (shared_first) {
-    ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &so,
-                                 st));
+    ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
   }
   /* a single block of tokens gets its plan from the router kernel */
@@ -529,9 +546,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL, shared_first,
                           st));
   if (shared_first) {
-    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
-                                 cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
-                                 m->sh_out, 1, &so, st));
+    ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert down GEMM (decode)"));
   }
   if (!fused_plan) {
@@ -541,13 +556,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
   const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;
   if (shared_decode && !shared_first) {
-    /* the shared expert of a small batch: decode GEMMs, dense rows */
-    ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                                 cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &so,
-                                 st));
-    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
-                                 cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
-                                 m->sh_out, 1, &so, st));
+    ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
+    ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
   } else if (cfg->shared_inter > 0 && !shared_decode) {
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
