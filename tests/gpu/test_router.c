@@ -22,6 +22,8 @@
  * full hidden sizes, so the split counts are the real ones (up to 56 for
  * deepseek's H 7168), E 512 with k 16 (top-k softmax), and an odd shape
  * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 16. */
+#include "core/core.h"
+#include "core/random.h"
 #include "cuda/pipeline.h"
 #include "gpu_util.h"
 
@@ -43,19 +45,16 @@ static const rcase g_cases[] = {
     {"odd", 37, 5, 520, MOELINK_ROUTER_SOFTMAX_TOPK, 0, 1, 1, 0, 1.0f},
 };
 
-static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
-static float unit(void) { /* [-1, 1) */
-  g_rng ^= g_rng << 13;
-  g_rng ^= g_rng >> 7;
-  g_rng ^= g_rng << 17;
-  return (float)((double)(g_rng >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
-
-static uint16_t to_bf16(float f) { /* round to nearest even; inputs are finite */
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
+/* n values scale * u(seed, i) (the library's generator), as dt (bf16
+ * rounded to nearest even by the library's conversion, or f32). */
+static void fill(moelink_dtype_t dt, void *dst, size_t n, uint64_t seed, float scale) {
+  float *f = gu_host(n * sizeof(float));
+  for (size_t i = 0; i < n; ++i) f[i] = scale * ml_random_unit(seed, i);
+  if (dt == MOELINK_DTYPE_F32)
+    memcpy(dst, f, n * sizeof(float));
+  else
+    ml_from_f32(dt, f, dst, n);
+  free(f);
 }
 
 typedef struct routed {
@@ -98,7 +97,7 @@ static void launch(const char *what, ml_cuda_router_args a, int T, int k, int E,
   free(t);
 }
 
-static void run_case(const rcase *c, int T) {
+static void run_case(const rcase *c, int T, uint64_t seed) {
   char what[200];
   const int E = c->E, k = c->k, H = c->H;
   moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
@@ -118,9 +117,9 @@ static void run_case(const rcase *c, int T) {
   uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
   float *hb = gu_host((size_t)E * 4);
   const float ws = 3.0f / sqrtf((float)H);
-  for (size_t i = 0; i < (size_t)T * H; ++i) hx[i] = to_bf16(unit());
-  for (size_t i = 0; i < (size_t)E * H; ++i) hw[i] = to_bf16(ws * unit());
-  for (int e = 0; e < E; ++e) hb[e] = 0.05f * unit();
+  fill(MOELINK_DTYPE_BF16, hx, (size_t)T * H, 3 * seed, 1.0f);
+  fill(MOELINK_DTYPE_BF16, hw, (size_t)E * H, 3 * seed + 1, ws);
+  fill(MOELINK_DTYPE_F32, hb, (size_t)E, 3 * seed + 2, 0.05f);
   void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
   float *db = gu_dev((size_t)E * 4);
   gu_h2d(dx, hx, (size_t)T * H * 2);
@@ -267,6 +266,7 @@ int main(void) {
   ml_t_diag("device 0: %s, %d SMs", prop.name, g_sms);
   const int Ts[] = {1, 3, 8, 16};
   for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c)
-    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; ++i) run_case(&g_cases[c], Ts[i]);
+    for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; ++i)
+      run_case(&g_cases[c], Ts[i], 100 * c + i);
   return ml_test_done();
 }
