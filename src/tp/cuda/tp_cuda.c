@@ -30,9 +30,9 @@
 #include "comm/cuda/comm_cuda.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
+#include "tp/cuda/tp_blas.h"
 #include "tp/cuda/tp_cuda.h"
 
-#include <cublas_v2.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,11 +41,14 @@
  * the largest that takes the one-shot pull (measured: docs/PERF.md). */
 MOELINK_PARAM(TP_AR_LL_MAX_BYTES, 1 << 20)
 MOELINK_PARAM(TP_AR_ONESHOT_MAX_BYTES, 4 << 20)
-/* Which GEMM the ops run: 0 cuBLAS (measured faster on every shape of
- * docs/PERF.md, decode sizes included), 1 moelink's engines (decode GEMM up
- * to one tile of rows, the tile engines above). Shapes the tensor-core paths
- * refuse always take the fallback. */
+/* Which GEMM the ops run: 0 cuBLASLt with its heuristic's algorithm number
+ * MOELINK_TP_LT_ALGO (0: the first), 1 moelink's engines (decode GEMM up to
+ * one tile of rows, the tile engines above), 2 cublasGemmEx. cuBLAS was
+ * measured faster than the engines on every shape of docs/PERF.md, decode
+ * sizes included. Shapes the tensor-core paths refuse always take the
+ * fallback. */
 MOELINK_PARAM(TP_GEMM, 0)
+MOELINK_PARAM(TP_LT_ALGO, 0)
 
 /* 1: the one-shot exchange is launched while the GEMM drains (PDL). */
 MOELINK_PARAM(TP_AR_PDL, 1)
@@ -61,8 +64,7 @@ typedef struct ml_tpc {
   uint32_t *tickets;
   size_t partial_floats, ticket_count;
   int sms, ctas;
-  cublasHandle_t blas;
-  void *blas_ws;           /* cuBLAS workspace, set once (capturable calls) */
+  ml_tpc_blas *blas;       /* cuBLAS(Lt) calls and their workspace */
   cudaStream_t side;
   cudaEvent_t fork, join;
   cudaEvent_t chunk[ML_TPC_MAX_RANKS]; /* a block of the scatter GEMM is done */
@@ -109,8 +111,7 @@ static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink
 #define ML_TPC_BLAS_WS_BYTES ((size_t)32 << 20)
 
 static void ml_tpc_release(moelink_tp_t tp, ml_tpc *t) {
-  if (t->blas) cublasDestroy(t->blas);
-  if (t->blas_ws) cudaFree(t->blas_ws);
+  ml_tpc_blas_destroy(t->blas);
   if (t->side) cudaStreamDestroy(t->side);
   if (t->fork) cudaEventDestroy(t->fork);
   if (t->join) cudaEventDestroy(t->join);
@@ -185,15 +186,9 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
     ML_CUDA_TRY(cudaMalloc((void **)&t->tickets, t->ticket_count * sizeof(uint32_t)));
     ML_CUDA_TRY(cudaMemset(t->tickets, 0, t->ticket_count * sizeof(uint32_t)));
   }
-  cublasStatus_t bs = cublasCreate(&t->blas);
-  if (bs != CUBLAS_STATUS_SUCCESS) {
-    t->blas = NULL;
-    return ml_fail(MOELINK_ERR_CUDA, "tp_create: cublasCreate failed (status %d)", (int)bs);
-  }
-  ML_CUDA_TRY(cudaMalloc(&t->blas_ws, ML_TPC_BLAS_WS_BYTES));
-  bs = cublasSetWorkspace(t->blas, t->blas_ws, ML_TPC_BLAS_WS_BYTES);
-  if (bs != CUBLAS_STATUS_SUCCESS)
-    return ml_fail(MOELINK_ERR_CUDA, "tp_create: cublasSetWorkspace failed (status %d)", (int)bs);
+  ML_TRY(ml_tpc_blas_create(&t->blas, ML_TPC_BLAS_WS_BYTES,
+                            ml_param_TP_GEMM() == 2 ? ML_TPC_BLAS_GEMMEX : ML_TPC_BLAS_LT,
+                            (int)ml_param_TP_LT_ALGO()));
   ML_CUDA_TRY(cudaStreamCreateWithFlags(&t->side, cudaStreamNonBlocking));
   ML_CUDA_TRY(cudaEventCreateWithFlags(&t->fork, cudaEventDisableTiming));
   ML_CUDA_TRY(cudaEventCreateWithFlags(&t->join, cudaEventDisableTiming));
@@ -241,20 +236,7 @@ static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const v
   if (rows <= 0) return MOELINK_SUCCESS;
   if (n % 8 || k % 8 || (((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) & 15))
     return ml_tpc_gemm_simple(dt, a, b, out, rows, n, k, st);
-  if (ml_param_TP_GEMM() != 1) {
-    /* Row-major out = a b^T is column-major out^T = b a^T: b as the
-     * transposed [k, n] operand, a as the plain [k, rows] one. */
-    const cudaDataType_t ty = dt == MOELINK_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float one = 1.f, zero = 0.f;
-    cublasStatus_t bs = cublasSetStream(t->blas, st);
-    if (bs == CUBLAS_STATUS_SUCCESS)
-      bs = cublasGemmEx(t->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, b, ty, k, a, ty, k,
-                        &zero, out, ty, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    if (bs != CUBLAS_STATUS_SUCCESS)
-      return ml_fail(MOELINK_ERR_CUDA, "tp: cublasGemmEx (%d x %d x %d) failed (status %d)", rows,
-                     n, k, (int)bs);
-    return MOELINK_SUCCESS;
-  }
+  if (ml_param_TP_GEMM() != 1) return ml_tpc_blas_gemm(t->blas, dt, a, b, out, rows, n, k, st);
   if (t->partials && ml_cuda_decode_wanted(rows, 1)) {
     ml_decode_opts o;
     memset(&o, 0, sizeof o);
