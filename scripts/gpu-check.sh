@@ -10,7 +10,7 @@
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
 # own benchmark, gpu_test_decode --bench; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
-# TP_AB: extra `bench tp` runs, one per VAR=value word (default MOELINK_TP_GEMM=1);
+# TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one.
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
@@ -131,11 +131,12 @@ if want tp && [ "$NGPU" -ge 2 ]; then
   log "bench tp (2 ranks)"
   ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp \
     --json "$OUT/json/bench_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
-  # TP_AB: one more run per word, under that VAR=value (MOELINK_TP_GEMM=1: moelink's GEMM
-  # engines; =2: cublasGemmEx instead of cuBLASLt; MOELINK_TP_LT_ALGO=i: Lt's i-th algorithm).
+  # TP_AB: one more run per word, under that VAR=value (commas join several: A=1,B=2;
+  # MOELINK_TP_GEMM=1: moelink's GEMM engines; =2: cublasGemmEx instead of cuBLASLt;
+  # MOELINK_TP_LT_ALGO=i: Lt's i-th algorithm). TP_OPS: --ops of those runs (default all).
   for v in ${TP_AB-MOELINK_TP_GEMM=1}; do
     log "bench tp, $v"
-    env "$v" ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp \
+    env ${v//,/ } ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp ${TP_OPS:+--ops $TP_OPS} \
       --json "$OUT/json/bench_tp_${v//[^A-Za-z0-9]/_}.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   done
   if python3 -c 'import torch' 2>/dev/null; then
