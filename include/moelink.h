@@ -592,10 +592,18 @@ typedef struct moelink_ep_config {
                                compute on moelink_dequantize(moelink_quantize(x))
                                rounded to moe.dtype, every rank alike (its own
                                tokens too); routing and the shared expert use x */
+  int call_tokens;          /* the most tokens a rank passes to one forward
+                               (>= 0; 0: moe.max_tokens). On CUDA every forward
+                               runs ceil(call_tokens / moe.max_tokens) steps on
+                               every rank (a rank out of tokens takes part with
+                               none), so that the ranks agree on the steps with
+                               no host round trip; more tokens than call_tokens
+                               is a bad argument there. CPU ranks agree on the
+                               steps by themselves: any count, whatever this is */
 } moelink_ep_config_t;
 
 #define MOELINK_EP_CONFIG_INIT                                                 \
-  { sizeof(moelink_ep_config_t), MOELINK_MOE_CONFIG_INIT, 0, MOELINK_QUANT_NONE }
+  { sizeof(moelink_ep_config_t), MOELINK_MOE_CONFIG_INIT, 0, MOELINK_QUANT_NONE, 0 }
 
 /* Bytes one rank allocates for cfg on comm at create (host memory plus
  * symmetric memory on CPU ranks; device and symmetric memory on CUDA): a
@@ -609,7 +617,7 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * cfg, in the same order as other symmetric allocations; ranks that pass
  * different configs all fail). Errors: INVALID_ARGUMENT (NULL, bad size
  * field, a bad moe config: the message names the field, num_experts not a
- * multiple of the rank count, recv_capacity < 0), UNSUPPORTED (no
+ * multiple of the rank count, recv_capacity or call_tokens < 0), UNSUPPORTED (no
  * expert-parallel ops for the communicator's backend in this build: CUDA
  * needs the NCCL communicator and all ranks in one NVLink domain; moe.dtype
  * FP8_E4M3: the layer computes in bf16 or f16, FP8 weights are fp8_experts),
@@ -623,8 +631,9 @@ MOELINK_API moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelin
  * no call that uses it may still run. */
 MOELINK_API moelink_status_t moelink_ep_destroy(moelink_ep_t ep);
 
-/* The config it was created with (recv_capacity resolved), this rank's first
- * expert and its number of experts (E / ranks). Any output may be NULL. */
+/* The config it was created with (recv_capacity and call_tokens resolved),
+ * this rank's first expert and its number of experts (E / ranks). Any output
+ * may be NULL. */
 MOELINK_API moelink_status_t moelink_ep_get_config(moelink_ep_t ep, moelink_ep_config_t *cfg,
                                                    int *first_expert, int *local_experts);
 
@@ -651,11 +660,13 @@ MOELINK_API moelink_status_t moelink_ep_set_weights(moelink_ep_t ep,
  * memory (steps of moe.max_tokens tokens, rounds of recv_capacity received
  * rows). x and out must not overlap. Deterministic: the same inputs on every
  * rank give bitwise the same output. On CUDA: stream-ordered, no host
- * synchronization, graph-capturable, and (this version) num_tokens <=
- * moe.max_tokens on every call (more: UNSUPPORTED; split the batch, every
- * rank making the same number of calls). A rank whose own arguments are bad (NULL x or out with
- * T > 0, overlap, T < 0) still takes part with no tokens, so its peers finish,
- * and then reports INVALID_ARGUMENT. Errors: INVALID_ARGUMENT, INVALID_STATE
+ * synchronization, graph-capturable, and num_tokens <= call_tokens (the
+ * config's; every call runs ceil(call_tokens / moe.max_tokens) steps, the
+ * same on every rank, each a full exchange: size call_tokens to the largest
+ * batch, since a small one pays for every step). A rank whose own arguments
+ * are bad (NULL x or out with T > 0, overlap, T < 0, on CUDA T > call_tokens)
+ * still takes part with no tokens, so its peers finish, and then reports
+ * INVALID_ARGUMENT. Errors: INVALID_ARGUMENT, INVALID_STATE
  * (no weights set on this rank: it does not take part and its peers report
  * TIMEOUT), TIMEOUT (a peer did not take part, or died: names the rank and
  * what was awaited), UNSUPPORTED. */

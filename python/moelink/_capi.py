@@ -218,12 +218,13 @@ class EpConfig(ctypes.Structure):
         ("moe", MoeConfig),
         ("recv_capacity", ctypes.c_int),
         ("dispatch_quant", c_enum),
+        ("call_tokens", ctypes.c_int),
     ]
 
     @classmethod
     def init(cls):
         """MOELINK_EP_CONFIG_INIT"""
-        return cls(ctypes.sizeof(cls), MoeConfig.init(), 0, 0)
+        return cls(ctypes.sizeof(cls), MoeConfig.init(), 0, 0, 0)
 
 
 def address_of(ptr):

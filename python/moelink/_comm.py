@@ -386,21 +386,23 @@ class EP(_OnComm):
     """An expert-parallel MoE layer (moelink_ep_t) over a communicator.
 
     EP(comm, preset=None, hidden=..., inter=..., experts=..., top_k=..., ...,
-    dtype="bf16", max_tokens=1024, recv_capacity=0, dispatch_quant="none")
-    takes the keywords of
+    dtype="bf16", max_tokens=1024, recv_capacity=0, dispatch_quant="none",
+    call_tokens=0) takes the keywords of
     moelink.MoE (the whole layer: experts counts all ranks' experts, a
     multiple of the rank count). Rank r owns experts first_expert ..
     first_expert + local_experts - 1. forward() on every rank gives what
     MoE.forward gives on all ranks' tokens concatenated in rank order.
     dispatch_quant "fp8" or "mxfp8" sends the token rows to the experts'
     ranks as E4M3 with block scales (the routed experts then compute on the
-    dequantized rows; hidden a multiple of 128 or 32)."""
+    dequantized rows; hidden a multiple of 128 or 32). call_tokens bounds the
+    tokens one forward() takes on a CUDA rank (0: max_tokens; each call runs
+    ceil(call_tokens / max_tokens) steps); CPU ranks take any count."""
 
     _destroy = "moelink_ep_destroy"
     _what = "EP layer"
 
     def __init__(self, comm, preset=None, *, recv_capacity=0, dtype="bf16", max_tokens=1024,
-                 dispatch_quant="none", **fields):
+                 dispatch_quant="none", call_tokens=0, **fields):
         if dispatch_quant not in _QUANT:
             raise ValueError("dispatch_quant: expected none, fp8 or mxfp8, got %r"
                              % (dispatch_quant,))
@@ -410,6 +412,7 @@ class EP(_OnComm):
         c.moe = moe_config(preset, dtype=dtype, max_tokens=max_tokens, **fields)
         c.recv_capacity = int(recv_capacity)
         c.dispatch_quant = _QUANT[dispatch_quant]
+        c.call_tokens = int(call_tokens)
         h = ctypes.c_void_p()
         check(self._lib.moelink_ep_create(comm._h, ctypes.byref(c), ctypes.byref(h)))
         self._h = h
@@ -420,6 +423,7 @@ class EP(_OnComm):
         self._cfg = got
         self.config = _config_dict(got.moe)
         self.recv_capacity = got.recv_capacity
+        self.call_tokens = got.call_tokens
         self.first_expert = first.value
         self.local_experts = local.value
         m = got.moe

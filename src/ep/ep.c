@@ -78,6 +78,9 @@ static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep
   if (cfg->recv_capacity < 0)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: recv_capacity %d must be >= 0 (0: default)",
                    cfg->recv_capacity);
+  if (cfg->call_tokens < 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep: call_tokens %d must be >= 0 (0: moe.max_tokens)", cfg->call_tokens);
   if (cfg->dispatch_quant != MOELINK_QUANT_NONE) {
     const int b = moelink_quant_block(cfg->dispatch_quant);
     if (b == 0)
@@ -91,6 +94,7 @@ static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep
                      b);
   }
   *out = *cfg;
+  if (out->call_tokens == 0) out->call_tokens = cfg->moe.max_tokens;
   if (out->recv_capacity == 0) {
     const int64_t spread = n < cfg->moe.top_k ? n : cfg->moe.top_k;
     const int64_t cap = (int64_t)cfg->moe.max_tokens * spread;
@@ -217,6 +221,11 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
     snprintf(why, sizeof why, "num_tokens %d must be >= 0", num_tokens);
   } else if (num_tokens > 0 && (!x || !out)) {
     snprintf(why, sizeof why, "%s is NULL with num_tokens %d", !x ? "x" : "out", num_tokens);
+  } else if (num_tokens > ep->cfg.call_tokens &&
+             ep->comm->ctx->backend == MOELINK_BACKEND_CUDA) {
+    /* The steps of a CUDA call come from call_tokens (every rank the same). */
+    snprintf(why, sizeof why, "num_tokens %d > the config's call_tokens %d", num_tokens,
+             ep->cfg.call_tokens);
   } else if (num_tokens > 0) {
     const uintptr_t xs = (uintptr_t)x, os = (uintptr_t)out, len = row * (size_t)num_tokens;
     if (xs < os + len && os < xs + len) snprintf(why, sizeof why, "x and out overlap");

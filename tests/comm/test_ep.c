@@ -254,9 +254,10 @@ static void run_case(const ep_case *ec) {
   moelink_ep_config_t got_cfg;
   CHECK_OK(moelink_ep_get_config(ep, &got_cfg, &first, &El), "ep_get_config");
   CHECK(first == rank * (c->num_experts / nranks) && El == c->num_experts / nranks &&
-            got_cfg.recv_capacity >= 1,
-        "%s: rank %d owns experts [%d, %d + %d), recv_capacity %d", ec->name, rank, first, first,
-        El, got_cfg.recv_capacity);
+            got_cfg.recv_capacity >= 1 && got_cfg.call_tokens == c->max_tokens,
+        "%s: rank %d owns experts [%d, %d + %d), recv_capacity %d, call_tokens %d (0 resolved "
+        "to max_tokens)",
+        ec->name, rank, first, first, El, got_cfg.recv_capacity, got_cfg.call_tokens);
   moelink_moe_weights_t w = local_weights(&L, first);
   CHECK_OK(moelink_ep_set_weights(ep, &w), "ep_set_weights");
 
@@ -500,6 +501,11 @@ static void test_errors(void) {
   e.recv_capacity = -1;
   CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
                "recv_capacity -1");
+  e = ecfg;
+  e.call_tokens = -1;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT, "call_tokens -1");
+  CHECK(strstr(moelink_last_error(), "call_tokens") != NULL, "the message names call_tokens: %s",
+        moelink_last_error());
   e = ecfg;
   e.moe.top_k = 0;
   CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT, "moe.top_k 0");

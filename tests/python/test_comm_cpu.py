@@ -504,6 +504,7 @@ def test_ep_forward_matches_single_rank():
             assert ep.local_experts == El and ep.first_expert == R * El, (ep.first_expert,)
             assert ep.num_experts == E and ep.dtype == "f32" and ep.workspace_size() > 0
             assert ep.recv_capacity == (recv_capacity or max_tokens * min(P, cfg["top_k"]))
+            assert ep.call_tokens == max_tokens  # 0 resolves to max_tokens
             assert ep.config["router"] == "sigmoid" and ep.config["shared_gate"]
             f = ep.first_expert
             ep.set_weights(router=W["router"], correction_bias=W["correction_bias"],

@@ -23,8 +23,9 @@
  *                    bytes, then the scales), turned back into `rows` by
  *                    the receive kernel
  *
- * A forward (T <= max_tokens tokens on this rank; the call number counts
- * forwards, in device memory):
+ * A forward runs ceil(call_tokens / max_tokens) steps, every rank the same
+ * (a rank out of tokens takes part with none); a step (T <= max_tokens
+ * tokens on this rank; the call number counts steps, in device memory):
  *  1. route (the router kernel, on this rank's scratch);
  *  2. push each token's row and meta into every rank that owns one of its
  *     experts (once per rank); the last CTA signals each destination ARRIVE;
@@ -52,8 +53,7 @@
  *
  * Memory: the two layers' workspaces, the symmetric buffer and the scratch
  * below, all from the config (cap = n * max_tokens rows: every source's
- * whole step fits, whatever the routing). This first CUDA version takes one
- * step per call: T <= max_tokens (recv_capacity is not needed). */
+ * whole step fits, whatever the routing; recv_capacity is not needed). */
 #include "ep/ep.h"
 
 #include "cuda/cuda.h"
@@ -324,22 +324,29 @@ static moelink_status_t ml_epc_aligned(const char *what, const void *p, int rank
   return MOELINK_SUCCESS;
 }
 
+/* Steps of max_tokens tokens: ceil(call_tokens / max_tokens) of them on every
+ * rank (the front end refused num_tokens > call_tokens), so that all ranks
+ * run the same exchanges without learning each other's counts on the host;
+ * a rank out of tokens takes part with none. */
 static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_tokens, void *out,
                                        void *stream) {
   ml_epc *w = (ml_epc *)ep->impl;
-  if (num_tokens > ep->cfg.moe.max_tokens)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "ep_forward (cuda): %d tokens on rank %d; this version takes at most "
-                   "max_tokens %d per call (split the batch; every rank must make the same "
-                   "number of calls)",
-                   num_tokens, ep->comm->rank, ep->cfg.moe.max_tokens);
+  const int M = ep->cfg.moe.max_tokens;
+  const int steps = (ep->cfg.call_tokens + M - 1) / M;
   if (num_tokens > 0) {
     ML_TRY(ml_epc_aligned("x", x, ep->comm->rank));
     ML_TRY(ml_epc_aligned("out", out, ep->comm->rank));
   }
+  const size_t row = (size_t)ep->cfg.moe.hidden * moelink_dtype_size(ep->cfg.moe.dtype);
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
-  moelink_status_t s = ml_epc_forward_inner(ep, w, x, num_tokens, out, (cudaStream_t)stream);
+  moelink_status_t s = MOELINK_SUCCESS;
+  for (int i = 0; i < steps && s == MOELINK_SUCCESS; ++i) {
+    const int64_t t0 = (int64_t)i * M, left = num_tokens - t0;
+    const int T = left <= 0 ? 0 : left < M ? (int)left : M;
+    s = ml_epc_forward_inner(ep, w, T ? (const char *)x + (size_t)t0 * row : NULL, T,
+                             T ? (char *)out + (size_t)t0 * row : NULL, (cudaStream_t)stream);
+  }
   return ml_cuda_leave(ep->comm->ctx, prev, s);
 }
 
