@@ -31,6 +31,10 @@ MOELINK_PARAM(DECODE_PDL, 1)
  * mixtral-8x7b T = 1 240.8 -> 225.2, deepseek-v3 T = 1 298.4 -> 289.1,
  * T = 8..128 within 1% (4 before). */
 MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
+/* Measurements only: a K split count for every decode launch whose caller
+ * left opts.splits at 0 (0: the policy). A launch whose scratch is too small
+ * for it fails with a message. */
+MOELINK_PARAM(DECODE_SPLITS, 0)
 
 /* A split streams at least this many 64-wide k tiles (128 weight rows x 256
  * columns = 64 KiB), and there are at most this many splits. */
@@ -227,7 +231,8 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   const int mb = mld_mblocks(swiglu, n);
   const int ktiles = mld_ceil_div(k, fp8 ? MLD_ROW_BYTES : MLD_BK);
   int kt_per = 0;
-  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, o->splits, &kt_per);
+  const int forced = o->splits > 0 ? o->splits : (int)ml_param_DECODE_SPLITS();
+  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, forced, &kt_per);
   if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
   const int64_t ctas = (int64_t)passes * mb * splits;
   if (ctas > INT_MAX)
