@@ -116,9 +116,11 @@ fi
 # the same rows; dispatch and combine timed on their own; the sequential pieces.
 if want ep && [ "$NGPU" -ge 2 ]; then
   log "bench ep (2 ranks)"
-  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
+  # EP_ARGS: options of this run (e.g. --tokens 128,4096 --steps 8); EP_QUANT: the dispatch
+  # formats of the runs after it (default fp8 mxfp8; "" for none).
+  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep ${EP_ARGS:-} \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
-  for q in fp8 mxfp8; do
+  for q in ${EP_QUANT-fp8 mxfp8}; do
     log "bench ep, rows dispatched as $q"
     ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
       --tokens 128,4096 --dispatch-quant $q --json "$OUT/json/bench_ep_$q.json" 2>&1 |

@@ -47,6 +47,7 @@ typedef struct be_opts {
   uint64_t seed;
   const char *json;
   moelink_quant_t quant; /* --dispatch-quant */
+  int steps;             /* --steps: also a layer of max_tokens ceil(T / steps) */
 } be_opts;
 
 /* One T. Times are the slowest rank's median, us. */
@@ -56,6 +57,8 @@ typedef struct be_row {
   double disp_us, comb_us, dc_us;         /* pieces: dispatch, combine, both */
   double nccl_disp_us, nccl_comb_us;
   double seq_us, experts_us;              /* dispatch; local experts; combine */
+  double steps_us;        /* --steps: moelink_ep_forward in that many steps */
+  int step_tokens;        /* their max_tokens (0: not run) */
   double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
   double dispatch_rows;   /* sent per rank, the most over ranks */
   double combine_rows;
@@ -80,7 +83,9 @@ static const char be_help_text[] =
     "  Then the exchanges alone: moelink_ep_dispatch and moelink_ep_combine, each timed,\n"
     "  with the bandwidth of the token rows a rank sends (beside NCCL's two phases), and\n"
     "  the sequential layer: dispatch, this rank's experts (moelink_moe_plan + _experts\n"
-    "  on the received rows, timed alone), combine.\n"
+    "  on the received rows, timed alone), combine. With --steps S > 1, also\n"
+    "  moelink_ep_forward of a layer with max_tokens ceil(T / S) and call_tokens T: the\n"
+    "  same call in S steps, in 1/S of the receive memory (chunked mode).\n"
     "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
     "  --preset NAME          (default cuda: deepseek-v3 (H 7168, I 2048, E 256, k 8,\n"
     "                         sigmoid, 4 of 8 groups, shared expert 2048); cpu: a small\n"
@@ -94,6 +99,8 @@ static const char be_help_text[] =
     "  --warmup N             untimed iterations first (default cuda 3, cpu 1)\n"
     "  --threads N            CPU threads per rank (cpu; default cores / ranks)\n"
     "  --seed S               weights and inputs generator seed (default 1)\n"
+    "  --steps S              also time the layer in S steps of ceil(T / S) tokens (default 1:\n"
+    "                         not)\n"
     "  --dispatch-quant none|fp8|mxfp8   how token rows travel to the experts' ranks\n"
     "                         (default none: the layer's dtype; fp8: e4m3 + an fp32 scale\n"
     "                         per 128 elements; mxfp8: e4m3 + an e8m0 scale per 32)\n"
@@ -154,6 +161,8 @@ static void be_parse(int argc, char **argv, be_opts *o) {
       o->seed = (uint64_t)cli_int_arg(name, val, 0);
     } else if (IS("--json")) {
       o->json = val;
+    } else if (IS("--steps")) {
+      o->steps = cli_int_arg(name, val, 1);
     } else if (IS("--dispatch-quant")) {
       if (strcmp(val, "none") == 0)
         o->quant = MOELINK_QUANT_NONE;
@@ -224,6 +233,7 @@ enum {
   BE_V_PIECES,
   BE_V_SEQ,
   BE_V_NCCL,
+  BE_V_STEPS,
   BE_NV
 };
 #define BE_SEGS 3
@@ -233,6 +243,7 @@ typedef struct be_case {
   size_t row;             /* bytes of a token row */
   size_t drow;            /* bytes of a dispatched row (quantized: H + scales) */
   moelink_ep_t ep;
+  moelink_ep_t ep_steps;  /* --steps: the same layer in steps (NULL: not run) */
   moelink_moe_t single;
   moelink_moe_t local;    /* this rank's experts, max_tokens = the receive capacity */
   void *x_all, *out_all;  /* [n*T, H]; this rank's EP x is its slice of x_all */
@@ -274,10 +285,11 @@ static void be_dispatch(cli_world *w, be_case *c, moelink_ep_recv_t *recv) {
 
 static void be_call(cli_world *w, be_case *c, int variant, be_clock *k) {
   moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
-  if (variant == BE_V_EP) {
+  if (variant == BE_V_EP || variant == BE_V_STEPS) {
     CLI_CALL("moelink_ep_forward",
-             moelink_ep_forward(c->ep, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
-                                c->T, c->out, w->stream));
+             moelink_ep_forward(variant == BE_V_EP ? c->ep : c->ep_steps,
+                                (const char *)c->x_all + (size_t)c->me * c->T * c->row, c->T,
+                                c->out, w->stream));
   } else if (variant == BE_V_SINGLE) {
     CLI_CALL("moelink_moe_forward",
              moelink_moe_forward(c->single, c->x_all, c->n * c->T, c->out_all, w->stream));
@@ -442,6 +454,15 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   lw.gate_up = (const char *)L->w.gate_up + (size_t)first * 2 * I * H * es;
   lw.down = (const char *)L->w.down + (size_t)first * H * I * es;
   CLI_CALL("moelink_ep_set_weights", moelink_ep_set_weights(c.ep, &lw));
+  const int step_tokens = o->steps > 1 && T > 1 ? (T + o->steps - 1) / o->steps : 0;
+  if (step_tokens) {
+    moelink_ep_config_t scfg_ep = ecfg;
+    scfg_ep.moe.max_tokens = step_tokens;
+    scfg_ep.call_tokens = T;
+    scfg_ep.recv_capacity = w->nranks * step_tokens;
+    CLI_CALL("moelink_ep_create (steps)", moelink_ep_create(w->comm, &scfg_ep, &c.ep_steps));
+    CLI_CALL("moelink_ep_set_weights (steps)", moelink_ep_set_weights(c.ep_steps, &lw));
+  }
 
   moelink_moe_config_t scfg = *base;
   scfg.max_tokens = c.n * T;
@@ -528,6 +549,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   be_time(w, &c, BE_V_EP, o, t[BE_V_EP]);
   be_time(w, &c, BE_V_PIECES, o, t[BE_V_PIECES]);
   be_time(w, &c, BE_V_SEQ, o, t[BE_V_SEQ]);
+  if (c.ep_steps) be_time(w, &c, BE_V_STEPS, o, t[BE_V_STEPS]);
   CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
   be_time(w, &c, BE_V_SINGLE, o, t[BE_V_SINGLE]);
 #if CLI_WORLD_GPU
@@ -575,6 +597,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   row->nccl_us = BE_W(BE_V_NCCL, 0);
   row->nccl_disp_us = BE_W(BE_V_NCCL, 1);
   row->nccl_comb_us = BE_W(BE_V_NCCL, 2);
+  row->steps_us = BE_W(BE_V_STEPS, 0);
+  row->step_tokens = step_tokens;
 #undef BE_W
 
   free(c.disp);
@@ -589,6 +613,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.local));
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
+  CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep_steps));
 }
 
 /* ---- output ------------------------------------------------------------------ */
@@ -683,6 +708,11 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "nccl_combine_GBps", cuda ? cb / (r->nccl_comb_us * 1e-6) / 1e9 : NAN);
     cli_json_field(f, "sequential_us", r->seq_us);
     cli_json_field(f, "experts_us", r->experts_us);
+    if (r->step_tokens) {
+      fprintf(f, ", \"step_tokens\": %d", r->step_tokens);
+      cli_json_field(f, "steps_us", r->steps_us);
+      cli_json_field(f, "steps_throughput_of_ep", r->ep_us / r->steps_us);
+    }
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
   fprintf(f, "  ]\n}\n");
@@ -779,6 +809,18 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       printf(" %11.1f %7.1f", r->comb_us, cb / r->comb_us * 1e-3);
       if (cuda) printf(" %10.1f %7.1f", r->nccl_comb_us, cb / r->nccl_comb_us * 1e-3);
       printf(" %9.1f %11.1f %11.1f\n", r->dc_us, r->seq_us, r->experts_us);
+    }
+    if (o.steps > 1) {
+      printf("\nchunked (--steps %d): moelink_ep_forward of T tokens in steps of max_tokens "
+             "ceil(T / %d) (receive memory 1/%d of one step's), throughput against one step\n",
+             o.steps, o.steps, o.steps);
+      printf("%7s %11s %11s %11s %9s\n", "T", "step_tok", "ep_us", "steps_us", "kept");
+      for (int i = 0; i < o.ntokens; ++i) {
+        const be_row *r = &rows[i];
+        if (r->step_tokens)
+          printf("%7d %11d %11.1f %11.1f %8.1f%%\n", r->tokens, r->step_tokens, r->ep_us,
+                 r->steps_us, 100.0 * r->ep_us / r->steps_us);
+      }
     }
     fflush(stdout);
   }

@@ -16,7 +16,7 @@ if os.path.exists(path):
 tokens = [16, 37]
 cmd = [exe, "launch", "-n", "2", "--timeout", "120", "--", exe, "bench", "ep",
        "--backend", "cpu", "--tokens", ",".join(map(str, tokens)), "--iters", "2",
-       "--json", path]
+       "--steps", "3", "--json", path]
 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=180)
 sys.stdout.write(p.stdout)
 sys.stderr.write(p.stderr)
@@ -44,6 +44,9 @@ for r in d["rows"]:
     assert r["flops_per_rank"] >= 2 * T * k * 3 * H * c["inter"], r
     tf = r["flops_per_rank"] / (r["ep_us"] * 1e-6) / 1e12
     assert abs(tf - r["ep_TFLOPs"]) <= 1e-3 * tf + 1e-12, (r, tf)
+    # --steps 3: the same call in steps of ceil(T / 3) tokens
+    assert r["step_tokens"] == (T + 2) // 3 and r["steps_us"] > 0, r
+    assert abs(r["steps_throughput_of_ep"] - r["ep_us"] / r["steps_us"]) <= 1e-3, r
 
 p = subprocess.run([exe, "bench", "ep", "--backend", "cpu"], stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE, text=True, timeout=60,
