@@ -13,7 +13,10 @@
  * outputs poisoned with NaN bytes and guarded past their end before each
  * call, a second call giving the same bits, gemm_ar bitwise the same on every
  * rank, 200 back-to-back calls of random ops, dtypes and shapes, each op
- * captured in a CUDA graph and replayed with new inputs, M = N = K = 8192 for
+ * captured in a CUDA graph and replayed with new inputs; gemm_ar at decode
+ * sizes (the fused kernel: m <= 16, n and k multiples of 64, and its
+ * neighbours that are not), 120 back-to-back such calls mixing both paths,
+ * two of them in graphs; M = N = K = 8192 for
  * each op against cuBLAS + NCCL (relative L2), and the argument errors.
  *
  *   moelink launch -n 2 -- mgpu_test_tp */
@@ -315,9 +318,12 @@ typedef struct stress_call {
 static uint64_t stress_seed_a(int r, int d) { return mg_seed(r, 9000 + d); }
 static uint64_t stress_seed_b(int r, int d) { return mg_seed(r, 9100 + d); }
 
-static void run_stress(moelink_tp_t tp[2]) {
+/* decode: gemm_ar only, up to 20 rows, n and k mostly multiples of 64 (the
+ * fused kernel) and otherwise the GEMM + low-latency exchange: the two share
+ * the tp's cells and call count, in any order. */
+static void run_stress(moelink_tp_t tp[2], int decode) {
   static const moelink_dtype_t dts[2] = {MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
-  const int calls = 200, max_f = 48, max_nk = 160;
+  const int calls = decode ? 120 : 200, max_f = decode ? 20 : 48, max_nk = decode ? 512 : 160;
   const size_t a_elems = (size_t)W.size * max_f * max_nk, b_elems = (size_t)max_nk * max_nk;
   void *a[2], *b[2];
   for (int d = 0; d < 2; ++d) {
@@ -327,7 +333,7 @@ static void run_stress(moelink_tp_t tp[2]) {
     fill(dts[d], b[d], b_elems, stress_seed_b(W.rank, d));
   }
   stress_call *cs = (stress_call *)mg_host(sizeof *cs * (size_t)calls);
-  uint64_t st = 8; /* the same on every rank: they must issue the same calls */
+  uint64_t st = decode ? 18 : 8; /* the same on every rank: they must issue the same calls */
   size_t total = 0;
   for (int i = 0; i < calls; ++i) {
     stress_call *q = &cs[i];
@@ -337,6 +343,14 @@ static void run_stress(moelink_tp_t tp[2]) {
                           : W.size * (1 + (int)(mg_next(&st) % (uint64_t)max_f));
     q->n = 1 + (int)(mg_next(&st) % (uint64_t)max_nk);
     q->k = 1 + (int)(mg_next(&st) % (uint64_t)max_nk);
+    if (decode) {
+      q->op = OP_AR;
+      q->m = 1 + (int)(mg_next(&st) % (uint64_t)max_f);
+      if (mg_next(&st) % 4 != 0) {
+        q->n = 64 * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / 64)));
+        q->k = 64 * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / 64)));
+      }
+    }
     q->out_bytes = (size_t)c_rows(q->op, q->m) * q->n * 2;
     q->out_off = total;
     total += (q->out_bytes + 255) / 256 * 256;
@@ -355,7 +369,8 @@ static void run_stress(moelink_tp_t tp[2]) {
             moelink_status_string(s), moelink_last_error());
   }
   sync_stream();
-  CHECK(enq_fail == 0, "stress: %d calls enqueued back to back (%.3f s)", calls, mg_now() - t0);
+  CHECK(enq_fail == 0, "stress%s: %d calls enqueued back to back (%.3f s)", decode ? " (decode)" : "",
+        calls, mg_now() - t0);
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "stress: moelink_comm_check");
   char *h = (char *)to_host(out, total);
   /* One input set per dtype (the a and b of a call are prefixes of the
@@ -366,14 +381,16 @@ static void run_stress(moelink_tp_t tp[2]) {
     inputs in;
     make_inputs(&in, q->op, dts[q->dti], q->m, q->n, q->k, stress_seed_a, stress_seed_b, q->dti);
     char what[160];
-    snprintf(what, sizeof what, "stress call %d: %s %s m %d n %d k %d", i, op_name[q->op],
+    snprintf(what, sizeof what, "stress%s call %d: %s %s m %d n %d k %d",
+             decode ? " (decode)" : "", i, op_name[q->op],
              moelink_dtype_name(dts[q->dti]), q->m, q->n, q->k);
     if (check_exact(what, &in, q->op, dts[q->dti], q->m, q->n, q->k, h + q->out_off, 1, 1))
       ++failed;
     free_inputs(&in);
     if (failed > 4) break;
   }
-  CHECK(failed == 0, "stress: every one of %d calls matches the fp64 reference", calls);
+  CHECK(failed == 0, "stress%s: every one of %d calls matches the fp64 reference",
+        decode ? " (decode)" : "", calls);
   free(h);
   free(cs);
   cudaFree(out);
@@ -387,9 +404,8 @@ static void run_stress(moelink_tp_t tp[2]) {
 
 /* One call of op captured, then replayed three times with new inputs written
  * into the same buffers (outside the graph), an eager call after each. */
-static void run_graph(moelink_tp_t tp, int op) {
+static void run_graph(moelink_tp_t tp, int op, int m, int n, int k) {
   const moelink_dtype_t dt = MOELINK_DTYPE_BF16;
-  const int m = W.size * 65, n = 385, k = 257;
   const size_t an = (size_t)a_rows(op, m) * k, bn = (size_t)n * k, cn = (size_t)c_rows(op, m) * n;
   void *a = mg_dev(an * 2), *b = mg_dev(bn * 2), *c = mg_dev(cn * 2), *e = mg_dev(cn * 2);
   fill(dt, a, an, seed_a(W.rank, g_case));
@@ -540,12 +556,29 @@ int main(void) {
     }
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "odd shapes: moelink_comm_check");
   ml_t_diag("odd shapes done in %.1f s", mg_now() - t0);
-  run_stress(small);
+  run_stress(small, 0);
   ml_t_diag("stress done in %.1f s", mg_now() - t0);
-  for (int op = 0; op < 3; ++op) run_graph(small[0], op);
+  for (int op = 0; op < 3; ++op) run_graph(small[0], op, W.size * 65, 385, 257);
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "graphs: moelink_comm_check");
   ml_t_diag("graphs done in %.1f s", mg_now() - t0);
   for (int d = 0; d < 2; ++d) CHECK_OK(moelink_tp_destroy(small[d]), "moelink_tp_destroy");
+
+  /* Decode sizes of gemm_ar: up to 16 rows with n and k multiples of 64 take
+   * the fused kernel, the rest the GEMM + low-latency exchange. */
+  static const int dec[][3] = {{1, 8192, 4096}, {16, 8192, 4096}, {5, 192, 1088}, {16, 64, 64},
+                               {9, 1024, 320},  {8, 576, 128},    {17, 1024, 320}, {3, 1000, 64}};
+  moelink_tp_t dtp[2];
+  for (int d = 0; d < 2; ++d) {
+    dtp[d] = make_tp(dts[d], 32, 8192, 4096);
+    for (size_t i = 0; i < sizeof dec / sizeof dec[0]; ++i)
+      run_case(dtp[d], OP_AR, dts[d], dec[i][0], dec[i][1], dec[i][2]);
+  }
+  run_stress(dtp, 1);
+  run_graph(dtp[0], OP_AR, 16, 1024, 512);
+  run_graph(dtp[0], OP_AR, 1, 8192, 4096);
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "decode sizes: moelink_comm_check");
+  for (int d = 0; d < 2; ++d) CHECK_OK(moelink_tp_destroy(dtp[d]), "moelink_tp_destroy (decode)");
+  ml_t_diag("decode sizes done in %.1f s", mg_now() - t0);
   moelink_tp_t large = make_tp(MOELINK_DTYPE_BF16, 8192, 8192, 8192);
   for (int op = 0; op < 3; ++op) run_large(large, op);
   CHECK_OK(moelink_tp_destroy(large), "moelink_tp_destroy (large)");

@@ -52,6 +52,10 @@ MOELINK_PARAM(TP_LT_ALGO, 0)
 
 /* 1: the one-shot exchange is launched while the GEMM drains (PDL). */
 MOELINK_PARAM(TP_AR_PDL, 1)
+/* 1: gemm_ar of at most ML_TPC_FUSED_MAX_M rows (n, k multiples of 64) runs
+ * as one kernel with the exchange inside (gemm_ar_fused.cu); 0: the GEMM,
+ * then the low-latency all-reduce. */
+MOELINK_PARAM(TP_AR_FUSED, 1)
 
 
 typedef struct ml_tpc {
@@ -357,6 +361,9 @@ static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, con
   const moelink_dtype_t dt = tp->cfg.dtype;
   const size_t es = moelink_dtype_size(dt);
   const size_t bytes = (size_t)m * (size_t)n * es;
+  if (t->ll_bytes > 0 && ml_param_TP_AR_FUSED() != 0 &&
+      ml_tpc_fused_ar_takes(dt, a, b, c, m, n, k, t->ll.max_words))
+    return ml_tpc_fused_ar(&t->ll, &t->sync.dc, dt, a, b, c, m, n, k, t->sms, st);
   if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);
   ML_TRY(ml_tpc_begin(&t->sync, st));
   ml_tpc_pass p = ml_tpc_pass_none();

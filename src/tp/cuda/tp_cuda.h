@@ -25,6 +25,7 @@
 #ifndef MOELINK_TP_CUDA_H
 #define MOELINK_TP_CUDA_H
 
+#include "comm/cuda/comm_cuda.h"
 #include "moelink_device.cuh"
 
 #include <cuda_runtime_api.h>
@@ -90,6 +91,18 @@ moelink_status_t ml_tpc_run_pass(const ml_tpc_sync *s, moelink_dtype_t dt,
  * tensor-core engines do not take (n or k not a multiple of 8). */
 moelink_status_t ml_tpc_gemm_simple(moelink_dtype_t dt, const void *a, const void *b, void *out,
                                     int rows, int n, int k, cudaStream_t stream);
+
+/* gemm_ar of up to ML_TPC_FUSED_MAX_M rows in one kernel (gemm_ar_fused.cu):
+ * the GEMM streams b with the exchange of each finished 64-column block
+ * through the tp's low-latency cells (ll) inside it. Takes bf16 / f16, n
+ * and k multiples of 64, 16-byte aligned pointers and outputs of at most
+ * ll_words 4-byte words; ml_tpc_fused_ar_takes says whether a call fits. */
+#define ML_TPC_FUSED_MAX_M 16
+int ml_tpc_fused_ar_takes(moelink_dtype_t dt, const void *a, const void *b, const void *c, int m,
+                          int n, int k, size_t ll_words);
+moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_t *dc,
+                                 moelink_dtype_t dt, const void *a, const void *b, void *c, int m,
+                                 int n, int k, int sms, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
