@@ -4,8 +4,8 @@
  * The GEMM streams the weights: the MMA's M side is 64 rows of b (output
  * columns) per block, its N side the m <= 16 rows of a, and K is not split,
  * so a block's 64 x m partial is complete in its CTA. A cp.async ring of
- * ML_GAR_STAGES stages of 64 k keeps ~120 KiB of weights in flight per SM
- * (one CTA per SM). As soon as a block is done, its partial, rounded to the
+ * 120 KiB (stages of 64, 128 or 256 k) keeps ~100 KiB of weights in flight
+ * per SM (one CTA per SM). As soon as a block is done, its partial, rounded to the
  * dtype, goes to every peer through the low-latency cells of the tp
  * (comm/cuda/ll.cuh: each 4-byte word with the call's flag in one 8-byte
  * store), and the CTA sums the block's words of every rank in rank order
@@ -32,16 +32,25 @@
 
 #define ML_GAR_THREADS 128
 #define ML_GAR_BM 64 /* rows of b (output columns) a block: 4 warps x 16 */
-#define ML_GAR_BK 64 /* k a stage: 128-byte rows */
-#define ML_GAR_ROW 128
-#define ML_GAR_STAGES 12
-#define ML_GAR_W_BYTES (ML_GAR_BM * ML_GAR_ROW)
-#define ML_GAR_X_BYTES (ML_TPC_FUSED_MAX_M * ML_GAR_ROW)
-#define ML_GAR_STAGE_BYTES (ML_GAR_W_BYTES + ML_GAR_X_BYTES)
-#define ML_GAR_SMEM (ML_GAR_STAGES * ML_GAR_STAGE_BYTES)
+#define ML_GAR_RING (120 * 1024) /* bytes of the cp.async ring */
+#define ML_GAR_POLL 4            /* words a thread fetches at once while summing */
+
+/* Tiles of a stage of BK k: 64 rows of b and 16 rows of a, BK * 2 bytes
+ * each; as many stages as fit the ring. */
+template <int BK> struct ml_gar_tile {
+  static constexpr int ROW = BK * 2;
+  static constexpr int W_BYTES = ML_GAR_BM * ROW;
+  static constexpr int X_BYTES = ML_TPC_FUSED_MAX_M * ROW;
+  static constexpr int STAGE = W_BYTES + X_BYTES;
+  static constexpr int STAGES = ML_GAR_RING / STAGE;
+  static constexpr int SMEM = STAGES * STAGE;
+  static_assert(STAGES >= 3, "a ring of at least three stages");
+  static_assert(W_BYTES % (16 * ML_GAR_THREADS) == 0 && X_BYTES % (16 * ML_GAR_THREADS) == 0,
+                "whole 16-byte chunks per thread");
+};
 
 static_assert(ML_TPC_FUSED_MAX_M == 16, "one ldmatrix.x4 of a rows: two n8 fragments");
-static_assert(ML_GAR_BM * ML_TPC_FUSED_MAX_M * 2 <= ML_GAR_SMEM, "partial tile overlays the ring");
+static_assert(ML_GAR_BM * ML_TPC_FUSED_MAX_M * 2 <= ML_GAR_RING, "partial tile overlays the ring");
 
 typedef struct ml_gar_args {
   const char *a, *b;
@@ -55,49 +64,58 @@ typedef struct ml_gar_args {
   moelink_device_comm_t dc;
 } ml_gar_args;
 
+/* Byte offset of 16-byte chunk ch of tile row r: the low three chunk bits
+ * XOR the row's (ldmatrix reads of 8 rows hit 8 different bank groups). */
+template <int BK> static __device__ __forceinline__ uint32_t ml_gar_at(int r, int ch) {
+  return (uint32_t)(r * ml_gar_tile<BK>::ROW + ((ch ^ (r & 7)) << 4));
+}
+
 /* Stage s of block n0 into ring slot `slot`: 64 rows of b and the m rows of
- * a (rows past m zero), k [s * 64, s * 64 + 64). 16-byte chunk q of row r
- * lands at chunk q ^ (r & 7): ldmatrix reads conflict-free. */
+ * a (rows past m zero), k [s * BK, s * BK + BK). */
+template <int BK>
 static __device__ __forceinline__ void ml_gar_load(const ml_gar_args &p, uint32_t slot, int n0,
                                                    int s) {
+  typedef ml_gar_tile<BK> T;
+  constexpr int CH = T::ROW / 16; /* chunks a row */
   const int t = (int)threadIdx.x;
-  const size_t kb = (size_t)p.k * 2, k0 = (size_t)s * ML_GAR_ROW;
+  const size_t kb = (size_t)p.k * 2, k0 = (size_t)s * T::ROW;
 #pragma unroll
-  for (int i = 0; i < ML_GAR_W_BYTES / 16 / ML_GAR_THREADS; ++i) {
-    const int q = t + i * ML_GAR_THREADS, r = q >> 3, ch = q & 7;
-    ml_cp_async16(slot + (uint32_t)(r * ML_GAR_ROW + ((ch ^ (r & 7)) << 4)),
-                  p.b + (size_t)(n0 + r) * kb + k0 + (size_t)ch * 16, 16);
+  for (int i = 0; i < T::W_BYTES / 16 / ML_GAR_THREADS; ++i) {
+    const int q = t + i * ML_GAR_THREADS, r = q / CH, ch = q % CH;
+    ml_cp_async16(slot + ml_gar_at<BK>(r, ch), p.b + (size_t)(n0 + r) * kb + k0 + (size_t)ch * 16,
+                  16);
   }
-  static_assert(ML_GAR_X_BYTES / 16 == ML_GAR_THREADS, "one a chunk per thread");
-  const int r = t >> 3, ch = t & 7;
-  const int ok = r < p.m;
-  ml_cp_async16(slot + ML_GAR_W_BYTES + (uint32_t)(r * ML_GAR_ROW + ((ch ^ (r & 7)) << 4)),
-                p.a + (ok ? (size_t)r * kb + k0 + (size_t)ch * 16 : 0), ok ? 16 : 0);
+#pragma unroll
+  for (int i = 0; i < T::X_BYTES / 16 / ML_GAR_THREADS; ++i) {
+    const int q = t + i * ML_GAR_THREADS, r = q / CH, ch = q % CH;
+    const int ok = r < p.m;
+    ml_cp_async16(slot + T::W_BYTES + ml_gar_at<BK>(r, ch),
+                  p.a + (ok ? (size_t)r * kb + k0 + (size_t)ch * 16 : 0), ok ? 16 : 0);
+  }
 }
 
 /* acc[f] (n8 fragment f: a rows 8f .. 8f + 7) += this warp's 16 rows of b x
- * the stage's a rows, four k16 steps. */
-template <int DT>
+ * the stage's a rows, BK / 16 k16 steps. */
+template <int DT, int BK>
 static __device__ __forceinline__ void ml_gar_compute(uint32_t slot, float (*acc)[4], int two) {
+  typedef ml_gar_tile<BK> T;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
-  const uint32_t ar = slot + (uint32_t)(warp * 16 + (lane & 15)) * ML_GAR_ROW;
-  const uint32_t xr = slot + ML_GAR_W_BYTES + (uint32_t)((lane & 7) + ((lane >> 4) << 3)) * ML_GAR_ROW;
-  const int a_x = (lane >> 4) ^ (lane & 7);
-  const int b_x = ((lane >> 3) & 1) ^ (lane & 7);
+  const int ra = warp * 16 + (lane & 15), rx = (lane & 7) + ((lane >> 4) << 3);
 #pragma unroll
-  for (int kk = 0; kk < ML_GAR_BK / 16; ++kk) {
+  for (int kk = 0; kk < BK / 16; ++kk) {
     uint32_t af[4], t[4];
-    ml_ldmatrix_x4(ar + (uint32_t)(((2 * kk) ^ a_x) << 4), af);
-    ml_ldmatrix_x4(xr + (uint32_t)(((2 * kk) ^ b_x) << 4), t);
+    ml_ldmatrix_x4(slot + ml_gar_at<BK>(ra, 2 * kk + (lane >> 4)), af);
+    ml_ldmatrix_x4(slot + T::W_BYTES + ml_gar_at<BK>(rx, 2 * kk + ((lane >> 3) & 1)), t);
     const uint32_t b0[2] = {t[0], t[1]}, b1[2] = {t[2], t[3]};
     ml_mma_16816<DT>(acc[0], af, b0);
     if (two) ml_mma_16816<DT>(acc[1], af, b1);
   }
 }
 
-template <int DT>
+template <int DT, int BK>
 __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
     ml_gar_kernel(const __grid_constant__ ml_gar_args p) {
+  typedef ml_gar_tile<BK> T;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t ring = ml_smem_u32(smem);
   const int me = p.dc.rank, nr = p.dc.nranks;
@@ -107,25 +125,24 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
   const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
   const uint32_t flag = (uint32_t)e;
   const size_t half = (size_t)(e & 1) * p.par_cells;
-  const int nk = p.k / ML_GAR_BK, blocks = p.n / ML_GAR_BM, two = p.m > 8;
+  const int nk = p.k / BK, blocks = p.n / ML_GAR_BM, two = p.m > 8;
   int ok = 1;
 
   for (int blk = (int)blockIdx.x; blk < blocks; blk += (int)gridDim.x) {
     const int n0 = blk * ML_GAR_BM;
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int s = 0; s < ML_GAR_STAGES - 1; ++s) {
-      if (s < nk) ml_gar_load(p, ring + (uint32_t)(s * ML_GAR_STAGE_BYTES), n0, s);
+    for (int s = 0; s < T::STAGES - 1; ++s) {
+      if (s < nk) ml_gar_load<BK>(p, ring + (uint32_t)(s * T::STAGE), n0, s);
       ml_cp_async_commit();
     }
     for (int s = 0; s < nk; ++s) {
-      ml_cp_async_wait<ML_GAR_STAGES - 2>();
+      ml_cp_async_wait<T::STAGES - 2>();
       __syncthreads(); /* stage s is in; every thread is done with stage s - 1 */
-      const int nx = s + ML_GAR_STAGES - 1;
-      if (nx < nk)
-        ml_gar_load(p, ring + (uint32_t)((nx % ML_GAR_STAGES) * ML_GAR_STAGE_BYTES), n0, nx);
+      const int nx = s + T::STAGES - 1;
+      if (nx < nk) ml_gar_load<BK>(p, ring + (uint32_t)((nx % T::STAGES) * T::STAGE), n0, nx);
       ml_cp_async_commit();
-      ml_gar_compute<DT>(ring + (uint32_t)((s % ML_GAR_STAGES) * ML_GAR_STAGE_BYTES), acc, two);
+      ml_gar_compute<DT, BK>(ring + (uint32_t)((s % T::STAGES) * T::STAGE), acc, two);
     }
     ml_cp_async_wait<0>();
     __syncthreads(); /* the ring is free: the partial tile overlays it */
@@ -143,7 +160,8 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
       }
     __syncthreads();
 
-    /* Push: the block's words (two columns each) to every peer. */
+    /* Push: the block's words (two columns each) to every peer. Word i of
+     * the block is row i / 32, columns n0 + 2 * (i % 32) and the next. */
     const int words = p.m * (ML_GAR_BM / 2);
     for (int i = (int)threadIdx.x; i < words; i += ML_GAR_THREADS) {
       const int row = i / (ML_GAR_BM / 2), j = i % (ML_GAR_BM / 2);
@@ -155,21 +173,49 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
         ml_ll_store(p.cells[peer] + half + (size_t)me * p.row_cells + w, v);
       }
     }
-    /* Sum in rank order as the words arrive. */
-    for (int i = (int)threadIdx.x; i < words && ok; i += ML_GAR_THREADS) {
-      const int row = i / (ML_GAR_BM / 2), j = i % (ML_GAR_BM / 2);
-      const uint32_t mine = *(const uint32_t *)(tile + row * ML_GAR_BM + 2 * j);
-      const size_t w = ((size_t)row * (size_t)p.n + (size_t)n0) / 2 + (size_t)j;
-      float s2[2] = {0.f, 0.f};
-      for (int src = 0; src < nr && ok; ++src) {
-        const uint32_t d = src == me ? mine
-                                     : ml_ll_poll(&p.dc, p.cells[me] + half +
-                                                             (size_t)src * p.row_cells + w,
-                                                  flag, src, e, &ok);
-        ml_ll_add<DT>(s2, d);
+    /* Sum in rank order as the words arrive; a thread's words (up to
+     * ML_GAR_POLL) are fetched together, then only the late ones polled. */
+    for (int base = (int)threadIdx.x; base < words && ok; base += ML_GAR_POLL * ML_GAR_THREADS) {
+      float s2[ML_GAR_POLL][2];
+      size_t w[ML_GAR_POLL];
+#pragma unroll
+      for (int u = 0; u < ML_GAR_POLL; ++u) {
+        const int i = base + u * ML_GAR_THREADS;
+        s2[u][0] = s2[u][1] = 0.f;
+        w[u] = ((size_t)(i / (ML_GAR_BM / 2)) * (size_t)p.n + (size_t)n0) / 2 +
+               (size_t)(i % (ML_GAR_BM / 2));
       }
-      *(uint32_t *)(p.c + ((size_t)row * (size_t)p.n + (size_t)n0 + 2 * (size_t)j) * 2) =
-          ml_ll_pack<DT>(s2);
+      for (int src = 0; src < nr; ++src) {
+        uint32_t d[ML_GAR_POLL];
+        if (src == me) {
+#pragma unroll
+          for (int u = 0; u < ML_GAR_POLL; ++u) {
+            const int i = base + u * ML_GAR_THREADS;
+            d[u] = i < words ? *(const uint32_t *)(tile + (i / (ML_GAR_BM / 2)) * ML_GAR_BM +
+                                                   2 * (i % (ML_GAR_BM / 2)))
+                             : 0u;
+          }
+        } else {
+          const uint64_t *cells = p.cells[me] + half + (size_t)src * p.row_cells;
+          uint64_t v[ML_GAR_POLL];
+#pragma unroll
+          for (int u = 0; u < ML_GAR_POLL; ++u)
+            v[u] = base + u * ML_GAR_THREADS < words ? ml_ll_load(cells + w[u])
+                                                     : (uint64_t)flag << 32;
+#pragma unroll
+          for (int u = 0; u < ML_GAR_POLL; ++u)
+            d[u] = (uint32_t)(v[u] >> 32) == flag ? (uint32_t)v[u]
+                                                  : ml_ll_poll(&p.dc, cells + w[u], flag, src, e, &ok);
+        }
+#pragma unroll
+        for (int u = 0; u < ML_GAR_POLL; ++u) ml_ll_add<DT>(s2[u], d[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < ML_GAR_POLL; ++u) {
+        const int i = base + u * ML_GAR_THREADS;
+        if (i < words && ok)
+          *(uint32_t *)(p.c + (2 * w[u]) * 2) = ml_ll_pack<DT>(s2[u]);
+      }
     }
     __syncthreads(); /* the tile is read before the next block's loads */
   }
@@ -179,11 +225,21 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
   }
 }
 
+/* k a stage: MOELINK_TP_AR_FUSED_BK (64, 128 or 256) where it divides k,
+ * else the largest of those that does. */
+MOELINK_PARAM(TP_AR_FUSED_BK, 128)
+
+static int ml_gar_bk(int k) {
+  int bk = (int)ml_param_TP_AR_FUSED_BK();
+  if (bk != 64 && bk != 128 && bk != 256) bk = 128;
+  while (bk > 64 && k % bk) bk /= 2;
+  return bk;
+}
+
 extern "C" int ml_tpc_fused_ar_takes(moelink_dtype_t dt, const void *a, const void *b,
                                      const void *c, int m, int n, int k, size_t ll_words) {
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) return 0;
-  if (m < 1 || m > ML_TPC_FUSED_MAX_M || n < ML_GAR_BM || n % ML_GAR_BM || k < ML_GAR_BK ||
-      k % ML_GAR_BK)
+  if (m < 1 || m > ML_TPC_FUSED_MAX_M || n < ML_GAR_BM || n % ML_GAR_BM || k < 64 || k % 64)
     return 0;
   if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) return 0;
   return (size_t)m * (size_t)n / 2 <= ll_words;
@@ -207,14 +263,27 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
-  void (*kernel)(ml_gar_args) =
-      dt == MOELINK_DTYPE_BF16 ? ml_gar_kernel<MOELINK_DTYPE_BF16> : ml_gar_kernel<MOELINK_DTYPE_F16>;
-  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAR_SMEM);
+  const int bk = ml_gar_bk(k);
+  void (*kernel)(ml_gar_args) = NULL;
+  int smem = 0;
+#define ML_GAR_PICK(BK)                                                                    \
+  kernel = dt == MOELINK_DTYPE_BF16 ? ml_gar_kernel<MOELINK_DTYPE_BF16, BK>                 \
+                                    : ml_gar_kernel<MOELINK_DTYPE_F16, BK>;                 \
+  smem = ml_gar_tile<BK>::SMEM
+  if (bk == 256) {
+    ML_GAR_PICK(256);
+  } else if (bk == 128) {
+    ML_GAR_PICK(128);
+  } else {
+    ML_GAR_PICK(64);
+  }
+#undef ML_GAR_PICK
+  cudaError_t err =
+      cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int blocks = n / ML_GAR_BM;
   const int grid = blocks < sms ? blocks : sms; /* one CTA per SM, all resident */
   if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAR_THREADS, ML_GAR_SMEM, stream>>>(p);
+    kernel<<<grid, ML_GAR_THREADS, (size_t)smem, stream>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess)
