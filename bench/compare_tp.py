@@ -8,7 +8,8 @@ One process per GPU, started by moelink's launcher (no torchrun):
 Each rank reads MOELINK_RANK, MOELINK_WORLD_SIZE and MOELINK_LOCAL_RANK, and the
 ranks meet through a file store under /tmp named after MOELINK_UNIQUE_ID (the
 same on every rank of one launch), then run torch.distributed with NCCL. Per
-shape, on bf16 inputs from torch.randn on each rank:
+shape, on bf16 inputs from torch.randn (--init uniform: uniform in [-1, 1), as
+moelink bench tp draws them) on each rank:
 
   gemm   torch.matmul alone on the rank's local problem (the floor)
   seq    that matmul and the torch.distributed collective in sequence:
@@ -76,6 +77,9 @@ def parse_args(argv=None):
                    default=os.environ.get("MOELINK_BENCH_L2_FLUSH") or "read",
                    help="L2 flush by a read (default) or a write of the flush buffer, as for "
                         "moelink bench (MOELINK_BENCH_L2_FLUSH)")
+    p.add_argument("--init", choices=("normal", "uniform"), default="normal",
+                   help="inputs from torch.randn (default) or uniform in [-1, 1) as moelink "
+                        "bench tp's generator draws them")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE", help="rank 0 writes the results here")
     a = p.parse_args(argv)
@@ -222,8 +226,12 @@ def main(argv=None):
             gen.manual_seed(args.seed * 1000003 + 7919 * rank + OPS.index(op))
             a_rows = m // world if op == "ag" else m
             try:
-                a = torch.randn(a_rows, k, generator=gen, device=dev, dtype=dtype)
-                w = torch.randn(n, k, generator=gen, device=dev, dtype=dtype)
+                if args.init == "uniform":
+                    a = (torch.rand(a_rows, k, generator=gen, device=dev) * 2 - 1).to(dtype)
+                    w = (torch.rand(n, k, generator=gen, device=dev) * 2 - 1).to(dtype)
+                else:
+                    a = torch.randn(a_rows, k, generator=gen, device=dev, dtype=dtype)
+                    w = torch.randn(n, k, generator=gen, device=dev, dtype=dtype)
                 if op == "ag":
                     a_full = torch.empty(m, k, device=dev, dtype=dtype)
                     c = torch.empty(m, n, device=dev, dtype=dtype)
@@ -326,6 +334,7 @@ def main(argv=None):
             "nccl": ".".join(str(x) for x in torch.cuda.nccl.version())
             if hasattr(torch.cuda, "nccl") else None,
             "dtype": args.dtype,
+            "init": args.init,
             "dims": args.dims,
             "iters": args.iters,
             "warmup": args.warmup,
