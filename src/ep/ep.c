@@ -28,6 +28,21 @@ moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nran
   return l;
 }
 
+uint64_t ml_ep_config_hash(const moelink_ep_config_t *cfg) {
+  const moelink_moe_config_t *c = &cfg->moe;
+  uint32_t scaling;
+  memcpy(&scaling, &c->routed_scaling, 4);
+  const int64_t f[] = {c->hidden,     c->inter,        c->num_experts,     c->top_k,
+                       c->router,     c->renormalize,  c->n_group,         c->topk_group,
+                       scaling,       c->correction_bias, c->shared_inter, c->shared_gate,
+                       c->dtype,      c->max_tokens,   c->fp8_experts,     cfg->recv_capacity,
+                       cfg->dispatch_quant, cfg->call_tokens};
+  uint64_t h = 1469598103934665603ull;
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; ++i)
+    h = (h ^ (uint64_t)f[i]) * 1099511628211ull;
+  return h;
+}
+
 moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink_moe_t local) {
   if (front) ML_TRY(moelink_moe_set_weights(front, &ep->w));
   moelink_moe_weights_t lw = MOELINK_MOE_WEIGHTS_INIT;

@@ -64,6 +64,11 @@ typedef struct ml_ep_ops {
 moelink_moe_config_t ml_ep_local_config(const moelink_ep_config_t *cfg, int nranks, int max_rows);
 moelink_status_t ml_ep_bind_layers(moelink_ep_t ep, moelink_moe_t front, moelink_moe_t local);
 
+/* A hash of every field of cfg (recv_capacity and call_tokens as resolved):
+ * the ranks compare theirs at create, since ranks with different configs
+ * would mix data or run different steps. */
+uint64_t ml_ep_config_hash(const moelink_ep_config_t *cfg);
+
 const ml_ep_ops *ml_ep_cpu_ops(void);
 /* NULL while there is no CUDA implementation (or no NCCL communicator). */
 const ml_ep_ops *ml_ep_cuda_ops(void);

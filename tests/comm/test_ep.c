@@ -1786,6 +1786,15 @@ static void test_quant_errors(void) {
     CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
                  "dispatch_quant differs between ranks");
     CHECK(ep == NULL, "no layer after a refused create");
+    /* call_tokens differs between ranks: every rank refuses (on CUDA ranks
+     * the steps of a call would differ). */
+    e.dispatch_quant = MOELINK_QUANT_NONE;
+    e.call_tokens = c.max_tokens * (1 + rank);
+    CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_INVALID_ARGUMENT,
+                 "call_tokens differs between ranks");
+    CHECK(ep == NULL && strstr(moelink_last_error(), "differs"), "no layer, and the message: %s",
+          moelink_last_error());
+    e.call_tokens = 0;
   }
   CHECK_STATUS(moelink_ep_dispatch_quantized(NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL),
                MOELINK_ERR_INVALID_ARGUMENT, "dispatch_quantized on NULL");

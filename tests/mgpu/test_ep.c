@@ -649,6 +649,19 @@ static void run_errors(void) {
     CHECK_OK(moelink_ep_destroy(fresh), "ep_destroy (no weights)");
   }
 
+  /* Ranks with different configs (here call_tokens) all refuse the create. */
+  if (W.size > 1) {
+    ecfg.call_tokens = M * (1 + W.rank);
+    moelink_ep_t odd = NULL;
+    const moelink_status_t sc = moelink_ep_create(W.comm, &ecfg, &odd);
+    CHECK(sc == MOELINK_ERR_INVALID_ARGUMENT && odd == NULL &&
+              strstr(moelink_last_error(), "differs"),
+          "ep_create with call_tokens %d on rank %d (different on every rank) -> %s (%s)",
+          ecfg.call_tokens, W.rank, moelink_status_string(sc), moelink_last_error());
+    if (odd) moelink_ep_destroy(odd);
+    ecfg.call_tokens = 0;
+  }
+
   /* More than call_tokens (here max_tokens) on every rank: each takes part
    * with no tokens and says why. */
   int counts[MOELINK_DEVICE_MAX_RANKS];

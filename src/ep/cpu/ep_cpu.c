@@ -180,21 +180,6 @@ static moelink_status_t ml_ep_cpu_size(moelink_comm_t comm, const moelink_ep_con
   return MOELINK_SUCCESS;
 }
 
-static uint64_t ml_ep_hash(const moelink_ep_config_t *cfg) {
-  const moelink_moe_config_t *c = &cfg->moe;
-  uint32_t scaling;
-  memcpy(&scaling, &c->routed_scaling, 4);
-  const int64_t f[] = {c->hidden,     c->inter,        c->num_experts, c->top_k,
-                       c->router,     c->renormalize,  c->n_group,     c->topk_group,
-                       scaling,       c->correction_bias, c->shared_inter, c->shared_gate,
-                       c->dtype,      c->max_tokens,   cfg->recv_capacity,
-                       cfg->dispatch_quant};
-  uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < sizeof f / sizeof f[0]; ++i)
-    h = (h ^ (uint64_t)f[i]) * 1099511628211ull;
-  return h;
-}
-
 static void ml_ep_cpu_fini(moelink_ep_t ep) {
   ml_ep_cpu *w = (ml_ep_cpu *)ep->impl;
   if (!w) return;
@@ -261,7 +246,7 @@ static moelink_status_t ml_ep_cpu_init(moelink_ep_t ep) {
   /* Every rank posts its config's hash (0: it failed above) and reads all:
    * ranks with different configs would mix data (sizes alone may agree), and
    * a rank that failed alone must not leave the others waiting later. */
-  const uint64_t h = s == MOELINK_SUCCESS ? (ml_ep_hash(cfg) | 1) : 0;
+  const uint64_t h = s == MOELINK_SUCCESS ? (ml_ep_config_hash(cfg) | 1) : 0;
   memcpy(w->symm + w->off_hash, &h, 8);
   moelink_status_t b = ml_cpu_barrier(comm);
   if (b != MOELINK_SUCCESS) {
