@@ -237,8 +237,12 @@ static int ml_gar_bk(int k) {
 }
 
 extern "C" int ml_tpc_fused_ar_takes(moelink_dtype_t dt, const void *a, const void *b,
-                                     const void *c, int m, int n, int k, size_t ll_words) {
+                                     const void *c, int m, int n, int k, size_t ll_words,
+                                     int sms) {
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) return 0;
+  /* One block per CTA, every CTA resident: the case measured and tested (a
+   * CTA would take blocks blockIdx.x + i * gridDim.x past that). */
+  if ((int64_t)n > (int64_t)ML_GAR_BM * sms) return 0;
   if (m < 1 || m > ML_TPC_FUSED_MAX_M || n < ML_GAR_BM || n % ML_GAR_BM || k < 64 || k % 64)
     return 0;
   if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) return 0;

@@ -73,11 +73,23 @@ static moelink_status_t ml_tpb_init(ml_tpc_blas *b, size_t ws_bytes) {
                    ws_bytes, cudaGetErrorString(ce));
   }
   b->ws_bytes = ws_bytes;
-  ML_TPB_TRY("cublasCreate", cublasCreate(&b->blas));
+  /* A create that fails leaves its handle NULL here, so that destroy skips it. */
+  cublasStatus_t cs = cublasCreate(&b->blas);
+  if (cs != CUBLAS_STATUS_SUCCESS) {
+    b->blas = NULL;
+    return ml_tpb_fail("cublasCreate", cs);
+  }
   ML_TPB_TRY("cublasSetWorkspace", cublasSetWorkspace(b->blas, b->ws, ws_bytes));
-  ML_TPB_TRY("cublasLtCreate", cublasLtCreate(&b->lt));
-  ML_TPB_TRY("cublasLtMatmulDescCreate",
-             cublasLtMatmulDescCreate(&b->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  cs = cublasLtCreate(&b->lt);
+  if (cs != CUBLAS_STATUS_SUCCESS) {
+    b->lt = NULL;
+    return ml_tpb_fail("cublasLtCreate", cs);
+  }
+  cs = cublasLtMatmulDescCreate(&b->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  if (cs != CUBLAS_STATUS_SUCCESS) {
+    b->desc = NULL;
+    return ml_tpb_fail("cublasLtMatmulDescCreate", cs);
+  }
   const cublasOperation_t opt = CUBLAS_OP_T, opn = CUBLAS_OP_N;
   ML_TPB_TRY("cublasLtMatmulDescSetAttribute",
              cublasLtMatmulDescSetAttribute(b->desc, CUBLASLT_MATMUL_DESC_TRANSA, &opt,
@@ -85,7 +97,11 @@ static moelink_status_t ml_tpb_init(ml_tpc_blas *b, size_t ws_bytes) {
   ML_TPB_TRY("cublasLtMatmulDescSetAttribute",
              cublasLtMatmulDescSetAttribute(b->desc, CUBLASLT_MATMUL_DESC_TRANSB, &opn,
                                             sizeof opn));
-  ML_TPB_TRY("cublasLtMatmulPreferenceCreate", cublasLtMatmulPreferenceCreate(&b->pref));
+  cs = cublasLtMatmulPreferenceCreate(&b->pref);
+  if (cs != CUBLAS_STATUS_SUCCESS) {
+    b->pref = NULL;
+    return ml_tpb_fail("cublasLtMatmulPreferenceCreate", cs);
+  }
   const uint64_t wsb = ws_bytes;
   ML_TPB_TRY("cublasLtMatmulPreferenceSetAttribute",
              cublasLtMatmulPreferenceSetAttribute(b->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -124,9 +140,17 @@ static moelink_status_t ml_tpb_plan(ml_tpc_blas *b, ml_tpb_entry *e, moelink_dty
   const cudaDataType_t ty = dt == MOELINK_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
   /* Column-major view of row-major out = a w^T: out^T [n, rows] = w^T a^T,
    * w stored as [k, n] (ld k) and transposed, a as [k, rows] (ld k). */
-  ML_TPB_TRY("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&e->la, ty, k, n, k));
-  ML_TPB_TRY("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&e->lb, ty, k, rows, k));
-  ML_TPB_TRY("cublasLtMatrixLayoutCreate", cublasLtMatrixLayoutCreate(&e->lc, ty, n, rows, n));
+  cublasLtMatrixLayout_t *l[3] = {&e->la, &e->lb, &e->lc};
+  const int dims[3][3] = {{k, n, k}, {k, rows, k}, {n, rows, n}};
+  for (int i = 0; i < 3; ++i) {
+    const cublasStatus_t cs =
+        cublasLtMatrixLayoutCreate(l[i], ty, (uint64_t)dims[i][0], (uint64_t)dims[i][1],
+                                   (int64_t)dims[i][2]);
+    if (cs != CUBLAS_STATUS_SUCCESS) {
+      *l[i] = NULL;
+      return ml_tpb_fail("cublasLtMatrixLayoutCreate", cs);
+    }
+  }
   cublasLtMatmulHeuristicResult_t res[ML_TPB_ALGOS];
   int got = 0;
   memset(res, 0, sizeof res);

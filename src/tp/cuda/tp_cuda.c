@@ -362,7 +362,7 @@ static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, con
   const size_t es = moelink_dtype_size(dt);
   const size_t bytes = (size_t)m * (size_t)n * es;
   if (t->ll_bytes > 0 && ml_param_TP_AR_FUSED() != 0 &&
-      ml_tpc_fused_ar_takes(dt, a, b, c, m, n, k, t->ll.max_words))
+      ml_tpc_fused_ar_takes(dt, a, b, c, m, n, k, t->ll.max_words, t->sms))
     return ml_tpc_fused_ar(&t->ll, &t->sync.dc, dt, a, b, c, m, n, k, t->sms, st);
   if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);
   ML_TRY(ml_tpc_begin(&t->sync, st));
