@@ -32,8 +32,8 @@ MOELINK_PARAM(DECODE_PDL, 1)
  * T = 8..128 within 1% (4 before). */
 MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
 /* Measurements only: a K split count for every decode launch whose caller
- * left opts.splits at 0 (0: the policy). A launch whose scratch is too small
- * for it fails with a message. */
+ * left opts.splits at 0 (0: the policy); the layers size their split scratch
+ * for it (ml_cuda_decode_scratch). */
 MOELINK_PARAM(DECODE_SPLITS, 0)
 
 /* A split streams at least this many 64-wide k tiles (128 weight rows x 256
@@ -107,12 +107,13 @@ extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_pa
                     &kt_per);
 }
 
-/* Scratch of one launch shape under the policy. */
+/* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS). */
 static void mld_need(int swiglu, int n, int k, int rows, int passes, int sm_count,
                      size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
   int kt_per = 0;
-  const int s = mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count, 0, &kt_per);
+  const int s = mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
+                           (int)ml_param_DECODE_SPLITS(), &kt_per);
   if (s <= 1) return;
   const size_t f = (size_t)s * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
   const size_t t = (size_t)passes * (size_t)mb;
