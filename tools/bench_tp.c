@@ -39,7 +39,9 @@
 static cublasHandle_t bt_blas;
 static cublasLtHandle_t bt_lt;
 static void *bt_lt_ws;
-#define BT_LT_WS_BYTES ((size_t)32 << 20)
+/* The baseline's cuBLASLt workspace: MOELINK_TP_LT_WS_MIB MiB (default 32),
+ * as the library's TP GEMMs use. */
+static size_t bt_lt_ws_bytes = (size_t)32 << 20;
 #endif
 
 #define BT_MAX_SHAPES 32
@@ -83,7 +85,8 @@ static const char bt_help_text[] =
     "  Tensor-parallel GEMMs fused with their collective, every rank of the launch one\n"
     "  tensor-parallel rank (TP = N). Per shape: the median time of moelink's fused op,\n"
     "  of cuBLAS's GEMM alone on the rank's local problem (cublasGemmEx and cuBLASLt's\n"
-    "  first heuristic algorithm both timed; the faster is the floor) and of that GEMM\n"
+    "  first heuristic algorithm with MOELINK_TP_LT_WS_MIB (32) MiB of workspace, both\n"
+    "  timed; the faster is the floor) and of that GEMM\n"
     "  and NCCL's collective in sequence on one stream; TFLOP/s of each (per rank:\n"
     "  2 * M * N_local * K for ag, 2 * M * N * K_local for rs and ar); fused/gemm and\n"
     "  seq/fused. Each shape is first verified (sampled rows against the GEMM+NCCL\n"
@@ -301,7 +304,7 @@ static void bt_gemm(cli_world *w, const bt_case *c, const void *x, int rows, voi
   const cudaDataType_t t = bt_cuda_type(c->dt);
   if (c->use_lt) {
     BT_BLAS(cublasLtMatmul(bt_lt, c->lt_desc, &one, c->b, c->lt_w, x, c->lt_x, &zero, out,
-                           c->lt_out, out, c->lt_out, &c->lt_algo, bt_lt_ws, BT_LT_WS_BYTES,
+                           c->lt_out, out, c->lt_out, &c->lt_algo, bt_lt_ws, bt_lt_ws_bytes,
                            (cudaStream_t)w->stream));
     return;
   }
@@ -313,7 +316,7 @@ static void bt_gemm(cli_world *w, const bt_case *c, const void *x, int rows, voi
 static void bt_lt_plan(bt_case *c) {
   const cudaDataType_t t = bt_cuda_type(c->dt);
   const cublasOperation_t opt = CUBLAS_OP_T, opn = CUBLAS_OP_N;
-  const uint64_t ws = BT_LT_WS_BYTES;
+  const uint64_t ws = bt_lt_ws_bytes;
   cublasLtMatmulPreference_t pref;
   cublasLtMatmulHeuristicResult_t res;
   int got = 0;
@@ -752,7 +755,8 @@ static void bt_write_json(const char *path, const bt_opts *o, const cli_world *w
   cli_json_str(f, cuda ? cli_l2_flush_name() : NULL);
   fprintf(f, ",\n  \"baselines\": ");
   cli_json_str(f, cuda ? "gemm: the faster of cublasGemmEx (gemm_ex_us) and cuBLASLt with its "
-                        "heuristic's first algorithm and 32 MiB workspace (gemm_lt_us), dtype "
+                        "heuristic's first algorithm and MOELINK_TP_LT_WS_MIB (default 32) MiB "
+                        "of workspace (gemm_lt_us), dtype "
                         "in/out, CUBLAS_COMPUTE_32F, on the rank's local problem; seq: "
                         "ncclAllGather then that GEMM (ag), the GEMM then ncclReduceScatter (rs) "
                         "or ncclAllReduce (ar), one stream"
@@ -804,7 +808,15 @@ int cli_cmd_bench_tp(int argc, char **argv) {
     BT_BLAS(cublasCreate(&bt_blas));
     BT_BLAS(cublasSetStream(bt_blas, (cudaStream_t)w.stream));
     BT_BLAS(cublasLtCreate(&bt_lt));
-    if (cudaMalloc(&bt_lt_ws, BT_LT_WS_BYTES) != cudaSuccess)
+    const char *wsv = getenv("MOELINK_TP_LT_WS_MIB");
+    if (wsv && *wsv) {
+      char *end = NULL;
+      const long mib = strtol(wsv, &end, 10);
+      if (*end || mib < 1 || mib > 1024)
+        cli_usage_error("MOELINK_TP_LT_WS_MIB: expected 1..1024, got '%s'", wsv);
+      bt_lt_ws_bytes = (size_t)mib << 20;
+    }
+    if (cudaMalloc(&bt_lt_ws, bt_lt_ws_bytes) != cudaSuccess)
       cli_fail("cudaMalloc of the cuBLASLt workspace failed");
   }
 #endif

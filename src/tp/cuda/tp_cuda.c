@@ -112,7 +112,9 @@ static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink
   return MOELINK_SUCCESS;
 }
 
-#define ML_TPC_BLAS_WS_BYTES ((size_t)32 << 20)
+/* MiB of cuBLAS(Lt) workspace (the heuristic chooses among algorithms that
+ * fit it). */
+MOELINK_PARAM(TP_LT_WS_MIB, 32)
 
 static void ml_tpc_release(moelink_tp_t tp, ml_tpc *t) {
   ml_tpc_blas_destroy(t->blas);
@@ -190,7 +192,10 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
     ML_CUDA_TRY(cudaMalloc((void **)&t->tickets, t->ticket_count * sizeof(uint32_t)));
     ML_CUDA_TRY(cudaMemset(t->tickets, 0, t->ticket_count * sizeof(uint32_t)));
   }
-  ML_TRY(ml_tpc_blas_create(&t->blas, ML_TPC_BLAS_WS_BYTES,
+  int64_t ws_mib = ml_param_TP_LT_WS_MIB();
+  if (ws_mib < 1) ws_mib = 1;
+  if (ws_mib > 1024) ws_mib = 1024;
+  ML_TRY(ml_tpc_blas_create(&t->blas, (size_t)ws_mib << 20,
                             ml_param_TP_GEMM() == 2 ? ML_TPC_BLAS_GEMMEX : ML_TPC_BLAS_LT,
                             (int)ml_param_TP_LT_ALGO()));
   ML_CUDA_TRY(cudaStreamCreateWithFlags(&t->side, cudaStreamNonBlocking));
