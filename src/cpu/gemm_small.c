@@ -175,15 +175,17 @@ ML_GS_TARGET static void ml_gs_f32(const float *a, int lda, int m, int K, const 
  * the table decode times the scale. The NaN codes stay NaN. */
 ML_GS_TARGET static void ml_gs_fp8_row(const uint8_t *src, const float *scale, int cols,
                                        float *dst) {
-  for (int i = 0; i < cols; i += 8) {
-    const __m256 s256 = _mm256_set1_ps(scale[i / ML_FP8_BLOCK] * 256.0f);
-    const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
-    const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
-    __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
-                             _mm_slli_epi16(mag, 7));
-    h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
-                                      _mm_set1_epi16(0x7e00)));
-    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
+  for (int b = 0; b < cols; b += ML_FP8_BLOCK) {
+    const __m256 s256 = _mm256_set1_ps(scale[b / ML_FP8_BLOCK] * 256.0f); /* once a block */
+    for (int i = b; i < b + ML_FP8_BLOCK; i += 8) {
+      const __m128i q = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
+      const __m128i mag = _mm_and_si128(q, _mm_set1_epi16(0x7f));
+      __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(q, _mm_set1_epi16(0x80)), 8),
+                               _mm_slli_epi16(mag, 7));
+      h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)),
+                                        _mm_set1_epi16(0x7e00)));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(h), s256));
+    }
   }
 }
 #endif
