@@ -80,12 +80,8 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
     ml_plan_small(const int32_t *__restrict__ ids, int pairs, int num_experts, ml_plan_ptrs plan) {
   __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
   const int tid = (int)threadIdx.x;
-  uint32_t key = (uint32_t)num_experts;
-  if (tid < pairs) {
-    const int32_t id = ids[tid];
-    key = id >= 0 && id < num_experts ? (uint32_t)id : (uint32_t)num_experts;
-  }
-  ml_plan_block(key, pairs, num_experts, plan, ml_plan_scratch_at(scratch));
+  ml_plan_block(tid < pairs ? ids[tid] : -1, pairs, num_experts, plan,
+                ml_plan_scratch_at(scratch));
 }
 
 extern "C" moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts,

@@ -122,14 +122,14 @@ static __device__ void ml_plan_schedule(int E, int begin, int end, ml_plan_ptrs 
 }
 
 /* The whole plan of pairs <= ML_P_THREADS pairs: thread i passes pair i's
- * key (its expert, or E for an invalid id; anything past pairs). Its row is
- * the rows of smaller keys plus the pairs before it with its key: a stable
- * counting sort, the order of the radix sort of the large path. Every thread
- * of the block must call it. */
-static __device__ void ml_plan_block(uint32_t key, int pairs, int E, ml_plan_ptrs plan,
+ * expert id (anything past pairs); an id outside [0, E) sorts last, as key
+ * E, with no row. A pair's row is the rows of smaller keys plus the pairs
+ * before it with its key: a stable counting sort, the order of the radix
+ * sort of the large path. Every thread of the block must call it. */
+static __device__ void ml_plan_block(int32_t id, int pairs, int E, ml_plan_ptrs plan,
                                      const ml_plan_scratch &s) {
   const int tid = (int)threadIdx.x;
-  if (tid >= pairs) key = (uint32_t)E;
+  const uint32_t key = tid < pairs && id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
   s.key[tid] = key;
   for (int e = tid; e <= E; e += ML_P_THREADS) s.count[e] = 0;
   __syncthreads();

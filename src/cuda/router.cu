@@ -584,12 +584,8 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     /* the host asks for it only with one block of tokens (t0 = 0) */
     __syncthreads(); /* every token's winners are in O */
     const int pairs = p.T * p.k, tid = (int)threadIdx.x;
-    uint32_t key = (uint32_t)p.E;
-    if (tid < pairs) {
-      const int id = O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k];
-      key = id >= 0 && id < p.E ? (uint32_t)id : (uint32_t)p.E;
-    }
-    ml_plan_block(key, pairs, p.E, p.plan,
+    const int32_t id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
+    ml_plan_block(id, pairs, p.E, p.plan,
                   ml_plan_scratch_at((int *)(ml_r_smem + ml_r_select_bytes(E_pad) +
                                              ML_R_SUM_BYTES)));
   }
