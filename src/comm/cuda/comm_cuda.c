@@ -132,6 +132,22 @@ static moelink_status_t ml_ccu_agree(ml_ccu_comm *c, int *ok) {
   return MOELINK_SUCCESS;
 }
 
+/* *same = 1 when every rank passed the same v (the maximum of v and of ~v in
+ * one all-reduce: equal exactly when min = max); setup calls only. */
+static moelink_status_t ml_ccu_same(ml_ccu_comm *c, uint64_t v, int *same) {
+  uint64_t h[2] = {v, ~v};
+  uint64_t *d = c->scratch; /* ML_CCU_MAX_RANKS >= 2 words */
+  cudaError_t e = cudaMemcpyAsync(d, h, sizeof h, cudaMemcpyHostToDevice, c->setup);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "comparing a value across ranks");
+  ncclResult_t r = ncclAllReduce(d, d, 2, ncclUint64, ncclMax, c->nccl, c->setup);
+  if (r != ncclSuccess) return ml_ccu_nccl_fail(c->nccl, r, "ncclAllReduce (same value)");
+  e = cudaMemcpyAsync(h, d, sizeof h, cudaMemcpyDeviceToHost, c->setup);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(c->setup);
+  if (e != cudaSuccess) return ml_ccu_cuda_fail(e, "comparing a value across ranks");
+  *same = h[0] == ~h[1];
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_ccu_symm_make(moelink_comm_t comm, ml_ccu_comm *c, size_t bytes,
                                          ml_ccu_symm *m) {
   memset(m, 0, sizeof *m);
@@ -861,6 +877,14 @@ moelink_status_t ml_comm_cuda_force_allreduce(moelink_comm_t comm, int algorithm
                    algorithm);
   ml_ccu(comm)->coll.force_allreduce = algorithm;
   return MOELINK_SUCCESS;
+}
+
+moelink_status_t ml_comm_cuda_same(moelink_comm_t comm, uint64_t value, int *same) {
+  if (!comm || comm->ops != &ml_ccu_ops)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "not a cuda communicator");
+  int prev;
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  return ml_cuda_leave(comm->ctx, prev, ml_ccu_same(ml_ccu(comm), value, same));
 }
 
 moelink_status_t ml_comm_cuda_set_ctas(moelink_comm_t comm, int ctas) {

@@ -194,6 +194,10 @@ void ml_ccu_devcomm_destroy(ncclComm_t comm, void *devcomm);
 moelink_status_t ml_ccu_window_bases(ncclWindow_t win, int lsa_size, uint64_t *scratch,
                                      uint64_t *host_out, cudaStream_t stream);
 
+/* Whether every rank passed the same value (collective, a host round trip:
+ * for setup calls such as a layer's create). */
+moelink_status_t ml_comm_cuda_same(moelink_comm_t comm, uint64_t value, int *same);
+
 /* ---- hooks for tests and benchmarks (hidden; static library only) -------- */
 
 /* 0: choose by size, 1: always one-shot, 2: always two-shot, 3: low-latency

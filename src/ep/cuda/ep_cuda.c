@@ -56,6 +56,7 @@
  * whole step fits, whatever the routing; recv_capacity is not needed). */
 #include "ep/ep.h"
 
+#include "comm/cuda/comm_cuda.h"
 #include "cuda/cuda.h"
 #include "cuda/pipeline.h"
 #include "ep/cuda/ep_cuda.h"
@@ -195,40 +196,16 @@ static void ml_epc_fini(moelink_ep_t ep) {
 }
 
 /* Every rank compares the hash of its config with the others' (collective):
- * ranks with different configs would mix rows or run different steps. The
- * hash travels as four 16-bit integers in f32, exact through any path. */
+ * ranks with different configs would mix rows or run different steps. */
 static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep_config_t *cfg) {
-  const int n = comm->nranks;
-  const uint64_t h = ml_ep_config_hash(cfg);
-  float mine[4], *all = (float *)malloc(sizeof(float) * 4 * (size_t)n);
-  if (!all) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep_create: out of host memory");
-  for (int i = 0; i < 4; ++i) mine[i] = (float)((h >> (16 * i)) & 0xffffu);
-  int prev;
-  moelink_status_t s = ml_cuda_enter(comm->ctx, &prev);
-  if (s != MOELINK_SUCCESS) {
-    free(all);
-    return s;
-  }
-  float *d = NULL;
-  cudaError_t e = cudaMalloc((void **)&d, sizeof(float) * 4 * (size_t)(n + 1));
-  if (e == cudaSuccess) e = cudaMemcpy(d, mine, sizeof mine, cudaMemcpyHostToDevice);
-  if (e != cudaSuccess)
-    s = ml_fail(MOELINK_ERR_CUDA, "ep_create: config check buffer: %s", cudaGetErrorString(e));
-  if (s == MOELINK_SUCCESS) s = moelink_allgather(comm, d, d + 4, 4, MOELINK_DTYPE_F32, NULL);
-  if (s == MOELINK_SUCCESS) {
-    e = cudaMemcpy(all, d + 4, sizeof(float) * 4 * (size_t)n, cudaMemcpyDeviceToHost);
-    if (e != cudaSuccess)
-      s = ml_fail(MOELINK_ERR_CUDA, "ep_create: config check: %s", cudaGetErrorString(e));
-  }
-  for (int p = 0; s == MOELINK_SUCCESS && p < n; ++p)
-    if (memcmp(all + 4 * p, mine, sizeof mine) != 0)
-      s = ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
-                  "ep_create: rank %d's config differs from rank %d's: every rank must pass the "
-                  "same config",
-                  p, comm->rank);
-  if (d) cudaFree(d);
-  free(all);
-  return ml_cuda_leave(comm->ctx, prev, s);
+  int same = 0;
+  ML_TRY(ml_comm_cuda_same(comm, ml_ep_config_hash(cfg), &same));
+  if (!same)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "ep_create: rank %d's config differs from another rank's: every rank must "
+                   "pass the same config",
+                   comm->rank);
+  return MOELINK_SUCCESS;
 }
 
 static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
