@@ -21,7 +21,7 @@
  * deepseek-v3 (sigmoid, correction bias, 8 groups keep 4, scale 2.5) at their
  * full hidden sizes, so the split counts are the real ones (up to 56 for
  * deepseek's H 7168), E 512 with k 16 (top-k softmax), and an odd shape
- * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 16. */
+ * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 8, 16. */
 #include "core/core.h"
 #include "core/random.h"
 #include "cuda/pipeline.h"
