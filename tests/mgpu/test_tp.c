@@ -16,7 +16,9 @@
  * captured in a CUDA graph and replayed with new inputs; gemm_ar at decode
  * sizes (the fused kernel: m <= 16, n and k multiples of 64, and its
  * neighbours that are not), 120 back-to-back such calls mixing both paths,
- * two of them in graphs; M = N = K = 8192 for
+ * two of them in graphs; gemm_ar of 17 to 128 rows (the wgmma kernel: n and
+ * k multiples of 128, and neighbours that are not), 120 back-to-back calls
+ * of 1 to 128 rows mixing all three gemm_ar paths, one in a graph; M = N = K = 8192 for
  * each op against cuBLAS + NCCL (relative L2), and the argument errors.
  *
  *   moelink launch -n 2 -- mgpu_test_tp */
@@ -318,12 +320,16 @@ typedef struct stress_call {
 static uint64_t stress_seed_a(int r, int d) { return mg_seed(r, 9000 + d); }
 static uint64_t stress_seed_b(int r, int d) { return mg_seed(r, 9100 + d); }
 
-/* decode: gemm_ar only, up to 20 rows, n and k mostly multiples of 64 (the
- * fused kernel) and otherwise the GEMM + low-latency exchange: the two share
- * the tp's cells and call count, in any order. */
+/* decode 1: gemm_ar only, up to 20 rows, n and k mostly multiples of 64
+ * (the fused kernel) and otherwise the GEMM + low-latency exchange: the two
+ * share the tp's cells and call count, in any order. decode 2: gemm_ar of 1
+ * to 128 rows, n and k mostly multiples of 128 (the wgmma kernel above 16
+ * rows, the fused one up to 16), the rest through the GEMM + exchange. */
 static void run_stress(moelink_tp_t tp[2], int decode) {
   static const moelink_dtype_t dts[2] = {MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
-  const int calls = decode ? 120 : 200, max_f = decode ? 20 : 48, max_nk = decode ? 512 : 160;
+  const int calls = decode ? 120 : 200;
+  const int max_f = decode == 2 ? 128 : decode ? 20 : 48;
+  const int max_nk = decode == 2 ? 768 : decode ? 512 : 160, unit = decode == 2 ? 128 : 64;
   const size_t a_elems = (size_t)W.size * max_f * max_nk, b_elems = (size_t)max_nk * max_nk;
   void *a[2], *b[2];
   for (int d = 0; d < 2; ++d) {
@@ -333,7 +339,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
     fill(dts[d], b[d], b_elems, stress_seed_b(W.rank, d));
   }
   stress_call *cs = (stress_call *)mg_host(sizeof *cs * (size_t)calls);
-  uint64_t st = decode ? 18 : 8; /* the same on every rank: they must issue the same calls */
+  uint64_t st = decode == 2 ? 28 : decode ? 18 : 8; /* the same on every rank: they must issue the same calls */
   size_t total = 0;
   for (int i = 0; i < calls; ++i) {
     stress_call *q = &cs[i];
@@ -347,8 +353,8 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
       q->op = OP_AR;
       q->m = 1 + (int)(mg_next(&st) % (uint64_t)max_f);
       if (mg_next(&st) % 4 != 0) {
-        q->n = 64 * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / 64)));
-        q->k = 64 * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / 64)));
+        q->n = unit * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / unit)));
+        q->k = unit * (1 + (int)(mg_next(&st) % (uint64_t)(max_nk / unit)));
       }
     }
     q->out_bytes = (size_t)c_rows(q->op, q->m) * q->n * 2;
@@ -369,7 +375,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
             moelink_status_string(s), moelink_last_error());
   }
   sync_stream();
-  CHECK(enq_fail == 0, "stress%s: %d calls enqueued back to back (%.3f s)", decode ? " (decode)" : "",
+  CHECK(enq_fail == 0, "stress%s: %d calls enqueued back to back (%.3f s)", decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "",
         calls, mg_now() - t0);
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "stress: moelink_comm_check");
   char *h = (char *)to_host(out, total);
@@ -382,7 +388,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
     make_inputs(&in, q->op, dts[q->dti], q->m, q->n, q->k, stress_seed_a, stress_seed_b, q->dti);
     char what[160];
     snprintf(what, sizeof what, "stress%s call %d: %s %s m %d n %d k %d",
-             decode ? " (decode)" : "", i, op_name[q->op],
+             decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "", i, op_name[q->op],
              moelink_dtype_name(dts[q->dti]), q->m, q->n, q->k);
     if (check_exact(what, &in, q->op, dts[q->dti], q->m, q->n, q->k, h + q->out_off, 1, 1))
       ++failed;
@@ -390,7 +396,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
     if (failed > 4) break;
   }
   CHECK(failed == 0, "stress%s: every one of %d calls matches the fp64 reference",
-        decode ? " (decode)" : "", calls);
+        decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "", calls);
   free(h);
   free(cs);
   cudaFree(out);
@@ -579,6 +585,24 @@ int main(void) {
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "decode sizes: moelink_comm_check");
   for (int d = 0; d < 2; ++d) CHECK_OK(moelink_tp_destroy(dtp[d]), "moelink_tp_destroy (decode)");
   ml_t_diag("decode sizes done in %.1f s", mg_now() - t0);
+
+  /* 17 to 128 rows: n and k multiples of 128 take the wgmma kernel, the rest
+   * the GEMM + exchange. */
+  static const int wide[][3] = {{128, 2048, 4096}, {17, 1024, 256}, {100, 384, 1152},
+                                {64, 128, 128},    {33, 8192, 128}, {128, 1000, 512},
+                                {127, 640, 200},   {16, 256, 256}};
+  moelink_tp_t wtp[2];
+  for (int d = 0; d < 2; ++d) {
+    wtp[d] = make_tp(dts[d], 128, 8192, 4096);
+    for (size_t i = 0; i < sizeof wide / sizeof wide[0]; ++i)
+      run_case(wtp[d], OP_AR, dts[d], wide[i][0], wide[i][1], wide[i][2]);
+  }
+  run_case(wtp[0], OP_AR, dts[0], 128, 8192, 4096);
+  run_stress(wtp, 2);
+  run_graph(wtp[0], OP_AR, 128, 1024, 512);
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "up to 128 rows: moelink_comm_check");
+  for (int d = 0; d < 2; ++d) CHECK_OK(moelink_tp_destroy(wtp[d]), "moelink_tp_destroy (wide)");
+  ml_t_diag("up to 128 rows done in %.1f s", mg_now() - t0);
   moelink_tp_t large = make_tp(MOELINK_DTYPE_BF16, 8192, 8192, 8192);
   for (int op = 0; op < 3; ++op) run_large(large, op);
   CHECK_OK(moelink_tp_destroy(large), "moelink_tp_destroy (large)");

@@ -267,6 +267,25 @@ static __device__ __forceinline__ void ml_wgmma_256(float *d, uint64_t da, uint6
                  : "l"(da), "l"(db), "r"(1));
 }
 
+/* d[64 x 128] += A[64 x 16] B[128 x 16]^T, 16-bit operands K-major in shared
+ * memory (the tensor-parallel gemm_ar kernel of up to 128 rows); d zeroed
+ * by the caller. Accumulator layout as above. */
+template <int DT>
+static __device__ __forceinline__ void ml_wgmma_128(float *d, uint64_t da, uint64_t db) {
+  if constexpr (DT == MOELINK_DTYPE_BF16)
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" ML_R64
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ML_D64
+                 : "l"(da), "l"(db), "r"(1));
+  else
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %66, 0;\n"
+                 " wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" ML_R64
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : ML_D64
+                 : "l"(da), "l"(db), "r"(1));
+}
+
 /* d[64 x 128] (+)= A[64 x 32] B[128 x 32]^T, e4m3 operands K-major in shared
  * memory (the only layout 8-bit wgmma reads); accumulate 0 overwrites d.
  * Accumulator layout as above. */

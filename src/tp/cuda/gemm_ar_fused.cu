@@ -27,6 +27,7 @@
 #include "comm/cuda/ll.cuh"
 #include "core/dtype.cuh"
 #include "cuda/gemm/ptx.cuh"
+#include "cuda/gemm/sm90.cuh"
 
 #include <string.h>
 
@@ -293,5 +294,282 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
   if (err != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "tp: launch of the fused gemm_ar (%d CTAs) failed: %s", grid,
                    cudaGetErrorString(err));
+  return MOELINK_SUCCESS;
+}
+
+/* ---- 17 to 128 rows: wgmma, k split over a CTA pair, data + flag exchange ----
+ *
+ * At 128 rows of a the tile of a is as large as the tile of b, so a CTA that
+ * read all of k for 64 rows of b would pull the whole of a (1 MiB at k =
+ * 4096) through L2 for 512 KiB of weights. Instead two CTAs share 128 rows
+ * of b, each over half of k: CTA 2j + h streams rows 128j .. 128j + 127 of
+ * b and k [h k / 2, (h + 1) k / 2), and a once per pair-half. Each of its
+ * two warpgroups holds 64 rows of b x 128 rows of a (wgmma m64n128k16, rows
+ * of a past m zero); warpgroup 1 - h hands its fp32 sum to the partner
+ * through `pair` (global, L2) with a flag, warpgroup h adds the partner's
+ * (fp32 addition commutes: the order of the two halves does not change a
+ * bit), so CTA 2j + h finishes the 64 columns 128j + 64h .. + 63 (its
+ * 64-column block, numbered blockIdx.x).
+ *
+ * Ring: seven stages of 64 k (128 rows of b, then 128 rows of a, both
+ * 128-byte rows in the 128-byte swizzle the wgmma descriptors read), loads
+ * five stages ahead by cp.async from all 256 threads; a stage is refilled
+ * two steps after its wgmma were issued, once every warpgroup has waited
+ * for them (wait_group 1, then the next step's barrier).
+ *
+ * Exchange: the block's partial, rounded to the dtype, is stored into every
+ * peer's data slot of this rank (parity e & 1 of the call number e, so a
+ * call never overwrites what a peer may still read of the previous one),
+ * then, after a system fence, flag [this rank][block] = e on the peer. The
+ * CTA then waits for every peer's flag of its block and sums the block over
+ * ranks in rank order (fp32, one rounding). Every CTA of the grid (n / 64
+ * <= SMs, one per SM) is resident, pushes before it waits, and waits give
+ * up after the communicator's timeout. */
+
+#define ML_GAW_THREADS 256 /* two warpgroups */
+#define ML_GAW_BK 64       /* k a stage: one 128-byte row */
+#define ML_GAW_W_BYTES (128 * 128)
+#define ML_GAW_X_BYTES (ML_TPC_WIDE_MAX_M * 128)
+#define ML_GAW_STAGE (ML_GAW_W_BYTES + ML_GAW_X_BYTES)
+#define ML_GAW_STAGES 7
+#define ML_GAW_AHEAD (ML_GAW_STAGES - 2)
+#define ML_GAW_SMEM (ML_GAW_STAGES * ML_GAW_STAGE + 1024)
+
+static_assert(ML_TPC_WIDE_MAX_M == 128, "the wgmma's N side is 128 rows of a");
+static_assert(ML_GAW_SMEM <= 227 * 1024, "ring exceeds shared memory");
+static_assert(ML_TPC_WIDE_MAX_M * 64 * 2 <= ML_GAW_STAGE, "partial tile overlays stage 0");
+
+typedef struct ml_gaw_args {
+  const char *a, *b;
+  char *c;
+  int m, n, k;
+  char *data[ML_TPC_MAX_RANKS];
+  uint64_t *flags[ML_TPC_MAX_RANKS];
+  size_t slot_bytes;
+  int max_blocks;
+  float *pair;
+  uint64_t *pair_flags;
+  uint64_t *epoch;
+  unsigned *ticket;
+  moelink_device_comm_t dc;
+} ml_gaw_args;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* Stage of k [k0, k0 + 64) into `slot`: rows n0 .. n0 + 127 of b, rows 0 ..
+ * m - 1 of a (the rows past m were zeroed once). */
+static __device__ __forceinline__ void ml_gaw_load(const ml_gaw_args &p, uint32_t slot, int n0,
+                                                   int k0) {
+  const int t = (int)threadIdx.x;
+  const size_t kb = (size_t)p.k * 2, kofs = (size_t)k0 * 2;
+#pragma unroll
+  for (int i = 0; i < ML_GAW_W_BYTES / 16 / ML_GAW_THREADS; ++i) {
+    const int q = t + i * ML_GAW_THREADS, r = q >> 3, ch = q & 7;
+    ml_cp_async16(slot + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)),
+                  p.b + (size_t)(n0 + r) * kb + kofs + (size_t)ch * 16, 16);
+  }
+  for (int q = t; q < p.m * 8; q += ML_GAW_THREADS) {
+    const int r = q >> 3, ch = q & 7;
+    ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
+                  p.a + (size_t)r * kb + kofs + (size_t)ch * 16, 16);
+  }
+}
+#endif
+
+/* Built for sm_90a only; the host launches it on compute capability 9.0. */
+template <int DT>
+__global__ void __launch_bounds__(ML_GAW_THREADS, 1)
+    ml_gaw_kernel(const __grid_constant__ ml_gaw_args p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char ml_gaw_smem[];
+  const uint32_t raw = ml_smem_u32(ml_gaw_smem);
+  const uint32_t ring = (raw + 1023u) & ~1023u;
+  unsigned char *ring_p = ml_gaw_smem + (ring - raw);
+  const int t = (int)threadIdx.x, g = t >> 7, tw = t & 127, warp = tw >> 5, lane = t & 31;
+  const int me = p.dc.rank, nr = p.dc.nranks;
+  const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
+  const int blk = (int)blockIdx.x, h = blk & 1, n0 = (blk >> 1) * 128;
+  const int kh = p.k / 2, nk = kh / ML_GAW_BK, kbase = h * kh;
+
+  /* rows of a past m: zeros in every stage, written once */
+  const int zrows = ML_TPC_WIDE_MAX_M - p.m;
+  for (int q = t; q < ML_GAW_STAGES * zrows * 8; q += ML_GAW_THREADS) {
+    const int s = q / (zrows * 8), rest = q % (zrows * 8);
+    *(uint4 *)(ring_p + s * ML_GAW_STAGE + ML_GAW_W_BYTES + (p.m + rest / 8) * 128 +
+               (rest % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  float d[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) d[i] = 0.f;
+#pragma unroll
+  for (int s = 0; s < ML_GAW_AHEAD; ++s) {
+    if (s < nk) ml_gaw_load(p, ring + (uint32_t)(s * ML_GAW_STAGE), n0, kbase + s * ML_GAW_BK);
+    ml_cp_async_commit();
+  }
+  for (int s = 0; s < nk; ++s) {
+    ml_cp_async_wait<ML_GAW_AHEAD - 1>();
+    /* this thread's copies (and zeros) visible to the async proxy wgmma reads through */
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    __syncthreads(); /* stage s is in; every warpgroup's wgmma of step s - 2 are done */
+    const int nx = s + ML_GAW_AHEAD;
+    if (nx < nk)
+      ml_gaw_load(p, ring + (uint32_t)((nx % ML_GAW_STAGES) * ML_GAW_STAGE), n0,
+                  kbase + nx * ML_GAW_BK);
+    ml_cp_async_commit();
+    const uint32_t st = ring + (uint32_t)((s % ML_GAW_STAGES) * ML_GAW_STAGE);
+    const uint64_t da = ml_wgmma_desc(st + (uint32_t)(g * 64 * 128));
+    const uint64_t db = ml_wgmma_desc(st + ML_GAW_W_BYTES);
+    ml_wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ML_GAW_BK / 16; ++kk)
+      ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+    ml_wgmma_commit();
+    ml_wgmma_wait<1>();
+    ml_acc_fence<64>(d);
+  }
+  ml_wgmma_wait<0>();
+  ml_acc_fence<64>(d);
+  ml_cp_async_wait<0>();
+  __syncthreads(); /* the ring is free: the partial tile overlays stage 0 */
+
+  /* The k halves: warpgroup 1 - h hands its rows to the partner CTA,
+   * warpgroup h adds the partner's. Thread tw of the partner's warpgroup h
+   * holds the same elements as thread tw here (same warpgroup number). */
+  int ok = 1;
+  float4 *pair = (float4 *)p.pair;
+  if (g != h) {
+    float4 *mine = pair + (size_t)blk * (16 * 128);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      __stcg(mine + j * 128 + tw, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
+    __threadfence();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+    if (tw == 0) moelink_signal_set(p.pair_flags + blk, e);
+  } else {
+    if (tw == 0) ok = moelink_signal_wait(&p.dc, p.pair_flags + (blk ^ 1), e, me, ML_CCU_PRIM_AR_LL);
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+    const float4 *other = pair + (size_t)(blk ^ 1) * (16 * 128);
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float4 v = __ldcg(other + j * 128 + tw);
+      d[4 * j] += v.x;
+      d[4 * j + 1] += v.y;
+      d[4 * j + 2] += v.z;
+      d[4 * j + 3] += v.w;
+    }
+    /* the block's partial rounded to the dtype: tile [row of a][64 columns].
+     * d[i]: b row 16 warp + lane / 4 + 8 ((i / 2) % 2), a row 8 (i / 4) +
+     * 2 (lane % 4) + i % 2. */
+    uint16_t *tile = (uint16_t *)ring_p;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+      const int col = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int row = 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      if (row < p.m) tile[row * 64 + col] = (uint16_t)ml_dt_f32_to_half<DT>(d[i]);
+    }
+  }
+  ok = __syncthreads_and(ok);
+
+  /* Push the block to every peer, then its flag. */
+  const uint16_t *tile = (const uint16_t *)ring_p;
+  const size_t par = (size_t)(e & 1) * (size_t)nr * p.slot_bytes;
+  const size_t col0 = (size_t)blk * 64;
+  const int chunks = p.m * 8;
+  for (int q = t; q < chunks && ok; q += ML_GAW_THREADS) {
+    const int r = q >> 3, ch = q & 7;
+    const uint4 v = *(const uint4 *)(tile + r * 64 + ch * 8);
+    const size_t off = par + (size_t)me * p.slot_bytes + ((size_t)r * (size_t)p.n + col0) * 2 +
+                       (size_t)ch * 16;
+    for (int j = 1; j < nr; ++j) *(uint4 *)(p.data[(me + j) % nr] + off) = v;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (t < nr && t != me && ok)
+    moelink_signal_set(p.flags[t] + (size_t)me * (size_t)p.max_blocks + (size_t)blk, e);
+  /* Every peer's block, then the sum in rank order. */
+  int got = 1;
+  if (t < nr && t != me && ok)
+    got = moelink_signal_wait(&p.dc, p.flags[me] + (size_t)t * (size_t)p.max_blocks + (size_t)blk,
+                              e, t, ML_CCU_PRIM_AR_LL);
+  ok = __syncthreads_and(ok && got);
+  for (int q = t; q < chunks && ok; q += ML_GAW_THREADS) {
+    const int r = q >> 3, ch = q & 7;
+    const size_t at = ((size_t)r * (size_t)p.n + col0) * 2 + (size_t)ch * 16;
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+    for (int src = 0; src < nr; ++src) {
+      const uint4 v = src == me ? *(const uint4 *)(tile + r * 64 + ch * 8)
+                                : __ldcg((const uint4 *)(p.data[me] + par +
+                                                          (size_t)src * p.slot_bytes + at));
+      ml_ll_add<DT>(acc, v.x);
+      ml_ll_add<DT>(acc + 2, v.y);
+      ml_ll_add<DT>(acc + 4, v.z);
+      ml_ll_add<DT>(acc + 6, v.w);
+    }
+    *(uint4 *)(p.c + at) = make_uint4(ml_ll_pack<DT>(acc), ml_ll_pack<DT>(acc + 2),
+                                      ml_ll_pack<DT>(acc + 4), ml_ll_pack<DT>(acc + 6));
+  }
+  if (t == 0 && atomicAdd(p.ticket, 1u) == gridDim.x - 1) {
+    *p.ticket = 0;
+    *(volatile uint64_t *)p.epoch = e;
+  }
+#endif
+}
+
+static size_t ml_gaw_flag_bytes(int nranks, int max_blocks) {
+  return ((size_t)nranks * (size_t)max_blocks * 8 + 255) & ~(size_t)255;
+}
+
+extern "C" size_t ml_tpc_wide_symm_bytes(int nranks, size_t slot_bytes, int max_blocks) {
+  return ml_gaw_flag_bytes(nranks, max_blocks) + 2 * (size_t)nranks * slot_bytes;
+}
+
+extern "C" int ml_tpc_wide_ar_takes(const ml_tpc_wide *w, moelink_dtype_t dt, const void *a,
+                                    const void *b, const void *c, int m, int n, int k) {
+  if (w == NULL || w->pair == NULL) return 0;
+  if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) return 0;
+  if (m < 1 || m > ML_TPC_WIDE_MAX_M || n < 128 || n % 128 || k < 128 || k % 128) return 0;
+  if (n / 64 > w->ctas || n / 64 > w->max_blocks) return 0;
+  if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) return 0;
+  return (size_t)m * (size_t)n * 2 <= w->slot_bytes;
+}
+
+extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll *ll,
+                                           const moelink_device_comm_t *dc, moelink_dtype_t dt,
+                                           const void *a, const void *b, void *c, int m, int n,
+                                           int k, cudaStream_t stream) {
+  ml_gaw_args p;
+  memset(&p, 0, sizeof p);
+  p.a = (const char *)a;
+  p.b = (const char *)b;
+  p.c = (char *)c;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  const size_t fb = ml_gaw_flag_bytes(dc->nranks, w->max_blocks);
+  for (int r = 0; r < dc->nranks; ++r) {
+    p.flags[r] = w->flags[r];
+    p.data[r] = w->data[r] + fb;
+  }
+  p.slot_bytes = w->slot_bytes;
+  p.max_blocks = w->max_blocks;
+  p.pair = w->pair;
+  p.pair_flags = w->pair_flags;
+  p.epoch = ll->epoch;
+  p.ticket = ll->ticket;
+  p.dc = *dc;
+  void (*kernel)(ml_gaw_args) =
+      dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16> : ml_gaw_kernel<MOELINK_DTYPE_F16>;
+  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAW_SMEM);
+  const int grid = n / 64;
+  if (err == cudaSuccess) {
+    kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(p);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "tp: launch of the gemm_ar kernel of %d rows (%d CTAs) failed: %s",
+                   m, grid, cudaGetErrorString(err));
   return MOELINK_SUCCESS;
 }

@@ -56,6 +56,11 @@ MOELINK_PARAM(TP_AR_PDL, 1)
  * as one kernel with the exchange inside (gemm_ar_fused.cu); 0: the GEMM,
  * then the low-latency all-reduce. */
 MOELINK_PARAM(TP_AR_FUSED, 1)
+/* 1: gemm_ar of ML_TPC_FUSED_MAX_M + 1 .. ML_TPC_WIDE_MAX_M rows (n, k
+ * multiples of 128, n / 64 <= SMs) runs as one kernel with the exchange
+ * inside (gemm_ar_fused.cu, compute capability 9.0); 0: the GEMM, then the
+ * exchange. */
+MOELINK_PARAM(TP_AR_WIDE, 1)
 
 
 typedef struct ml_tpc {
@@ -77,6 +82,8 @@ typedef struct ml_tpc {
   void *ll_state;                      /* its call count and ticket */
   char *ll_scratch;                    /* this rank's partial [m, n] */
   size_t ll_bytes;                     /* the largest output it takes */
+  ml_tpc_wide wide;                    /* gemm_ar of 17 to 128 rows in one kernel */
+  char *wide_symm;                     /* its symmetric flags and data */
 } ml_tpc;
 
 static size_t ml_tpc_align(size_t x) { return (x + 255) & ~(size_t)255; }
@@ -103,12 +110,31 @@ static size_t ml_tpc_ll_bytes(const moelink_tp_config_t *cfg) {
   return (b + 3) & ~(size_t)3;
 }
 
+/* The limits of the one-kernel gemm_ar of up to ML_TPC_WIDE_MAX_M rows:
+ * zero slot bytes when it cannot run (one rank, no low-latency state, rows
+ * that the smaller kernel takes, columns fewer than its 128). Compute
+ * capability is checked apart (ml_tpc_init_inner). */
+static void ml_tpc_wide_limits(int nranks, const moelink_tp_config_t *cfg, size_t *slot,
+                               int *blocks) {
+  *slot = 0;
+  *blocks = cfg->max_n / 64;
+  if (nranks < 2 || ml_tpc_ll_bytes(cfg) == 0 || cfg->max_m <= ML_TPC_FUSED_MAX_M ||
+      cfg->max_n < 128)
+    return;
+  const int rows = cfg->max_m < ML_TPC_WIDE_MAX_M ? cfg->max_m : ML_TPC_WIDE_MAX_M;
+  *slot = (size_t)rows * (size_t)cfg->max_n * moelink_dtype_size(cfg->dtype);
+}
+
 static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink_tp_config_t *cfg,
                                               size_t *bytes) {
   size_t g, p;
   ml_tpc_layout(comm->nranks, cfg, &g, &p, bytes);
   const size_t ll = ml_tpc_ll_bytes(cfg);
   if (comm->nranks > 1 && ll > 0) *bytes += ML_CCU_LL_BYTES(comm->nranks, ll / 4) + ll;
+  size_t slot;
+  int blocks;
+  ml_tpc_wide_limits(comm->nranks, cfg, &slot, &blocks);
+  if (slot > 0) *bytes += ml_tpc_wide_symm_bytes(comm->nranks, slot, blocks);
   return MOELINK_SUCCESS;
 }
 
@@ -129,6 +155,9 @@ static void ml_tpc_release(moelink_tp_t tp, ml_tpc *t) {
   if (t->ll_state) cudaFree(t->ll_state);
   if (t->ll_scratch) cudaFree(t->ll_scratch);
   if (t->ll_cells) moelink_symm_free(tp->comm, t->ll_cells);
+  if (t->wide.pair) cudaFree(t->wide.pair);
+  if (t->wide.pair_flags) cudaFree(t->wide.pair_flags);
+  if (t->wide_symm) moelink_symm_free(tp->comm, t->wide_symm);
   if (t->ws) moelink_symm_free(tp->comm, t->ws);
   free(t);
 }
@@ -178,6 +207,28 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
     t->ll.max_ctas = t->ctas;
     t->ll.pdl = ml_param_TP_AR_PDL() != 0;
     ML_CUDA_TRY(cudaMalloc((void **)&t->ll_scratch, t->ll_bytes));
+  }
+  size_t wslot;
+  int wblocks, major = 0, minor = 0;
+  ml_tpc_wide_limits(comm->nranks, cfg, &wslot, &wblocks);
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  /* sm_90a machine code: compute capability 9.0 only */
+  if (wslot > 0 && major == 9 && minor == 0) {
+    ML_TRY(moelink_symm_alloc(comm, ml_tpc_wide_symm_bytes(comm->nranks, wslot, wblocks),
+                              (void **)&t->wide_symm));
+    moelink_symm_view_t v;
+    ML_TRY(moelink_symm_view(comm, t->wide_symm, &v));
+    for (int r = 0; r < comm->nranks; ++r) {
+      t->wide.data[r] = v.base[r];
+      t->wide.flags[r] = (uint64_t *)v.base[r];
+    }
+    t->wide.slot_bytes = wslot;
+    t->wide.max_blocks = wblocks;
+    t->wide.ctas = t->sms;
+    ML_CUDA_TRY(cudaMalloc((void **)&t->wide.pair_flags, (size_t)t->sms * sizeof(uint64_t)));
+    ML_CUDA_TRY(cudaMemset(t->wide.pair_flags, 0, (size_t)t->sms * sizeof(uint64_t)));
+    ML_CUDA_TRY(cudaMalloc((void **)&t->wide.pair, (size_t)t->sms * 64 * 128 * sizeof(float)));
   }
   /* Split-K scratch of the decode GEMM for every n it may see (rows <= one
    * pass; k up to max_k only lowers the split count); only when it may run. */
@@ -369,6 +420,9 @@ static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, con
   if (t->ll_bytes > 0 && ml_param_TP_AR_FUSED() != 0 &&
       ml_tpc_fused_ar_takes(dt, a, b, c, m, n, k, t->ll.max_words, t->sms))
     return ml_tpc_fused_ar(&t->ll, &t->sync.dc, dt, a, b, c, m, n, k, t->sms, st);
+  if (t->ll_bytes > 0 && ml_param_TP_AR_WIDE() != 0 &&
+      ml_tpc_wide_ar_takes(&t->wide, dt, a, b, c, m, n, k))
+    return ml_tpc_wide_ar(&t->wide, &t->ll, &t->sync.dc, dt, a, b, c, m, n, k, st);
   if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);
   ML_TRY(ml_tpc_begin(&t->sync, st));
   ml_tpc_pass p = ml_tpc_pass_none();

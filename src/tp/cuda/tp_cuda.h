@@ -105,6 +105,34 @@ moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_
                                  moelink_dtype_t dt, const void *a, const void *b, void *c, int m,
                                  int n, int k, int sms, cudaStream_t stream);
 
+/* gemm_ar of ML_TPC_FUSED_MAX_M + 1 .. ML_TPC_WIDE_MAX_M rows in one kernel
+ * (gemm_ar_fused.cu, sm_90a): two CTAs per 128 rows of b, each over half of
+ * k (wgmma, the rows of a as the MMA's N side), the halves summed through
+ * `pair`, then each 64-column block's partial pushed to every peer's `data`
+ * with a flag per block and summed in rank order on arrival. Takes bf16 /
+ * f16, n a multiple of 128 with n / 64 <= sms, k a multiple of 128,
+ * 16-byte aligned pointers and m x n x dtype size <= slot_bytes;
+ * ml_tpc_wide_ar_takes says whether a call fits. The call number is the
+ * low-latency exchange's (ll->epoch, ll->ticket). */
+#define ML_TPC_WIDE_MAX_M 128
+typedef struct ml_tpc_wide {
+  char *data[ML_TPC_MAX_RANKS];      /* every rank's [parity 2][source rank][slot_bytes] */
+  uint64_t *flags[ML_TPC_MAX_RANKS]; /* every rank's [source rank][max_blocks] call numbers */
+  size_t slot_bytes;                 /* one source's partial [m, n], m <= ML_TPC_WIDE_MAX_M */
+  int max_blocks;                    /* 64-column blocks of the widest n */
+  float *pair;                       /* [CTA][64 x 128] fp32 k halves (this GPU only) */
+  uint64_t *pair_flags;              /* [CTA] call numbers */
+  int ctas;                          /* CTAs pair and pair_flags hold */
+} ml_tpc_wide;
+
+/* Bytes of a rank's symmetric part (flags, then data) for these limits. */
+size_t ml_tpc_wide_symm_bytes(int nranks, size_t slot_bytes, int max_blocks);
+int ml_tpc_wide_ar_takes(const ml_tpc_wide *w, moelink_dtype_t dt, const void *a, const void *b,
+                         const void *c, int m, int n, int k);
+moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll *ll,
+                                const moelink_device_comm_t *dc, moelink_dtype_t dt, const void *a,
+                                const void *b, void *c, int m, int n, int k, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
