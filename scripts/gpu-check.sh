@@ -8,7 +8,8 @@
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
-# own benchmark, gpu_test_decode --bench; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
+# own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
+# alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one.
@@ -160,6 +161,28 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
+fi
+# The one-kernel gemm_ar GEMMs on one GPU without their exchange, beside cuBLAS
+# (bench/gemm_ar_probe.cu), once per PROBE_AB word (VAR=v[,VAR=v]) more, then Nsight Compute
+# on the 128-row kernel and on cuBLAS at 128 rows. Not in all.
+if case "$PARTS" in *" tpprobe "*) true;; *) false;; esac; then
+  log "gemm_ar probe"
+  nvcc -O3 -arch=sm_90a -std=c++17 -Isrc -Iinclude bench/gemm_ar_probe.cu "$BUILD/libmoelink.a" \
+    -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcublasLt -lcublas -o "$BUILD/gemm_ar_probe" \
+    >>"$OUT/build.log" 2>&1 && ./"$BUILD"/gemm_ar_probe 2>&1 | tee -a "$OUT/tpprobe.log" || rc=1
+  for v in ${PROBE_AB:-}; do
+    log "gemm_ar probe, $v"
+    env ${v//,/ } ./"$BUILD"/gemm_ar_probe 2>&1 | tee -a "$OUT/tpprobe.log" || rc=1
+  done
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ] && [ -x "$BUILD/gemm_ar_probe" ]; then
+    for kr in ml_gaw 'nvjet|cutlass|gemm|xmma'; do
+      log "ncu gemm_ar_probe m 128, kernels $kr"
+      "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats -k "regex:$kr" --launch-skip 2 \
+        --launch-count 1 ./"$BUILD"/gemm_ar_probe 8192 4096 128 >>"$OUT/tpprobe.log" 2>&1 || rc=1
+    done
+  fi
 fi
 # Decode sizes as CUDA-graph replays, bf16 and FP8 experts; each AB_ENV setting (VAR=VALUE,
 # space-separated) runs the bf16 case again under it, in the same process order. Not in all.

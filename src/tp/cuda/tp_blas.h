@@ -13,6 +13,10 @@
 #include <cuda_runtime_api.h>
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct ml_tpc_blas ml_tpc_blas;
 
 /* Which library call runs a GEMM. */
@@ -31,5 +35,9 @@ void ml_tpc_blas_destroy(ml_tpc_blas *b);
 moelink_status_t ml_tpc_blas_gemm(ml_tpc_blas *b, moelink_dtype_t dt, const void *a,
                                   const void *w, void *out, int rows, int n, int k,
                                   cudaStream_t st);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif
