@@ -237,10 +237,8 @@ static moelink_status_t ml_sm90_encoder(PFN_cuTensorMapEncodeTiled_v12000 *fn) {
  * the kernel asks for are ever read, so a generous bound costs nothing. */
 #define ML_SM90_MAX_EXPERTS 65536
 
-/* The 4D map {k, j_rows, halves, experts} of B = [E][halves * j_rows][k]
- * with boxes {128 bytes of k, box_rows, halves, 1} in the 128-byte swizzle.
- * dt F32 stands for e4m3 bytes (the FP8 kernel: 128 k a box). */
-static moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+/* (declared in cuda/gemm/sm90.cuh) */
+moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
                                       int j_rows, int halves, int experts, int box_rows,
                                       const char *what) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;

@@ -151,6 +151,14 @@ typedef struct ml_sm90_args {
   int as_ld, kblocks, b_rblocks;
 } ml_sm90_args;
 
+/* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
+ * [E][halves * j_rows][k] with boxes {128 bytes of k, box_rows, halves, 1}
+ * in the 128-byte swizzle (box_rows <= j_rows). dt F32 stands for e4m3
+ * bytes (the FP8 kernel: 128 k a box). `what` prefixes the error message. */
+moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+                               int j_rows, int halves, int experts, int box_rows,
+                               const char *what);
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 /* ---- PTX: mbarriers, TMA, wgmma ---------------------------------------------- */

@@ -312,10 +312,13 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
  * 64-column block, numbered blockIdx.x).
  *
  * Ring: seven stages of 64 k (128 rows of b, then 128 rows of a, both
- * 128-byte rows in the 128-byte swizzle the wgmma descriptors read), loads
- * five stages ahead by cp.async from all 256 threads; a stage is refilled
- * two steps after its wgmma were issued, once every warpgroup has waited
- * for them (wait_group 1, then the next step's barrier).
+ * 128-byte rows in the 128-byte swizzle the wgmma descriptors read) on
+ * full / empty mbarriers. A third warpgroup loads: its thread 0 starts one
+ * TMA box of b per stage, its 128 threads copy a's rows with cp.async
+ * (completion arriving on the full barrier); the two wgmma warpgroups never
+ * issue a load, so their proxy fence (cp.async data to wgmma) does not wait
+ * on copies in flight. (All threads loading and computing in lockstep, with
+ * that fence each step, streamed at 2.2-2.4 TB/s: docs/PERF.md.)
  *
  * Exchange: the block's partial, rounded to the dtype, is stored into every
  * peer's data slot of this rank (parity e & 1 of the call number e, so a
@@ -326,26 +329,17 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
  * <= SMs, one per SM) is resident, pushes before it waits, and waits give
  * up after the communicator's timeout. */
 
-#define ML_GAW_THREADS 256 /* two warpgroups */
-#define ML_GAW_SLAB (128 * 128) /* 128 rows of 64 k: one 128-byte swizzled row each */
-
-/* Stages of BK k (64 or 128: one or two slabs of b's 128 rows, then as many
- * of a's), as many as fit 226 KiB; LAG steps between a stage's wgmma and its
- * refill (1: every step waits for its own wgmma; 2: for the previous
- * step's), so loads run STAGES - LAG stages ahead. */
-template <int BK, int LAG> struct ml_gaw_cfg {
-  static constexpr int SLABS = BK / 64;
-  static constexpr int W_BYTES = SLABS * ML_GAW_SLAB;
-  static constexpr int STAGE = 2 * W_BYTES;
-  static constexpr int STAGES = (226 * 1024) / STAGE;
-  static constexpr int AHEAD = STAGES - LAG;
-  static constexpr int SMEM = STAGES * STAGE + 1024;
-  static_assert(BK == 64 || BK == 128, "stages of 64 or 128 k");
-  static_assert(AHEAD >= 1, "at least one stage in flight");
-  static_assert(ML_TPC_WIDE_MAX_M * 64 * 2 <= STAGE, "partial tile overlays stage 0");
-};
+#define ML_GAW_THREADS 384 /* warpgroups 0, 1: wgmma; 2: loads */
+#define ML_GAW_BK 64       /* k a stage: one 128-byte swizzled row */
+#define ML_GAW_W_BYTES (128 * 128)
+#define ML_GAW_STAGE (2 * ML_GAW_W_BYTES) /* 128 rows of b, then 128 rows of a */
+#define ML_GAW_STAGES 7
+#define ML_GAW_SMEM (ML_GAW_STAGES * ML_GAW_STAGE + 2 * ML_GAW_STAGES * 8 + 1024)
+#define ML_GAW_FULL_COUNT 129 /* the loading warpgroup's cp.async arrivals + thread 0's */
+#define ML_GAW_EMPTY_COUNT 8  /* one arrival per wgmma warp */
 
 static_assert(ML_TPC_WIDE_MAX_M == 128, "the wgmma's N side is 128 rows of a");
+static_assert(ML_GAW_SMEM <= 227 * 1024, "ring exceeds shared memory");
 
 typedef struct ml_gaw_args {
   const char *a, *b;
@@ -362,95 +356,103 @@ typedef struct ml_gaw_args {
   moelink_device_comm_t dc;
 } ml_gaw_args;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-/* Byte offset of 16-byte chunk ch (of BK / 8) of row r in a BK-k tile of 128
- * rows: slab ch / 8, chunk ch % 8 swizzled by the row. */
-static __device__ __forceinline__ uint32_t ml_gaw_at(int r, int ch) {
-  return (uint32_t)((ch >> 3) * ML_GAW_SLAB + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
-}
-
-/* Stage of k [k0, k0 + BK) into `slot`: rows n0 .. n0 + 127 of b, rows 0 ..
- * m - 1 of a (the rows past m were zeroed once). */
-template <int BK>
-static __device__ __forceinline__ void ml_gaw_load(const ml_gaw_args &p, uint32_t slot, int n0,
-                                                   int k0) {
-  constexpr int CH = BK / 8, W = ml_gaw_cfg<BK, 1>::W_BYTES;
-  const int t = (int)threadIdx.x;
-  const size_t kb = (size_t)p.k * 2, kofs = (size_t)k0 * 2;
-#pragma unroll
-  for (int i = 0; i < W / 16 / ML_GAW_THREADS; ++i) {
-    const int q = t + i * ML_GAW_THREADS, r = q / CH, ch = q % CH;
-    ml_cp_async16(slot + ml_gaw_at(r, ch), p.b + (size_t)(n0 + r) * kb + kofs + (size_t)ch * 16,
-                  16);
-  }
-  for (int q = t; q < p.m * CH; q += ML_GAW_THREADS) {
-    const int r = q / CH, ch = q % CH;
-    ml_cp_async16(slot + (uint32_t)W + ml_gaw_at(r, ch),
-                  p.a + (size_t)r * kb + kofs + (size_t)ch * 16, 16);
-  }
-}
-#endif
-
 /* Built for sm_90a only; the host launches it on compute capability 9.0. */
-template <int DT, int BK, int LAG>
+template <int DT>
 __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
-    ml_gaw_kernel(const __grid_constant__ ml_gaw_args p) {
+    ml_gaw_kernel(const __grid_constant__ CUtensorMap map_b, const __grid_constant__ ml_gaw_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  typedef ml_gaw_cfg<BK, LAG> C;
   extern __shared__ __align__(1024) unsigned char ml_gaw_smem[];
   const uint32_t raw = ml_smem_u32(ml_gaw_smem);
   const uint32_t ring = (raw + 1023u) & ~1023u;
   unsigned char *ring_p = ml_gaw_smem + (ring - raw);
+  const uint32_t bars = ring + (uint32_t)(ML_GAW_STAGES * ML_GAW_STAGE);
   const int t = (int)threadIdx.x, g = t >> 7, tw = t & 127, warp = tw >> 5, lane = t & 31;
   const int me = p.dc.rank, nr = p.dc.nranks;
   const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
   const int blk = (int)blockIdx.x, h = blk & 1, n0 = (blk >> 1) * 128;
-  const int kh = p.k / 2, nk = kh / BK, kbase = h * kh;
+  const int kh = p.k / 2, nk = kh / ML_GAW_BK, kbase = h * kh;
 
-  /* rows of a past m: zeros in every stage, written once */
-  const int zrows = ML_TPC_WIDE_MAX_M - p.m, zper = zrows * 8 * C::SLABS;
-  for (int q = t; q < C::STAGES * zper; q += ML_GAW_THREADS) {
-    const int s = q / zper, rest = q % zper, slab = rest / (zrows * 8), u = rest % (zrows * 8);
-    *(uint4 *)(ring_p + s * C::STAGE + C::W_BYTES + slab * ML_GAW_SLAB + (p.m + u / 8) * 128 +
-               (u % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  if (t == 0) {
+    for (int s = 0; s < ML_GAW_STAGES; ++s) {
+      ml_mbar_init(bars + (uint32_t)(8 * s), ML_GAW_FULL_COUNT);
+      ml_mbar_init(bars + (uint32_t)(8 * (ML_GAW_STAGES + s)), ML_GAW_EMPTY_COUNT);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_b) : "memory");
   }
+  /* rows of a past m: zeros in every stage, written once (the loads never
+   * touch them) */
+  const int zrows = ML_TPC_WIDE_MAX_M - p.m;
+  for (int q = t; q < ML_GAW_STAGES * zrows * 8; q += ML_GAW_THREADS) {
+    const int s = q / (zrows * 8), rest = q % (zrows * 8);
+    *(uint4 *)(ring_p + s * ML_GAW_STAGE + ML_GAW_W_BYTES + (p.m + rest / 8) * 128 +
+               (rest % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
 
   float d[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i) d[i] = 0.f;
-#pragma unroll
-  for (int s = 0; s < C::AHEAD; ++s) {
-    if (s < nk) ml_gaw_load<BK>(p, ring + (uint32_t)(s * C::STAGE), n0, kbase + s * BK);
-    ml_cp_async_commit();
-  }
-  for (int s = 0; s < nk; ++s) {
-    ml_cp_async_wait<C::AHEAD - 1>();
-    /* this thread's copies (and zeros) visible to the async proxy wgmma reads through */
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads(); /* stage s is in; every warpgroup's wgmma of step s - LAG are done */
-    const int nx = s + C::AHEAD;
-    if (nx < nk)
-      ml_gaw_load<BK>(p, ring + (uint32_t)((nx % C::STAGES) * C::STAGE), n0, kbase + nx * BK);
-    ml_cp_async_commit();
-    const uint32_t st = ring + (uint32_t)((s % C::STAGES) * C::STAGE);
-    ml_wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      const uint32_t slab = (uint32_t)((kk >> 2) * ML_GAW_SLAB);
-      /* 16 k = 32 bytes further along the rows: +2 in the address field */
-      ml_wgmma_128<DT>(d, ml_wgmma_desc(st + slab + (uint32_t)(g * 64 * 128)) + 2 * (kk & 3),
-                       ml_wgmma_desc(st + (uint32_t)C::W_BYTES + slab) + 2 * (kk & 3));
+  if (g == 2) {
+    /* Loads: thread 0 starts the TMA box of b's 128 rows; all 128 threads
+     * copy a's rows (cp.async), whose completion arrives on the stage's full
+     * barrier. */
+    const size_t kb = (size_t)p.k * 2;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int s = 0; s < nk; ++s) {
+      const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
+      const uint32_t full = bars + (uint32_t)(8 * stage);
+      ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + stage)), phase ^ 1u);
+      const int k0 = kbase + s * ML_GAW_BK;
+      if (tw == 0) {
+        ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
+        ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
+      }
+      for (int q = tw; q < p.m * 8; q += 128) {
+        const int r = q >> 3, ch = q & 7;
+        ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
+                      p.a + (size_t)r * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
+      }
+      ml_cp_async_arrive(full);
+      if (++stage == ML_GAW_STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
     }
-    ml_wgmma_commit();
-    if (LAG == 1)
-      ml_wgmma_wait<0>();
-    else
+    ml_cp_async_wait<0>();
+  } else {
+    /* wgmma: warpgroup g takes b rows 64 g .. 64 g + 63 of each stage; a
+     * stage goes back once the wgmma reading it are done (wait_group 1 after
+     * the next stage's). */
+    int stage = 0, prev = 0;
+    uint32_t phase = 0;
+    for (int s = 0; s < nk; ++s) {
+      ml_mbar_wait(bars + (uint32_t)(8 * stage), phase);
+      /* a came through cp.async (generic proxy); wgmma reads through the async one */
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      const uint32_t st = ring + (uint32_t)(stage * ML_GAW_STAGE);
+      const uint64_t da = ml_wgmma_desc(st + (uint32_t)(g * 64 * 128));
+      const uint64_t db = ml_wgmma_desc(st + ML_GAW_W_BYTES);
+      ml_wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < ML_GAW_BK / 16; ++kk)
+        /* 16 k = 32 bytes further along the rows: +2 in the address field */
+        ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+      ml_wgmma_commit();
       ml_wgmma_wait<1>();
+      ml_acc_fence<64>(d);
+      if (s > 0 && lane == 0) ml_mbar_arrive(bars + (uint32_t)(8 * (ML_GAW_STAGES + prev)));
+      prev = stage;
+      if (++stage == ML_GAW_STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    }
+    ml_wgmma_wait<0>();
     ml_acc_fence<64>(d);
   }
-  ml_wgmma_wait<0>();
-  ml_acc_fence<64>(d);
-  ml_cp_async_wait<0>();
   __syncthreads(); /* the ring is free: the partial tile overlays stage 0 */
 
   /* The k halves: warpgroup 1 - h hands its rows to the partner CTA,
@@ -458,7 +460,9 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
    * holds the same elements as thread tw here (same warpgroup number). */
   int ok = 1;
   float4 *pair = (float4 *)p.pair;
-  if (g != h) {
+  if (g == 2) {
+    /* the loading warpgroup has no rows */
+  } else if (g != h) {
     float4 *mine = pair + (size_t)blk * (16 * 128);
 #pragma unroll
     for (int j = 0; j < 16; ++j)
@@ -538,12 +542,6 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
 #endif
 }
 
-/* k a stage of the kernel of up to 128 rows (64, or 128 where 256 divides k)
- * and the steps between a stage's wgmma and its refill (1 or 2): measurement
- * knobs (docs/PERF.md). */
-MOELINK_PARAM(TP_AR_WIDE_BK, 64)
-MOELINK_PARAM(TP_AR_WIDE_LAG, 2)
-
 static size_t ml_gaw_flag_bytes(int nranks, int max_blocks) {
   return ((size_t)nranks * (size_t)max_blocks * 8 + 255) & ~(size_t)255;
 }
@@ -586,29 +584,15 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
-  const int bk = ml_param_TP_AR_WIDE_BK() == 128 && k % 256 == 0 ? 128 : 64;
-  const int lag = ml_param_TP_AR_WIDE_LAG() == 1 ? 1 : 2;
-  void (*kernel)(ml_gaw_args) = NULL;
-  int smem = 0;
-#define ML_GAW_PICK(BK, LAG)                                                                \
-  kernel = dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16, BK, LAG>             \
-                                    : ml_gaw_kernel<MOELINK_DTYPE_F16, BK, LAG>;             \
-  smem = ml_gaw_cfg<BK, LAG>::SMEM
-  if (bk == 128 && lag == 1) {
-    ML_GAW_PICK(128, 1);
-  } else if (bk == 128) {
-    ML_GAW_PICK(128, 2);
-  } else if (lag == 1) {
-    ML_GAW_PICK(64, 1);
-  } else {
-    ML_GAW_PICK(64, 2);
-  }
-#undef ML_GAW_PICK
-  cudaError_t err =
-      cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  CUtensorMap map;
+  ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, 128, "tp: gemm_ar"));
+  void (*kernel)(CUtensorMap, ml_gaw_args) =
+      dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16> : ml_gaw_kernel<MOELINK_DTYPE_F16>;
+  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAW_SMEM);
   const int grid = n / 64;
   if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAW_THREADS, (size_t)smem, stream>>>(p);
+    kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(map, p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess)
