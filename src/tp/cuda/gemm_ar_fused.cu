@@ -345,6 +345,8 @@ typedef struct ml_gaw_args {
   const char *a, *b;
   char *c;
   int m, n, k;
+  int alternate; /* 1: CTA h of a pair takes the stages s with s % 2 == h */
+  int rotate;    /* 1: pair j starts its k loop at its stage j % stages (wrapping) */
   char *data[ML_TPC_MAX_RANKS];
   uint64_t *flags[ML_TPC_MAX_RANKS];
   size_t slot_bytes;
@@ -405,7 +407,8 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
       const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
       const uint32_t full = bars + (uint32_t)(8 * stage);
       ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + stage)), phase ^ 1u);
-      const int k0 = kbase + s * ML_GAW_BK;
+      const int sr = p.rotate ? (s + (blk >> 1)) % nk : s;
+      const int k0 = p.alternate ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
       if (tw == 0) {
         ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
         ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
@@ -542,6 +545,13 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
 #endif
 }
 
+/* How a CTA pair splits k: 0 each CTA one half, 1 alternate 64-k stages
+ * (the pair reads 256 contiguous bytes of each row at a time). */
+MOELINK_PARAM(TP_AR_WIDE_KSPLIT, 0)
+/* 1: CTA pair j starts at its stage j % stages and wraps around, so that the
+ * CTAs do not read the same offsets of their rows at the same time. */
+MOELINK_PARAM(TP_AR_WIDE_ROTATE, 0)
+
 static size_t ml_gaw_flag_bytes(int nranks, int max_blocks) {
   return ((size_t)nranks * (size_t)max_blocks * 8 + 255) & ~(size_t)255;
 }
@@ -584,6 +594,8 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
+  p.alternate = ml_param_TP_AR_WIDE_KSPLIT() != 0;
+  p.rotate = ml_param_TP_AR_WIDE_ROTATE() != 0;
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, 128, "tp: gemm_ar"));
   void (*kernel)(CUtensorMap, ml_gaw_args) =
