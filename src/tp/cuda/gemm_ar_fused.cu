@@ -331,15 +331,24 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
 
 #define ML_GAW_THREADS 384 /* warpgroups 0, 1: wgmma; 2: loads */
 #define ML_GAW_BK 64       /* k a stage: one 128-byte swizzled row */
-#define ML_GAW_W_BYTES (128 * 128)
-#define ML_GAW_STAGE (2 * ML_GAW_W_BYTES) /* 128 rows of b, then 128 rows of a */
-#define ML_GAW_STAGES 7
-#define ML_GAW_SMEM (ML_GAW_STAGES * ML_GAW_STAGE + 2 * ML_GAW_STAGES * 8 + 1024)
+#define ML_GAW_X_BYTES (ML_TPC_WIDE_MAX_M * 128)
 #define ML_GAW_FULL_COUNT 129 /* the loading warpgroup's cp.async arrivals + thread 0's */
 #define ML_GAW_EMPTY_COUNT 8  /* one arrival per wgmma warp */
 
+/* R rows of b a CTA: 128 (a CTA pair splits k, the layout above) or 64 (one
+ * CTA takes all of k; warpgroup g multiplies the 64 rows of b by rows 64 g ..
+ * 64 g + 63 of a, wgmma m64n64k16; no pair exchange, but every CTA reads all
+ * of a). Stages: R rows of b, then 128 rows of a, as many as fit 224 KiB. */
+template <int R> struct ml_gaw_cfg {
+  static constexpr int W_BYTES = R * 128;
+  static constexpr int STAGE = W_BYTES + ML_GAW_X_BYTES;
+  static constexpr int STAGES = (224 * 1024) / STAGE;
+  static constexpr int SMEM = STAGES * STAGE + 2 * STAGES * 8 + 1024;
+  static_assert(SMEM <= 227 * 1024, "ring exceeds shared memory");
+  static_assert(STAGE % 1024 == 0, "stages stay 1024-byte aligned");
+};
+
 static_assert(ML_TPC_WIDE_MAX_M == 128, "the wgmma's N side is 128 rows of a");
-static_assert(ML_GAW_SMEM <= 227 * 1024, "ring exceeds shared memory");
 
 typedef struct ml_gaw_args {
   const char *a, *b;
@@ -359,10 +368,12 @@ typedef struct ml_gaw_args {
 } ml_gaw_args;
 
 /* Built for sm_90a only; the host launches it on compute capability 9.0. */
-template <int DT>
+template <int DT, int R>
 __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
     ml_gaw_kernel(const __grid_constant__ CUtensorMap map_b, const __grid_constant__ ml_gaw_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  typedef ml_gaw_cfg<R> C;
+  constexpr int ML_GAW_STAGES = C::STAGES, ML_GAW_STAGE = C::STAGE, ML_GAW_W_BYTES = C::W_BYTES;
   extern __shared__ __align__(1024) unsigned char ml_gaw_smem[];
   const uint32_t raw = ml_smem_u32(ml_gaw_smem);
   const uint32_t ring = (raw + 1023u) & ~1023u;
@@ -371,8 +382,9 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
   const int t = (int)threadIdx.x, g = t >> 7, tw = t & 127, warp = tw >> 5, lane = t & 31;
   const int me = p.dc.rank, nr = p.dc.nranks;
   const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
-  const int blk = (int)blockIdx.x, h = blk & 1, n0 = (blk >> 1) * 128;
-  const int kh = p.k / 2, nk = kh / ML_GAW_BK, kbase = h * kh;
+  const int blk = (int)blockIdx.x, h = R == 128 ? blk & 1 : 0;
+  const int n0 = R == 128 ? (blk >> 1) * 128 : blk * 64;
+  const int kh = R == 128 ? p.k / 2 : p.k, nk = kh / ML_GAW_BK, kbase = h * kh;
 
   if (t == 0) {
     for (int s = 0; s < ML_GAW_STAGES; ++s) {
@@ -407,8 +419,8 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
       const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
       const uint32_t full = bars + (uint32_t)(8 * stage);
       ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + stage)), phase ^ 1u);
-      const int sr = p.rotate ? (s + (blk >> 1)) % nk : s;
-      const int k0 = p.alternate ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
+      const int sr = p.rotate ? (s + (R == 128 ? blk >> 1 : blk)) % nk : s;
+      const int k0 = p.alternate && R == 128 ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
       if (tw == 0) {
         ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
         ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
@@ -436,13 +448,18 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
       /* a came through cp.async (generic proxy); wgmma reads through the async one */
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const uint32_t st = ring + (uint32_t)(stage * ML_GAW_STAGE);
-      const uint64_t da = ml_wgmma_desc(st + (uint32_t)(g * 64 * 128));
-      const uint64_t db = ml_wgmma_desc(st + ML_GAW_W_BYTES);
+      const uint64_t da = ml_wgmma_desc(st + (uint32_t)(R == 128 ? g * 64 * 128 : 0));
+      const uint64_t db =
+          ml_wgmma_desc(st + (uint32_t)ML_GAW_W_BYTES + (uint32_t)(R == 128 ? 0 : g * 64 * 128));
       ml_wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < ML_GAW_BK / 16; ++kk)
+      for (int kk = 0; kk < ML_GAW_BK / 16; ++kk) {
         /* 16 k = 32 bytes further along the rows: +2 in the address field */
-        ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+        if constexpr (R == 128)
+          ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+        else
+          ml_wgmma_64<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
+      }
       ml_wgmma_commit();
       ml_wgmma_wait<1>();
       ml_acc_fence<64>(d);
@@ -465,6 +482,16 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
   float4 *pair = (float4 *)p.pair;
   if (g == 2) {
     /* the loading warpgroup has no rows */
+  } else if (R == 64) {
+    /* d[i], i < 32: b row 16 warp + lane / 4 + 8 ((i / 2) % 2), a row 64 g +
+     * 8 (i / 4) + 2 (lane % 4) + i % 2 */
+    uint16_t *tile = (uint16_t *)ring_p;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int col = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
+      const int row = 64 * g + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
+      if (row < p.m) tile[row * 64 + col] = (uint16_t)ml_dt_f32_to_half<DT>(d[i]);
+    }
   } else if (g != h) {
     float4 *mine = pair + (size_t)blk * (16 * 128);
 #pragma unroll
@@ -551,6 +578,10 @@ MOELINK_PARAM(TP_AR_WIDE_KSPLIT, 0)
 /* 1: CTA pair j starts at its stage j % stages and wraps around, so that the
  * CTAs do not read the same offsets of their rows at the same time. */
 MOELINK_PARAM(TP_AR_WIDE_ROTATE, 0)
+/* Rows of b a CTA (128: a CTA pair splits k; 64: one CTA takes all of k). */
+MOELINK_PARAM(TP_AR_WIDE_ROWS, 128)
+
+static int ml_gaw_rows(void) { return ml_param_TP_AR_WIDE_ROWS() == 64 ? 64 : 128; }
 
 static size_t ml_gaw_flag_bytes(int nranks, int max_blocks) {
   return ((size_t)nranks * (size_t)max_blocks * 8 + 255) & ~(size_t)255;
@@ -564,7 +595,8 @@ extern "C" int ml_tpc_wide_ar_takes(const ml_tpc_wide *w, moelink_dtype_t dt, co
                                     const void *b, const void *c, int m, int n, int k) {
   if (w == NULL || w->pair == NULL) return 0;
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) return 0;
-  if (m < 1 || m > ML_TPC_WIDE_MAX_M || n < 128 || n % 128 || k < 128 || k % 128) return 0;
+  const int unit = ml_gaw_rows() == 64 ? 64 : 128; /* n and k: whole blocks, whole pair halves */
+  if (m < 1 || m > ML_TPC_WIDE_MAX_M || n < unit || n % unit || k < unit || k % unit) return 0;
   if (n / 64 > w->ctas || n / 64 > w->max_blocks) return 0;
   if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) return 0;
   return (size_t)m * (size_t)n * 2 <= w->slot_bytes;
@@ -596,15 +628,25 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.dc = *dc;
   p.alternate = ml_param_TP_AR_WIDE_KSPLIT() != 0;
   p.rotate = ml_param_TP_AR_WIDE_ROTATE() != 0;
+  const int rows = ml_gaw_rows();
   CUtensorMap map;
-  ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, 128, "tp: gemm_ar"));
-  void (*kernel)(CUtensorMap, ml_gaw_args) =
-      dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16> : ml_gaw_kernel<MOELINK_DTYPE_F16>;
-  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAW_SMEM);
+  ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, rows, "tp: gemm_ar"));
+  void (*kernel)(CUtensorMap, ml_gaw_args);
+  int smem;
+  if (rows == 64) {
+    kernel = dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16, 64>
+                                      : ml_gaw_kernel<MOELINK_DTYPE_F16, 64>;
+    smem = ml_gaw_cfg<64>::SMEM;
+  } else {
+    kernel = dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16, 128>
+                                      : ml_gaw_kernel<MOELINK_DTYPE_F16, 128>;
+    smem = ml_gaw_cfg<128>::SMEM;
+  }
+  cudaError_t err =
+      cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int grid = n / 64;
   if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(map, p);
+    kernel<<<grid, ML_GAW_THREADS, (size_t)smem, stream>>>(map, p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess)
