@@ -356,6 +356,7 @@ typedef struct ml_gaw_args {
   int m, n, k;
   int alternate; /* 1: CTA h of a pair takes the stages s with s % 2 == h */
   int rotate;    /* 1: pair j starts its k loop at its stage j % stages (wrapping) */
+  int burst;     /* stages the loads wait for and then issue together (1 .. stages - 1) */
   char *data[ML_TPC_MAX_RANKS];
   uint64_t *flags[ML_TPC_MAX_RANKS];
   size_t slot_bytes;
@@ -413,27 +414,30 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
      * copy a's rows (cp.async), whose completion arrives on the stage's full
      * barrier. */
     const size_t kb = (size_t)p.k * 2;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int s = 0; s < nk; ++s) {
-      const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
-      const uint32_t full = bars + (uint32_t)(8 * stage);
-      ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + stage)), phase ^ 1u);
-      const int sr = p.rotate ? (s + (R == 128 ? blk >> 1 : blk)) % nk : s;
-      const int k0 = p.alternate && R == 128 ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
-      if (tw == 0) {
-        ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
-        ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
-      }
-      for (int q = tw; q < p.m * 8; q += 128) {
-        const int r = q >> 3, ch = q & 7;
-        ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
-                      p.a + (size_t)r * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
-      }
-      ml_cp_async_arrive(full);
-      if (++stage == ML_GAW_STAGES) {
-        stage = 0;
-        phase ^= 1u;
+    for (int s0 = 0; s0 < nk; s0 += p.burst) {
+      const int s1 = s0 + p.burst < nk ? s0 + p.burst : nk;
+      /* `burst` free stages, then their loads back to back: a row's bytes of
+       * consecutive stages reach the memory together */
+      for (int s = s0; s < s1; ++s)
+        ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + s % ML_GAW_STAGES)),
+                     ((uint32_t)(s / ML_GAW_STAGES) & 1u) ^ 1u);
+      for (int s = s0; s < s1; ++s) {
+        const int stage = s % ML_GAW_STAGES;
+        const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
+        const uint32_t full = bars + (uint32_t)(8 * stage);
+        const int sr = p.rotate ? (s + (R == 128 ? blk >> 1 : blk)) % nk : s;
+        const int k0 =
+            p.alternate && R == 128 ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
+        if (tw == 0) {
+          ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
+          ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
+        }
+        for (int q = tw; q < p.m * 8; q += 128) {
+          const int r = q >> 3, ch = q & 7;
+          ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
+                        p.a + (size_t)r * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
+        }
+        ml_cp_async_arrive(full);
       }
     }
     ml_cp_async_wait<0>();
@@ -578,6 +582,8 @@ MOELINK_PARAM(TP_AR_WIDE_KSPLIT, 0)
 /* 1: CTA pair j starts at its stage j % stages and wraps around, so that the
  * CTAs do not read the same offsets of their rows at the same time. */
 MOELINK_PARAM(TP_AR_WIDE_ROTATE, 0)
+/* Stages whose loads are issued together (see the kernel). */
+MOELINK_PARAM(TP_AR_WIDE_BURST, 1)
 /* Rows of b a CTA (128: a CTA pair splits k; 64: one CTA takes all of k). */
 MOELINK_PARAM(TP_AR_WIDE_ROWS, 128)
 
@@ -626,9 +632,13 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
+  const int rows = ml_gaw_rows();
   p.alternate = ml_param_TP_AR_WIDE_KSPLIT() != 0;
   p.rotate = ml_param_TP_AR_WIDE_ROTATE() != 0;
-  const int rows = ml_gaw_rows();
+  p.burst = (int)ml_param_TP_AR_WIDE_BURST();
+  const int most = (rows == 64 ? ml_gaw_cfg<64>::STAGES : ml_gaw_cfg<128>::STAGES) - 1;
+  if (p.burst < 1) p.burst = 1;
+  if (p.burst > most) p.burst = most;
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, rows, "tp: gemm_ar"));
   void (*kernel)(CUtensorMap, ml_gaw_args);
