@@ -357,6 +357,7 @@ typedef struct ml_gaw_args {
   int alternate; /* 1: CTA h of a pair takes the stages s with s % 2 == h */
   int rotate;    /* 1: pair j starts its k loop at its stage j % stages (wrapping) */
   int burst;     /* stages the loads wait for and then issue together (1 .. stages - 1) */
+  int tma;       /* 1: b's rows by TMA; 0: by cp.async like a's */
   char *data[ML_TPC_MAX_RANKS];
   uint64_t *flags[ML_TPC_MAX_RANKS];
   size_t slot_bytes;
@@ -428,9 +429,19 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
         const int sr = p.rotate ? (s + (R == 128 ? blk >> 1 : blk)) % nk : s;
         const int k0 =
             p.alternate && R == 128 ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
-        if (tw == 0) {
-          ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
-          ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
+        if (p.tma) {
+          if (tw == 0) {
+            ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
+            ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
+          }
+        } else {
+          if (tw == 0) ml_mbar_arrive(full);
+#pragma unroll
+          for (int i = 0; i < R * 8 / 128; ++i) {
+            const int q = tw + 128 * i, r = q >> 3, ch = q & 7;
+            ml_cp_async16(slot + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)),
+                          p.b + (size_t)(n0 + r) * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
+          }
         }
         for (int q = tw; q < p.m * 8; q += 128) {
           const int r = q >> 3, ch = q & 7;
@@ -582,6 +593,8 @@ MOELINK_PARAM(TP_AR_WIDE_KSPLIT, 0)
 /* 1: CTA pair j starts at its stage j % stages and wraps around, so that the
  * CTAs do not read the same offsets of their rows at the same time. */
 MOELINK_PARAM(TP_AR_WIDE_ROTATE, 0)
+/* 1: b's rows come by TMA; 0: by the loading warpgroup's cp.async. */
+MOELINK_PARAM(TP_AR_WIDE_TMA, 1)
 /* Stages whose loads are issued together (see the kernel). */
 MOELINK_PARAM(TP_AR_WIDE_BURST, 1)
 /* Rows of b a CTA (128: a CTA pair splits k; 64: one CTA takes all of k). */
@@ -636,6 +649,7 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.alternate = ml_param_TP_AR_WIDE_KSPLIT() != 0;
   p.rotate = ml_param_TP_AR_WIDE_ROTATE() != 0;
   p.burst = (int)ml_param_TP_AR_WIDE_BURST();
+  p.tma = ml_param_TP_AR_WIDE_TMA() != 0;
   const int most = (rows == 64 ? ml_gaw_cfg<64>::STAGES : ml_gaw_cfg<128>::STAGES) - 1;
   if (p.burst < 1) p.burst = 1;
   if (p.burst > most) p.burst = most;
