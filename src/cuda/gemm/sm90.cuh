@@ -275,30 +275,6 @@ static __device__ __forceinline__ void ml_wgmma_256(float *d, uint64_t da, uint6
                  : "l"(da), "l"(db), "r"(1));
 }
 
-#define ML_D32 ML_D8(0), ML_D8(8), ML_D8(16), ML_D8(24)
-#define ML_R32                                                                                  \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                      \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-/* d[64 x 64] += A[64 x 16] B[64 x 16]^T, 16-bit operands K-major in shared
- * memory; d zeroed by the caller. Accumulator layout as above. */
-template <int DT>
-static __device__ __forceinline__ void ml_wgmma_64(float *d, uint64_t da, uint64_t db) {
-  if constexpr (DT == MOELINK_DTYPE_BF16)
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" ML_R32
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : ML_D32
-                 : "l"(da), "l"(db), "r"(1));
-  else
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %34, 0;\n"
-                 " wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" ML_R32
-                 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : ML_D32
-                 : "l"(da), "l"(db), "r"(1));
-}
-#undef ML_D32
-#undef ML_R32
-
 /* d[64 x 128] += A[64 x 16] B[128 x 16]^T, 16-bit operands K-major in shared
  * memory (the tensor-parallel gemm_ar kernel of up to 128 rows); d zeroed
  * by the caller. Accumulator layout as above. */

@@ -316,9 +316,10 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
  * full / empty mbarriers. A third warpgroup loads: its thread 0 starts one
  * TMA box of b per stage, its 128 threads copy a's rows with cp.async
  * (completion arriving on the full barrier); the two wgmma warpgroups never
- * issue a load, so their proxy fence (cp.async data to wgmma) does not wait
- * on copies in flight. (All threads loading and computing in lockstep, with
- * that fence each step, streamed at 2.2-2.4 TB/s: docs/PERF.md.)
+ * issue a load. Measured alone on one H200 (bench/gemm_ar_probe.cu) it
+ * streams b at 2.3-2.4 TB/s against cuBLAS's 2.8-3.0 on the same shape, and
+ * neither the variants tried (docs/PERF.md) nor leaving out the wgmma moved
+ * that: the limit is in how the loads are issued, not yet found.
  *
  * Exchange: the block's partial, rounded to the dtype, is stored into every
  * peer's data slot of this rank (parity e & 1 of the call number e, so a
@@ -335,18 +336,11 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
 #define ML_GAW_FULL_COUNT 129 /* the loading warpgroup's cp.async arrivals + thread 0's */
 #define ML_GAW_EMPTY_COUNT 8  /* one arrival per wgmma warp */
 
-/* R rows of b a CTA: 128 (a CTA pair splits k, the layout above) or 64 (one
- * CTA takes all of k; warpgroup g multiplies the 64 rows of b by rows 64 g ..
- * 64 g + 63 of a, wgmma m64n64k16; no pair exchange, but every CTA reads all
- * of a). Stages: R rows of b, then 128 rows of a, as many as fit 224 KiB. */
-template <int R> struct ml_gaw_cfg {
-  static constexpr int W_BYTES = R * 128;
-  static constexpr int STAGE = W_BYTES + ML_GAW_X_BYTES;
-  static constexpr int STAGES = (224 * 1024) / STAGE;
-  static constexpr int SMEM = STAGES * STAGE + 2 * STAGES * 8 + 1024;
-  static_assert(SMEM <= 227 * 1024, "ring exceeds shared memory");
-  static_assert(STAGE % 1024 == 0, "stages stay 1024-byte aligned");
-};
+#define ML_GAW_W_BYTES (128 * 128)                     /* 128 rows of b */
+#define ML_GAW_STAGE (ML_GAW_W_BYTES + ML_GAW_X_BYTES) /* then 128 rows of a */
+#define ML_GAW_STAGES 7
+#define ML_GAW_SMEM (ML_GAW_STAGES * ML_GAW_STAGE + 2 * ML_GAW_STAGES * 8 + 1024)
+static_assert(ML_GAW_SMEM <= 227 * 1024, "ring exceeds shared memory");
 
 static_assert(ML_TPC_WIDE_MAX_M == 128, "the wgmma's N side is 128 rows of a");
 
@@ -354,10 +348,6 @@ typedef struct ml_gaw_args {
   const char *a, *b;
   char *c;
   int m, n, k;
-  int alternate; /* 1: CTA h of a pair takes the stages s with s % 2 == h */
-  int rotate;    /* 1: pair j starts its k loop at its stage j % stages (wrapping) */
-  int burst;     /* stages the loads wait for and then issue together (1 .. stages - 1) */
-  int tma;       /* 1: b's rows by TMA; 0: by cp.async like a's */
   char *data[ML_TPC_MAX_RANKS];
   uint64_t *flags[ML_TPC_MAX_RANKS];
   size_t slot_bytes;
@@ -370,12 +360,10 @@ typedef struct ml_gaw_args {
 } ml_gaw_args;
 
 /* Built for sm_90a only; the host launches it on compute capability 9.0. */
-template <int DT, int R>
+template <int DT>
 __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
     ml_gaw_kernel(const __grid_constant__ CUtensorMap map_b, const __grid_constant__ ml_gaw_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  typedef ml_gaw_cfg<R> C;
-  constexpr int ML_GAW_STAGES = C::STAGES, ML_GAW_STAGE = C::STAGE, ML_GAW_W_BYTES = C::W_BYTES;
   extern __shared__ __align__(1024) unsigned char ml_gaw_smem[];
   const uint32_t raw = ml_smem_u32(ml_gaw_smem);
   const uint32_t ring = (raw + 1023u) & ~1023u;
@@ -384,9 +372,8 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
   const int t = (int)threadIdx.x, g = t >> 7, tw = t & 127, warp = tw >> 5, lane = t & 31;
   const int me = p.dc.rank, nr = p.dc.nranks;
   const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
-  const int blk = (int)blockIdx.x, h = R == 128 ? blk & 1 : 0;
-  const int n0 = R == 128 ? (blk >> 1) * 128 : blk * 64;
-  const int kh = R == 128 ? p.k / 2 : p.k, nk = kh / ML_GAW_BK, kbase = h * kh;
+  const int blk = (int)blockIdx.x, h = blk & 1, n0 = (blk >> 1) * 128;
+  const int kh = p.k / 2, nk = kh / ML_GAW_BK, kbase = h * kh;
 
   if (t == 0) {
     for (int s = 0; s < ML_GAW_STAGES; ++s) {
@@ -415,40 +402,26 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
      * copy a's rows (cp.async), whose completion arrives on the stage's full
      * barrier. */
     const size_t kb = (size_t)p.k * 2;
-    for (int s0 = 0; s0 < nk; s0 += p.burst) {
-      const int s1 = s0 + p.burst < nk ? s0 + p.burst : nk;
-      /* `burst` free stages, then their loads back to back: a row's bytes of
-       * consecutive stages reach the memory together */
-      for (int s = s0; s < s1; ++s)
-        ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + s % ML_GAW_STAGES)),
-                     ((uint32_t)(s / ML_GAW_STAGES) & 1u) ^ 1u);
-      for (int s = s0; s < s1; ++s) {
-        const int stage = s % ML_GAW_STAGES;
-        const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
-        const uint32_t full = bars + (uint32_t)(8 * stage);
-        const int sr = p.rotate ? (s + (R == 128 ? blk >> 1 : blk)) % nk : s;
-        const int k0 =
-            p.alternate && R == 128 ? (2 * sr + h) * ML_GAW_BK : kbase + sr * ML_GAW_BK;
-        if (p.tma) {
-          if (tw == 0) {
-            ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
-            ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
-          }
-        } else {
-          if (tw == 0) ml_mbar_arrive(full);
-#pragma unroll
-          for (int i = 0; i < R * 8 / 128; ++i) {
-            const int q = tw + 128 * i, r = q >> 3, ch = q & 7;
-            ml_cp_async16(slot + (uint32_t)(r * 128 + ((ch ^ (r & 7)) << 4)),
-                          p.b + (size_t)(n0 + r) * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
-          }
-        }
-        for (int q = tw; q < p.m * 8; q += 128) {
-          const int r = q >> 3, ch = q & 7;
-          ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
-                        p.a + (size_t)r * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
-        }
-        ml_cp_async_arrive(full);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int s = 0; s < nk; ++s) {
+      const uint32_t slot = ring + (uint32_t)(stage * ML_GAW_STAGE);
+      const uint32_t full = bars + (uint32_t)(8 * stage);
+      ml_mbar_wait(bars + (uint32_t)(8 * (ML_GAW_STAGES + stage)), phase ^ 1u);
+      const int k0 = kbase + s * ML_GAW_BK;
+      if (tw == 0) {
+        ml_mbar_arrive_tx(full, ML_GAW_W_BYTES);
+        ml_tma_load_4d(slot, &map_b, full, k0, n0, 0, 0);
+      }
+      for (int q = tw; q < p.m * 8; q += 128) {
+        const int r = q >> 3, ch = q & 7;
+        ml_cp_async16(slot + (uint32_t)(ML_GAW_W_BYTES + r * 128 + ((ch ^ (r & 7)) << 4)),
+                      p.a + (size_t)r * kb + (size_t)k0 * 2 + (size_t)ch * 16, 16);
+      }
+      ml_cp_async_arrive(full);
+      if (++stage == ML_GAW_STAGES) {
+        stage = 0;
+        phase ^= 1u;
       }
     }
     ml_cp_async_wait<0>();
@@ -463,18 +436,13 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
       /* a came through cp.async (generic proxy); wgmma reads through the async one */
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       const uint32_t st = ring + (uint32_t)(stage * ML_GAW_STAGE);
-      const uint64_t da = ml_wgmma_desc(st + (uint32_t)(R == 128 ? g * 64 * 128 : 0));
-      const uint64_t db =
-          ml_wgmma_desc(st + (uint32_t)ML_GAW_W_BYTES + (uint32_t)(R == 128 ? 0 : g * 64 * 128));
+      const uint64_t da = ml_wgmma_desc(st + (uint32_t)(g * 64 * 128));
+      const uint64_t db = ml_wgmma_desc(st + ML_GAW_W_BYTES);
       ml_wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < ML_GAW_BK / 16; ++kk) {
+      for (int kk = 0; kk < ML_GAW_BK / 16; ++kk)
         /* 16 k = 32 bytes further along the rows: +2 in the address field */
-        if constexpr (R == 128)
-          ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
-        else
-          ml_wgmma_64<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
-      }
+        ml_wgmma_128<DT>(d, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk));
       ml_wgmma_commit();
       ml_wgmma_wait<1>();
       ml_acc_fence<64>(d);
@@ -497,16 +465,6 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
   float4 *pair = (float4 *)p.pair;
   if (g == 2) {
     /* the loading warpgroup has no rows */
-  } else if (R == 64) {
-    /* d[i], i < 32: b row 16 warp + lane / 4 + 8 ((i / 2) % 2), a row 64 g +
-     * 8 (i / 4) + 2 (lane % 4) + i % 2 */
-    uint16_t *tile = (uint16_t *)ring_p;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int col = 16 * warp + (lane >> 2) + 8 * ((i >> 1) & 1);
-      const int row = 64 * g + 8 * (i >> 2) + 2 * (lane & 3) + (i & 1);
-      if (row < p.m) tile[row * 64 + col] = (uint16_t)ml_dt_f32_to_half<DT>(d[i]);
-    }
   } else if (g != h) {
     float4 *mine = pair + (size_t)blk * (16 * 128);
 #pragma unroll
@@ -587,21 +545,6 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
 #endif
 }
 
-/* How a CTA pair splits k: 0 each CTA one half, 1 alternate 64-k stages
- * (the pair reads 256 contiguous bytes of each row at a time). */
-MOELINK_PARAM(TP_AR_WIDE_KSPLIT, 0)
-/* 1: CTA pair j starts at its stage j % stages and wraps around, so that the
- * CTAs do not read the same offsets of their rows at the same time. */
-MOELINK_PARAM(TP_AR_WIDE_ROTATE, 0)
-/* 1: b's rows come by TMA; 0: by the loading warpgroup's cp.async. */
-MOELINK_PARAM(TP_AR_WIDE_TMA, 1)
-/* Stages whose loads are issued together (see the kernel). */
-MOELINK_PARAM(TP_AR_WIDE_BURST, 1)
-/* Rows of b a CTA (128: a CTA pair splits k; 64: one CTA takes all of k). */
-MOELINK_PARAM(TP_AR_WIDE_ROWS, 128)
-
-static int ml_gaw_rows(void) { return ml_param_TP_AR_WIDE_ROWS() == 64 ? 64 : 128; }
-
 static size_t ml_gaw_flag_bytes(int nranks, int max_blocks) {
   return ((size_t)nranks * (size_t)max_blocks * 8 + 255) & ~(size_t)255;
 }
@@ -614,8 +557,7 @@ extern "C" int ml_tpc_wide_ar_takes(const ml_tpc_wide *w, moelink_dtype_t dt, co
                                     const void *b, const void *c, int m, int n, int k) {
   if (w == NULL || w->pair == NULL) return 0;
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) return 0;
-  const int unit = ml_gaw_rows() == 64 ? 64 : 128; /* n and k: whole blocks, whole pair halves */
-  if (m < 1 || m > ML_TPC_WIDE_MAX_M || n < unit || n % unit || k < unit || k % unit) return 0;
+  if (m < 1 || m > ML_TPC_WIDE_MAX_M || n < 128 || n % 128 || k < 128 || k % 128) return 0;
   if (n / 64 > w->ctas || n / 64 > w->max_blocks) return 0;
   if (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c) & 15) return 0;
   return (size_t)m * (size_t)n * 2 <= w->slot_bytes;
@@ -645,32 +587,15 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
-  const int rows = ml_gaw_rows();
-  p.alternate = ml_param_TP_AR_WIDE_KSPLIT() != 0;
-  p.rotate = ml_param_TP_AR_WIDE_ROTATE() != 0;
-  p.burst = (int)ml_param_TP_AR_WIDE_BURST();
-  p.tma = ml_param_TP_AR_WIDE_TMA() != 0;
-  const int most = (rows == 64 ? ml_gaw_cfg<64>::STAGES : ml_gaw_cfg<128>::STAGES) - 1;
-  if (p.burst < 1) p.burst = 1;
-  if (p.burst > most) p.burst = most;
   CUtensorMap map;
-  ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, rows, "tp: gemm_ar"));
-  void (*kernel)(CUtensorMap, ml_gaw_args);
-  int smem;
-  if (rows == 64) {
-    kernel = dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16, 64>
-                                      : ml_gaw_kernel<MOELINK_DTYPE_F16, 64>;
-    smem = ml_gaw_cfg<64>::SMEM;
-  } else {
-    kernel = dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16, 128>
-                                      : ml_gaw_kernel<MOELINK_DTYPE_F16, 128>;
-    smem = ml_gaw_cfg<128>::SMEM;
-  }
-  cudaError_t err =
-      cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, 128, "tp: gemm_ar"));
+  void (*kernel)(CUtensorMap, ml_gaw_args) =
+      dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16> : ml_gaw_kernel<MOELINK_DTYPE_F16>;
+  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAW_SMEM);
   const int grid = n / 64;
   if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAW_THREADS, (size_t)smem, stream>>>(map, p);
+    kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(map, p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess)
