@@ -110,19 +110,38 @@ static size_t ml_tpc_ll_bytes(const moelink_tp_config_t *cfg) {
   return (b + 3) & ~(size_t)3;
 }
 
+/* Whether the comm's device runs sm_90a machine code (compute capability
+ * 9.0 exactly). */
+static moelink_status_t ml_tpc_is_sm90(moelink_comm_t comm, int *yes) {
+  int prev, dev = 0, major = 0, minor = 0;
+  ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+  moelink_status_t s =
+      e == cudaSuccess ? MOELINK_SUCCESS
+                       : ml_fail(MOELINK_ERR_CUDA, "tp: device query failed: %s", cudaGetErrorString(e));
+  *yes = major == 9 && minor == 0;
+  return ml_cuda_leave(comm->ctx, prev, s);
+}
+
 /* The limits of the one-kernel gemm_ar of up to ML_TPC_WIDE_MAX_M rows:
  * zero slot bytes when it cannot run (one rank, no low-latency state, rows
- * that the smaller kernel takes, columns fewer than its 128). Compute
- * capability is checked apart (ml_tpc_init_inner). */
-static void ml_tpc_wide_limits(int nranks, const moelink_tp_config_t *cfg, size_t *slot,
-                               int *blocks) {
+ * that the smaller kernel takes, columns fewer than its 128, a device other
+ * than compute capability 9.0). */
+static moelink_status_t ml_tpc_wide_limits(moelink_comm_t comm, const moelink_tp_config_t *cfg,
+                                           size_t *slot, int *blocks) {
   *slot = 0;
   *blocks = cfg->max_n / 64;
-  if (nranks < 2 || ml_tpc_ll_bytes(cfg) == 0 || cfg->max_m <= ML_TPC_FUSED_MAX_M ||
+  if (comm->nranks < 2 || ml_tpc_ll_bytes(cfg) == 0 || cfg->max_m <= ML_TPC_FUSED_MAX_M ||
       cfg->max_n < 128)
-    return;
+    return MOELINK_SUCCESS;
+  int sm90 = 0;
+  ML_TRY(ml_tpc_is_sm90(comm, &sm90));
+  if (!sm90) return MOELINK_SUCCESS;
   const int rows = cfg->max_m < ML_TPC_WIDE_MAX_M ? cfg->max_m : ML_TPC_WIDE_MAX_M;
   *slot = (size_t)rows * (size_t)cfg->max_n * moelink_dtype_size(cfg->dtype);
+  return MOELINK_SUCCESS;
 }
 
 static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink_tp_config_t *cfg,
@@ -133,7 +152,7 @@ static moelink_status_t ml_tpc_workspace_size(moelink_comm_t comm, const moelink
   if (comm->nranks > 1 && ll > 0) *bytes += ML_CCU_LL_BYTES(comm->nranks, ll / 4) + ll;
   size_t slot;
   int blocks;
-  ml_tpc_wide_limits(comm->nranks, cfg, &slot, &blocks);
+  ML_TRY(ml_tpc_wide_limits(comm, cfg, &slot, &blocks));
   if (slot > 0) *bytes += ml_tpc_wide_symm_bytes(comm->nranks, slot, blocks);
   return MOELINK_SUCCESS;
 }
@@ -209,12 +228,9 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
     ML_CUDA_TRY(cudaMalloc((void **)&t->ll_scratch, t->ll_bytes));
   }
   size_t wslot;
-  int wblocks, major = 0, minor = 0;
-  ml_tpc_wide_limits(comm->nranks, cfg, &wslot, &wblocks);
-  ML_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  ML_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
-  /* sm_90a machine code: compute capability 9.0 only */
-  if (wslot > 0 && major == 9 && minor == 0) {
+  int wblocks;
+  ML_TRY(ml_tpc_wide_limits(comm, cfg, &wslot, &wblocks));
+  if (wslot > 0) {
     ML_TRY(moelink_symm_alloc(comm, ml_tpc_wide_symm_bytes(comm->nranks, wslot, wblocks),
                               (void **)&t->wide_symm));
     moelink_symm_view_t v;
