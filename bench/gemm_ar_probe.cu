@@ -104,7 +104,7 @@ typedef struct probe {
 } probe;
 
 enum { OP_CUBLAS, OP_FUSED16, OP_WIDE };
-static const char *const op_names[] = {"cuBLAS", "fused<=64", "wide<=128"};
+static const char *const op_names[] = {"cuBLAS", "fused<=16", "wide<=128"};
 
 static void run_op(probe *p, int op, const void *a, const void *b, void *c, int m, int n, int k) {
   if (op == OP_CUBLAS)

@@ -2,12 +2,10 @@
  * (a [m, k] b [n, k]^T rounded to the dtype), m <= ML_TPC_FUSED_MAX_M.
  *
  * The GEMM streams the weights: the MMA's M side is 64 rows of b (output
- * columns) per block, its N side the m <= 64 rows of a (a tile of MT = 16,
- * 32 or 64 rows, the smallest that holds m), and K is not split, so a
- * block's 64 x m partial is complete in its CTA. A cp.async ring (120 KiB
- * with stages of 64, 128 or 256 k at MT = 16; 192 KiB with 128-k stages at
- * MT = 32 and 64) keeps ~80-130 KiB of weights in flight per SM (one CTA
- * per SM). As soon as a block is done, its partial, rounded to the
+ * columns) per block, its N side the m <= 16 rows of a, and K is not split,
+ * so a block's 64 x m partial is complete in its CTA. A cp.async ring of
+ * 120 KiB (stages of 64, 128 or 256 k) keeps ~100 KiB of weights in flight
+ * per SM (one CTA per SM). As soon as a block is done, its partial, rounded to the
  * dtype, goes to every peer through the low-latency cells of the tp
  * (comm/cuda/ll.cuh: each 4-byte word with the call's flag in one 8-byte
  * store), and the CTA sums the block's words of every rank in rank order
@@ -35,27 +33,25 @@
 
 #define ML_GAR_THREADS 128
 #define ML_GAR_BM 64 /* rows of b (output columns) a block: 4 warps x 16 */
-#define ML_GAR_POLL 4 /* words a thread fetches at once while summing */
+#define ML_GAR_RING (120 * 1024) /* bytes of the cp.async ring */
+#define ML_GAR_POLL 4            /* words a thread fetches at once while summing */
 
-/* Tiles of a stage of BK k: 64 rows of b and MT rows of a, BK * 2 bytes
- * each; as many stages as fit the ring (120 KiB at MT = 16, the size
- * measured first; 192 KiB above). */
-template <int BK, int MT> struct ml_gar_tile {
-  static constexpr int RING = MT == 16 ? 120 * 1024 : 192 * 1024;
+/* Tiles of a stage of BK k: 64 rows of b and 16 rows of a, BK * 2 bytes
+ * each; as many stages as fit the ring. */
+template <int BK> struct ml_gar_tile {
   static constexpr int ROW = BK * 2;
   static constexpr int W_BYTES = ML_GAR_BM * ROW;
-  static constexpr int X_BYTES = MT * ROW;
+  static constexpr int X_BYTES = ML_TPC_FUSED_MAX_M * ROW;
   static constexpr int STAGE = W_BYTES + X_BYTES;
-  static constexpr int STAGES = RING / STAGE;
+  static constexpr int STAGES = ML_GAR_RING / STAGE;
   static constexpr int SMEM = STAGES * STAGE;
-  static_assert(MT == 16 || MT == 32 || MT == 64, "a tiles of 16, 32 or 64 rows");
   static_assert(STAGES >= 3, "a ring of at least three stages");
   static_assert(W_BYTES % (16 * ML_GAR_THREADS) == 0 && X_BYTES % (16 * ML_GAR_THREADS) == 0,
                 "whole 16-byte chunks per thread");
-  static_assert(ML_GAR_BM * MT * 2 <= SMEM, "partial tile overlays the ring");
 };
 
-static_assert(ML_TPC_FUSED_MAX_M == 64, "a tiles up to 64 rows");
+static_assert(ML_TPC_FUSED_MAX_M == 16, "one ldmatrix.x4 of a rows: two n8 fragments");
+static_assert(ML_GAR_BM * ML_TPC_FUSED_MAX_M * 2 <= ML_GAR_RING, "partial tile overlays the ring");
 
 typedef struct ml_gar_args {
   const char *a, *b;
@@ -72,15 +68,15 @@ typedef struct ml_gar_args {
 /* Byte offset of 16-byte chunk ch of tile row r: the low three chunk bits
  * XOR the row's (ldmatrix reads of 8 rows hit 8 different bank groups). */
 template <int BK> static __device__ __forceinline__ uint32_t ml_gar_at(int r, int ch) {
-  return (uint32_t)(r * (BK * 2) + ((ch ^ (r & 7)) << 4));
+  return (uint32_t)(r * ml_gar_tile<BK>::ROW + ((ch ^ (r & 7)) << 4));
 }
 
-/* Stage s of block n0 into ring slot `slot`: 64 rows of b and the MT rows
- * of a (rows past m zero), k [s * BK, s * BK + BK). */
-template <int BK, int MT>
+/* Stage s of block n0 into ring slot `slot`: 64 rows of b and the m rows of
+ * a (rows past m zero), k [s * BK, s * BK + BK). */
+template <int BK>
 static __device__ __forceinline__ void ml_gar_load(const ml_gar_args &p, uint32_t slot, int n0,
                                                    int s) {
-  typedef ml_gar_tile<BK, MT> T;
+  typedef ml_gar_tile<BK> T;
   constexpr int CH = T::ROW / 16; /* chunks a row */
   const int t = (int)threadIdx.x;
   const size_t kb = (size_t)p.k * 2, k0 = (size_t)s * T::ROW;
@@ -100,34 +96,27 @@ static __device__ __forceinline__ void ml_gar_load(const ml_gar_args &p, uint32_
 }
 
 /* acc[f] (n8 fragment f: a rows 8f .. 8f + 7) += this warp's 16 rows of b x
- * the stage's a rows, BK / 16 k16 steps; nf: fragments that hold rows of a
- * (ceil(m / 8)), the rest skipped. */
-template <int DT, int BK, int MT>
-static __device__ __forceinline__ void ml_gar_compute(uint32_t slot, float (*acc)[4], int nf) {
-  typedef ml_gar_tile<BK, MT> T;
+ * the stage's a rows, BK / 16 k16 steps. */
+template <int DT, int BK>
+static __device__ __forceinline__ void ml_gar_compute(uint32_t slot, float (*acc)[4], int two) {
+  typedef ml_gar_tile<BK> T;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   const int ra = warp * 16 + (lane & 15), rx = (lane & 7) + ((lane >> 4) << 3);
 #pragma unroll
   for (int kk = 0; kk < BK / 16; ++kk) {
-    uint32_t af[4];
+    uint32_t af[4], t[4];
     ml_ldmatrix_x4(slot + ml_gar_at<BK>(ra, 2 * kk + (lane >> 4)), af);
-#pragma unroll
-    for (int j = 0; j < MT / 16; ++j) {
-      if (2 * j >= nf) break; /* warp-uniform */
-      uint32_t t[4];
-      ml_ldmatrix_x4(slot + T::W_BYTES + ml_gar_at<BK>(rx + 16 * j, 2 * kk + ((lane >> 3) & 1)),
-                     t);
-      const uint32_t b0[2] = {t[0], t[1]}, b1[2] = {t[2], t[3]};
-      ml_mma_16816<DT>(acc[2 * j], af, b0);
-      if (2 * j + 1 < nf) ml_mma_16816<DT>(acc[2 * j + 1], af, b1);
-    }
+    ml_ldmatrix_x4(slot + T::W_BYTES + ml_gar_at<BK>(rx, 2 * kk + ((lane >> 3) & 1)), t);
+    const uint32_t b0[2] = {t[0], t[1]}, b1[2] = {t[2], t[3]};
+    ml_mma_16816<DT>(acc[0], af, b0);
+    if (two) ml_mma_16816<DT>(acc[1], af, b1);
   }
 }
 
-template <int DT, int BK, int MT>
+template <int DT, int BK>
 __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
     ml_gar_kernel(const __grid_constant__ ml_gar_args p) {
-  typedef ml_gar_tile<BK, MT> T;
+  typedef ml_gar_tile<BK> T;
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t ring = ml_smem_u32(smem);
   const int me = p.dc.rank, nr = p.dc.nranks;
@@ -137,27 +126,24 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
   const uint64_t e = *(volatile uint64_t *)p.epoch + 1;
   const uint32_t flag = (uint32_t)e;
   const size_t half = (size_t)(e & 1) * p.par_cells;
-  const int nk = p.k / BK, blocks = p.n / ML_GAR_BM, nf = (p.m + 7) / 8;
+  const int nk = p.k / BK, blocks = p.n / ML_GAR_BM, two = p.m > 8;
   int ok = 1;
 
   for (int blk = (int)blockIdx.x; blk < blocks; blk += (int)gridDim.x) {
     const int n0 = blk * ML_GAR_BM;
-    float acc[MT / 8][4];
-#pragma unroll
-    for (int f = 0; f < MT / 8; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.f;
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int s = 0; s < T::STAGES - 1; ++s) {
-      if (s < nk) ml_gar_load<BK, MT>(p, ring + (uint32_t)(s * T::STAGE), n0, s);
+      if (s < nk) ml_gar_load<BK>(p, ring + (uint32_t)(s * T::STAGE), n0, s);
       ml_cp_async_commit();
     }
     for (int s = 0; s < nk; ++s) {
       ml_cp_async_wait<T::STAGES - 2>();
       __syncthreads(); /* stage s is in; every thread is done with stage s - 1 */
       const int nx = s + T::STAGES - 1;
-      if (nx < nk)
-        ml_gar_load<BK, MT>(p, ring + (uint32_t)((nx % T::STAGES) * T::STAGE), n0, nx);
+      if (nx < nk) ml_gar_load<BK>(p, ring + (uint32_t)((nx % T::STAGES) * T::STAGE), n0, nx);
       ml_cp_async_commit();
-      ml_gar_compute<DT, BK, MT>(ring + (uint32_t)((s % T::STAGES) * T::STAGE), acc, nf);
+      ml_gar_compute<DT, BK>(ring + (uint32_t)((s % T::STAGES) * T::STAGE), acc, two);
     }
     ml_cp_async_wait<0>();
     __syncthreads(); /* the ring is free: the partial tile overlays it */
@@ -166,8 +152,7 @@ __global__ void __launch_bounds__(ML_GAR_THREADS, 1)
      * Fragment element (i, j): b row warp * 16 + lane / 4 + 8 * (i >> 1), a
      * row 8 * f + 2 * (lane % 4) + (i & 1). */
     uint16_t *tile = (uint16_t *)smem;
-#pragma unroll
-    for (int f = 0; f < MT / 8; ++f)
+    for (int f = 0; f < 2; ++f)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int col = warp * 16 + (lane >> 2) + 8 * (i >> 1);
@@ -283,30 +268,19 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
   p.epoch = ll->epoch;
   p.ticket = ll->ticket;
   p.dc = *dc;
-  /* a tile: the smallest of 16, 32, 64 rows that holds m; above 16 rows the
-   * stages are 128 k where k allows (MOELINK_TP_AR_FUSED_BK applies to 16) */
-  const int mt = m <= 16 ? 16 : m <= 32 ? 32 : 64;
-  const int bk = mt == 16 ? ml_gar_bk(k) : k % 128 == 0 ? 128 : 64;
+  const int bk = ml_gar_bk(k);
   void (*kernel)(ml_gar_args) = NULL;
   int smem = 0;
-#define ML_GAR_PICK(BK, MT)                                                                \
-  kernel = dt == MOELINK_DTYPE_BF16 ? ml_gar_kernel<MOELINK_DTYPE_BF16, BK, MT>             \
-                                    : ml_gar_kernel<MOELINK_DTYPE_F16, BK, MT>;             \
-  smem = ml_gar_tile<BK, MT>::SMEM
-  if (mt == 16 && bk == 256) {
-    ML_GAR_PICK(256, 16);
-  } else if (mt == 16 && bk == 128) {
-    ML_GAR_PICK(128, 16);
-  } else if (mt == 16) {
-    ML_GAR_PICK(64, 16);
-  } else if (mt == 32 && bk == 128) {
-    ML_GAR_PICK(128, 32);
-  } else if (mt == 32) {
-    ML_GAR_PICK(64, 32);
+#define ML_GAR_PICK(BK)                                                                    \
+  kernel = dt == MOELINK_DTYPE_BF16 ? ml_gar_kernel<MOELINK_DTYPE_BF16, BK>                 \
+                                    : ml_gar_kernel<MOELINK_DTYPE_F16, BK>;                 \
+  smem = ml_gar_tile<BK>::SMEM
+  if (bk == 256) {
+    ML_GAR_PICK(256);
   } else if (bk == 128) {
-    ML_GAR_PICK(128, 64);
+    ML_GAR_PICK(128);
   } else {
-    ML_GAR_PICK(64, 64);
+    ML_GAR_PICK(64);
   }
 #undef ML_GAR_PICK
   cudaError_t err =
@@ -323,7 +297,7 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
   return MOELINK_SUCCESS;
 }
 
-/* ---- 65 to 128 rows: wgmma, k split over a CTA pair, data + flag exchange ----
+/* ---- 17 to 128 rows: wgmma, k split over a CTA pair, data + flag exchange ----
  *
  * At 128 rows of a the tile of a is as large as the tile of b, so a CTA that
  * read all of k for 64 rows of b would pull the whole of a (1 MiB at k =

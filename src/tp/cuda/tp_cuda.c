@@ -82,7 +82,7 @@ typedef struct ml_tpc {
   void *ll_state;                      /* its call count and ticket */
   char *ll_scratch;                    /* this rank's partial [m, n] */
   size_t ll_bytes;                     /* the largest output it takes */
-  ml_tpc_wide wide;                    /* gemm_ar of 65 to 128 rows in one kernel */
+  ml_tpc_wide wide;                    /* gemm_ar of 17 to 128 rows in one kernel */
   char *wide_symm;                     /* its symmetric flags and data */
 } ml_tpc;
 

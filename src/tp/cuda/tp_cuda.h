@@ -98,7 +98,7 @@ moelink_status_t ml_tpc_gemm_simple(moelink_dtype_t dt, const void *a, const voi
  * and k multiples of 64 with n at most 64 x sms, 16-byte aligned pointers
  * and outputs of at most ll_words 4-byte words; ml_tpc_fused_ar_takes says
  * whether a call fits. */
-#define ML_TPC_FUSED_MAX_M 64
+#define ML_TPC_FUSED_MAX_M 16
 int ml_tpc_fused_ar_takes(moelink_dtype_t dt, const void *a, const void *b, const void *c, int m,
                           int n, int k, size_t ll_words, int sms);
 moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_t *dc,
