@@ -16,9 +16,10 @@
  * captured in a CUDA graph and replayed with new inputs; gemm_ar at decode
  * sizes (the fused kernel: m <= 16, n and k multiples of 64, and its
  * neighbours that are not), 120 back-to-back such calls mixing both paths,
- * two of them in graphs; gemm_ar of 17 to 128 rows (the wgmma kernel: n and
- * k multiples of 128, and neighbours that are not), 120 back-to-back calls
- * of 1 to 128 rows mixing all three gemm_ar paths, one in a graph; M = N = K = 8192 for
+ * two of them in graphs; gemm_ar of 17 to 128 rows (65 and more with n and
+ * k multiples of 128: the wgmma kernel; and neighbours that are not), 120
+ * back-to-back calls of 1 to 128 rows mixing all gemm_ar paths, one in a
+ * graph; M = N = K = 8192 for
  * each op against cuBLAS + NCCL (relative L2), and the argument errors.
  *
  *   moelink launch -n 2 -- mgpu_test_tp */
@@ -323,7 +324,7 @@ static uint64_t stress_seed_b(int r, int d) { return mg_seed(r, 9100 + d); }
 /* decode 1: gemm_ar only, up to 20 rows, n and k mostly multiples of 64
  * (the fused kernel) and otherwise the GEMM + low-latency exchange: the two
  * share the tp's cells and call count, in any order. decode 2: gemm_ar of 1
- * to 128 rows, n and k mostly multiples of 128 (the wgmma kernel above 16
+ * to 128 rows, n and k mostly multiples of 128 (the wgmma kernel from 65
  * rows, the fused one up to 16), the rest through the GEMM + exchange. */
 static void run_stress(moelink_tp_t tp[2], int decode) {
   static const moelink_dtype_t dts[2] = {MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
@@ -586,8 +587,8 @@ int main(void) {
   for (int d = 0; d < 2; ++d) CHECK_OK(moelink_tp_destroy(dtp[d]), "moelink_tp_destroy (decode)");
   ml_t_diag("decode sizes done in %.1f s", mg_now() - t0);
 
-  /* 17 to 128 rows: n and k multiples of 128 take the wgmma kernel, the rest
-   * the GEMM + exchange. */
+  /* 17 to 128 rows: from 65 rows with n and k multiples of 128 the wgmma
+   * kernel, the rest the GEMM + exchange. */
   static const int wide[][3] = {{128, 2048, 4096}, {17, 1024, 256}, {100, 384, 1152},
                                 {64, 128, 128},    {33, 8192, 128}, {128, 1000, 512},
                                 {127, 640, 200},   {16, 256, 256}};

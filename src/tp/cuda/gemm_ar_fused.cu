@@ -297,7 +297,7 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
   return MOELINK_SUCCESS;
 }
 
-/* ---- 17 to 128 rows: wgmma, k split over a CTA pair, data + flag exchange ----
+/* ---- up to 128 rows: wgmma, k split over a CTA pair, data + flag exchange ----
  *
  * At 128 rows of a the tile of a is as large as the tile of b, so a CTA that
  * read all of k for 64 rows of b would pull the whole of a (1 MiB at k =

@@ -56,7 +56,7 @@ MOELINK_PARAM(TP_AR_PDL, 1)
  * as one kernel with the exchange inside (gemm_ar_fused.cu); 0: the GEMM,
  * then the low-latency all-reduce. */
 MOELINK_PARAM(TP_AR_FUSED, 1)
-/* 1: gemm_ar of ML_TPC_FUSED_MAX_M + 1 .. ML_TPC_WIDE_MAX_M rows (n, k
+/* 1: gemm_ar of ML_TPC_WIDE_MIN_M .. ML_TPC_WIDE_MAX_M rows (n, k
  * multiples of 128, n / 64 <= SMs) runs as one kernel with the exchange
  * inside (gemm_ar_fused.cu, compute capability 9.0); 0: the GEMM, then the
  * exchange. */
@@ -82,7 +82,7 @@ typedef struct ml_tpc {
   void *ll_state;                      /* its call count and ticket */
   char *ll_scratch;                    /* this rank's partial [m, n] */
   size_t ll_bytes;                     /* the largest output it takes */
-  ml_tpc_wide wide;                    /* gemm_ar of 17 to 128 rows in one kernel */
+  ml_tpc_wide wide;                    /* gemm_ar of 65 to 128 rows in one kernel */
   char *wide_symm;                     /* its symmetric flags and data */
 } ml_tpc;
 
@@ -133,7 +133,7 @@ static moelink_status_t ml_tpc_wide_limits(moelink_comm_t comm, const moelink_tp
                                            size_t *slot, int *blocks) {
   *slot = 0;
   *blocks = cfg->max_n / 64;
-  if (comm->nranks < 2 || ml_tpc_ll_bytes(cfg) == 0 || cfg->max_m <= ML_TPC_FUSED_MAX_M ||
+  if (comm->nranks < 2 || ml_tpc_ll_bytes(cfg) == 0 || cfg->max_m < ML_TPC_WIDE_MIN_M ||
       cfg->max_n < 128)
     return MOELINK_SUCCESS;
   int sm90 = 0;
@@ -436,7 +436,7 @@ static moelink_status_t ml_tpc_ar(moelink_tp_t tp, ml_tpc *t, const char *a, con
   if (t->ll_bytes > 0 && ml_param_TP_AR_FUSED() != 0 &&
       ml_tpc_fused_ar_takes(dt, a, b, c, m, n, k, t->ll.max_words, t->sms))
     return ml_tpc_fused_ar(&t->ll, &t->sync.dc, dt, a, b, c, m, n, k, t->sms, st);
-  if (t->ll_bytes > 0 && ml_param_TP_AR_WIDE() != 0 &&
+  if (t->ll_bytes > 0 && ml_param_TP_AR_WIDE() != 0 && m >= ML_TPC_WIDE_MIN_M &&
       ml_tpc_wide_ar_takes(&t->wide, dt, a, b, c, m, n, k))
     return ml_tpc_wide_ar(&t->wide, &t->ll, &t->sync.dc, dt, a, b, c, m, n, k, st);
   if (bytes <= t->ll_bytes) return ml_tpc_ar_oneshot(tp, t, a, b, c, m, n, k, st);

@@ -105,7 +105,7 @@ moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_
                                  moelink_dtype_t dt, const void *a, const void *b, void *c, int m,
                                  int n, int k, int sms, cudaStream_t stream);
 
-/* gemm_ar of ML_TPC_FUSED_MAX_M + 1 .. ML_TPC_WIDE_MAX_M rows in one kernel
+/* gemm_ar of up to ML_TPC_WIDE_MAX_M rows in one kernel
  * (gemm_ar_fused.cu, sm_90a): two CTAs per 128 rows of b, each over half of
  * k (wgmma, the rows of a as the MMA's N side), the halves summed through
  * `pair`, then each 64-column block's partial pushed to every peer's `data`
@@ -115,6 +115,10 @@ moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_
  * ml_tpc_wide_ar_takes says whether a call fits. The call number is the
  * low-latency exchange's (ll->epoch, ll->ticket). */
 #define ML_TPC_WIDE_MAX_M 128
+/* The tp sends gemm_ar calls of at least this many rows to it: below, the
+ * GEMM + low-latency exchange was as fast or faster (docs/PERF.md, 32-64
+ * rows at n = 8192, k = 4096). */
+#define ML_TPC_WIDE_MIN_M 65
 typedef struct ml_tpc_wide {
   char *data[ML_TPC_MAX_RANKS];      /* every rank's [parity 2][source rank][slot_bytes] */
   uint64_t *flags[ML_TPC_MAX_RANKS]; /* every rank's [source rank][max_blocks] call numbers */
