@@ -176,11 +176,15 @@ if case "$PARTS" in *" tpprobe "*) true;; *) false;; esac; then
   done
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ] && [ -x "$BUILD/gemm_ar_probe" ]; then
-    for kr in ml_gaw 'nvjet|cutlass|gemm|xmma'; do
-      log "ncu gemm_ar_probe m 128, kernels $kr"
+    # the 128-row kernel and cuBLAS at 128 rows, and the 16-row kernel (which streams at
+    # cuBLAS's rate) at 16 rows; warp stall reasons included (--print-details all)
+    for kr in "ml_gaw 128" "nvjet|cutlass|gemm|xmma 128" "ml_gar 16"; do
+      set -- $kr
+      log "ncu gemm_ar_probe m $2, kernels $1"
       "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
-        --section WarpStateStats --section SchedulerStats -k "regex:$kr" --launch-skip 2 \
-        --launch-count 1 ./"$BUILD"/gemm_ar_probe 8192 4096 128 >>"$OUT/tpprobe.log" 2>&1 || rc=1
+        --section WarpStateStats --section SchedulerStats --section LaunchStats \
+        --print-details all -k "regex:$1" --launch-skip 2 --launch-count 1 \
+        ./"$BUILD"/gemm_ar_probe 8192 4096 "$2" >>"$OUT/tpprobe.log" 2>&1 || rc=1
     done
   fi
 fi
