@@ -164,7 +164,7 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
 fi
 # The one-kernel gemm_ar GEMMs on one GPU without their exchange, beside cuBLAS
 # (bench/gemm_ar_probe.cu), once per PROBE_AB word (VAR=v[,VAR=v]) more, then Nsight Compute
-# on the 128-row kernel and on cuBLAS at 128 rows. Not in all.
+# on the 128-row kernel and cuBLAS at 128 rows and on the 16-row kernel at 16. Not in all.
 if case "$PARTS" in *" tpprobe "*) true;; *) false;; esac; then
   log "gemm_ar probe"
   nvcc -O3 -arch=sm_90a -std=c++17 -Isrc -Iinclude bench/gemm_ar_probe.cu "$BUILD/libmoelink.a" \

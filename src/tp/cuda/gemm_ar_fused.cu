@@ -317,7 +317,7 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
  * TMA box of b per stage, its 128 threads copy a's rows with cp.async
  * (completion arriving on the full barrier); the two wgmma warpgroups never
  * issue a load. Measured alone on one H200 (bench/gemm_ar_probe.cu) it
- * streams b at 2.3-2.4 TB/s against cuBLAS's 2.8-3.0 on the same shape, and
+ * streams b at 2.2-2.4 TB/s against cuBLAS's 2.7-3.1 on the same shape, and
  * neither the variants tried (docs/PERF.md) nor leaving out the wgmma moved
  * that: the limit is in how the loads are issued, not yet found.
  *
