@@ -236,9 +236,8 @@ moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, int num_toke
     snprintf(why, sizeof why, "num_tokens %d must be >= 0", num_tokens);
   } else if (num_tokens > 0 && (!x || !out)) {
     snprintf(why, sizeof why, "%s is NULL with num_tokens %d", !x ? "x" : "out", num_tokens);
-  } else if (num_tokens > ep->cfg.call_tokens &&
-             ep->comm->ctx->backend == MOELINK_BACKEND_CUDA) {
-    /* The steps of a CUDA call come from call_tokens (every rank the same). */
+  } else if (num_tokens > ep->cfg.call_tokens && ep->ops->steps_from_config) {
+    /* The steps of the call come from call_tokens (every rank the same). */
     snprintf(why, sizeof why, "num_tokens %d > the config's call_tokens %d", num_tokens,
              ep->cfg.call_tokens);
   } else if (num_tokens > 0) {

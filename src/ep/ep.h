@@ -27,6 +27,10 @@ struct moelink_ep {
 
 typedef struct ml_ep_ops {
   const char *name;
+  /* 1: every forward runs ceil(call_tokens / moe.max_tokens) steps, so the
+   * front end refuses num_tokens > call_tokens (the rank takes part with
+   * none); 0: the ranks agree on the steps of any count by themselves. */
+  int steps_from_config;
   /* Per-rank bytes for a checked cfg on comm. */
   moelink_status_t (*workspace_size)(moelink_comm_t comm, const moelink_ep_config_t *cfg,
                                      size_t *bytes);
@@ -36,7 +40,8 @@ typedef struct ml_ep_ops {
   /* Binds checked weights (ep->w is already set). */
   moelink_status_t (*set_weights)(moelink_ep_t ep);
   /* The layer; the front end guarantees weights are bound, num_tokens >= 0,
-   * x and out non-NULL and apart when num_tokens > 0. num_tokens may exceed
+   * x and out non-NULL and apart when num_tokens > 0 (and num_tokens <=
+   * call_tokens with steps_from_config). num_tokens may exceed
    * moe.max_tokens (the backend steps through it). */
   moelink_status_t (*forward)(moelink_ep_t ep, const void *x, int num_tokens, void *out,
                               void *stream);

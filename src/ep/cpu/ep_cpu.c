@@ -679,6 +679,7 @@ static moelink_status_t ml_ep_cpu_combine(moelink_ep_t ep, const void *y, const 
 
 static const ml_ep_ops ml_ep_cpu_table = {
     "cpu",
+    0, /* steps of any count agreed on the host */
     ml_ep_cpu_size,
     ml_ep_cpu_init,
     ml_ep_cpu_fini,

@@ -398,8 +398,8 @@ static moelink_status_t ml_epc_combine(moelink_ep_t ep, const void *y, const int
   return ml_cuda_leave(ep->comm->ctx, prev, s);
 }
 
-static const ml_ep_ops ml_epc_ops = {"cuda",          ml_epc_size,    ml_epc_init,
-                                     ml_epc_fini,     ml_epc_set_weights, ml_epc_forward,
-                                     ml_epc_dispatch, ml_epc_combine};
+static const ml_ep_ops ml_epc_ops = {"cuda",          1,              ml_epc_size,
+                                     ml_epc_init,     ml_epc_fini,    ml_epc_set_weights,
+                                     ml_epc_forward,  ml_epc_dispatch, ml_epc_combine};
 
 const ml_ep_ops *ml_ep_cuda_ops(void) { return &ml_epc_ops; }
