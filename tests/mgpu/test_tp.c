@@ -329,6 +329,7 @@ static uint64_t stress_seed_b(int r, int d) { return mg_seed(r, 9100 + d); }
 static void run_stress(moelink_tp_t tp[2], int decode) {
   static const moelink_dtype_t dts[2] = {MOELINK_DTYPE_BF16, MOELINK_DTYPE_F16};
   const int calls = decode ? 120 : 200;
+  const char *tag = tag;
   const int max_f = decode == 2 ? 128 : decode ? 20 : 48;
   const int max_nk = decode == 2 ? 768 : decode ? 512 : 160, unit = decode == 2 ? 128 : 64;
   const size_t a_elems = (size_t)W.size * max_f * max_nk, b_elems = (size_t)max_nk * max_nk;
@@ -376,7 +377,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
             moelink_status_string(s), moelink_last_error());
   }
   sync_stream();
-  CHECK(enq_fail == 0, "stress%s: %d calls enqueued back to back (%.3f s)", decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "",
+  CHECK(enq_fail == 0, "stress%s: %d calls enqueued back to back (%.3f s)", tag,
         calls, mg_now() - t0);
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "stress: moelink_comm_check");
   char *h = (char *)to_host(out, total);
@@ -389,7 +390,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
     make_inputs(&in, q->op, dts[q->dti], q->m, q->n, q->k, stress_seed_a, stress_seed_b, q->dti);
     char what[160];
     snprintf(what, sizeof what, "stress%s call %d: %s %s m %d n %d k %d",
-             decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "", i, op_name[q->op],
+             tag, i, op_name[q->op],
              moelink_dtype_name(dts[q->dti]), q->m, q->n, q->k);
     if (check_exact(what, &in, q->op, dts[q->dti], q->m, q->n, q->k, h + q->out_off, 1, 1))
       ++failed;
@@ -397,7 +398,7 @@ static void run_stress(moelink_tp_t tp[2], int decode) {
     if (failed > 4) break;
   }
   CHECK(failed == 0, "stress%s: every one of %d calls matches the fp64 reference",
-        decode == 2 ? " (up to 128 rows)" : decode ? " (decode)" : "", calls);
+        tag, calls);
   free(h);
   free(cs);
   cudaFree(out);
