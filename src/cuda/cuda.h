@@ -36,6 +36,10 @@ extern "C" {
 moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev);
 moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s);
 
+/* Whether the current device runs sm_90a machine code (compute capability
+ * 9.0 exactly) and its SM count; cached per device (cuda/experts.cu). */
+moelink_status_t ml_cuda_sm90_device(int *is_sm90, int *sms);
+
 /* Rows per tile of the grouped GEMMs; plans built by the CUDA backend use it. */
 #define ML_CUDA_TILE_ROWS 64
 

@@ -179,7 +179,7 @@ extern "C" int ml_cuda_gemm_last_engine(void) { return ml_engine_last; }
 /* Per device: 0 not yet asked, else 1 + (SM count << 1 | compute capability is 9.0). */
 static int ml_sm90_device_info[ML_GEMM_MAX_DEVICES];
 
-static moelink_status_t ml_sm90_device(int *is_sm90, int *sms) {
+extern "C" moelink_status_t ml_cuda_sm90_device(int *is_sm90, int *sms) {
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
   int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
@@ -208,7 +208,7 @@ static moelink_status_t ml_sm90_pick(int k, int j_rows, int box_rows, int *use, 
   if (choice == ML_GEMM_ENGINE_AUTO && ml_param_GEMM_SM90() == 0) return MOELINK_SUCCESS;
   if (k < ML_SM90_BK || j_rows < box_rows) return MOELINK_SUCCESS;
   int is_sm90 = 0;
-  ML_TRY(ml_sm90_device(&is_sm90, sms));
+  ML_TRY(ml_cuda_sm90_device(&is_sm90, sms));
   *use = is_sm90 && *sms > 0;
   return MOELINK_SUCCESS;
 }

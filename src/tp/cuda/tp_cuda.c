@@ -110,19 +110,11 @@ static size_t ml_tpc_ll_bytes(const moelink_tp_config_t *cfg) {
   return (b + 3) & ~(size_t)3;
 }
 
-/* Whether the comm's device runs sm_90a machine code (compute capability
- * 9.0 exactly). */
+/* Whether the comm's device runs sm_90a machine code. */
 static moelink_status_t ml_tpc_is_sm90(moelink_comm_t comm, int *yes) {
-  int prev, dev = 0, major = 0, minor = 0;
+  int prev, sms = 0;
   ML_TRY(ml_cuda_enter(comm->ctx, &prev));
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  moelink_status_t s =
-      e == cudaSuccess ? MOELINK_SUCCESS
-                       : ml_fail(MOELINK_ERR_CUDA, "tp: device query failed: %s", cudaGetErrorString(e));
-  *yes = major == 9 && minor == 0;
-  return ml_cuda_leave(comm->ctx, prev, s);
+  return ml_cuda_leave(comm->ctx, prev, ml_cuda_sm90_device(yes, &sms));
 }
 
 /* The limits of the one-kernel gemm_ar of up to ML_TPC_WIDE_MAX_M rows:
