@@ -170,8 +170,7 @@ int main(int argc, char **argv) {
   const size_t sb = ml_tpc_wide_symm_bytes(1, p.wide.slot_bytes, p.wide.max_blocks);
   TRY(cudaMalloc((void **)&symm, sb));
   TRY(cudaMemset(symm, 0, sb));
-  p.wide.data[0] = symm;
-  p.wide.flags[0] = (uint64_t *)symm;
+  p.wide.base[0] = symm;
   TRY(cudaMalloc((void **)&p.wide.pair, (size_t)p.sms * 64 * 128 * 4));
   TRY(cudaMalloc((void **)&p.wide.pair_flags, (size_t)p.sms * 8));
   TRY(cudaMemset(p.wide.pair_flags, 0, (size_t)p.sms * 8));

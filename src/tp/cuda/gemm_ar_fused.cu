@@ -577,8 +577,8 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   p.k = k;
   const size_t fb = ml_gaw_flag_bytes(dc->nranks, w->max_blocks);
   for (int r = 0; r < dc->nranks; ++r) {
-    p.flags[r] = w->flags[r];
-    p.data[r] = w->data[r] + fb;
+    p.flags[r] = (uint64_t *)w->base[r];
+    p.data[r] = w->base[r] + fb;
   }
   p.slot_bytes = w->slot_bytes;
   p.max_blocks = w->max_blocks;

@@ -227,10 +227,7 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
                               (void **)&t->wide_symm));
     moelink_symm_view_t v;
     ML_TRY(moelink_symm_view(comm, t->wide_symm, &v));
-    for (int r = 0; r < comm->nranks; ++r) {
-      t->wide.data[r] = v.base[r];
-      t->wide.flags[r] = (uint64_t *)v.base[r];
-    }
+    for (int r = 0; r < comm->nranks; ++r) t->wide.base[r] = v.base[r];
     t->wide.slot_bytes = wslot;
     t->wide.max_blocks = wblocks;
     t->wide.ctas = t->sms;

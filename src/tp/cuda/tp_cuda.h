@@ -120,8 +120,9 @@ moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_
  * rows at n = 8192, k = 4096). */
 #define ML_TPC_WIDE_MIN_M 65
 typedef struct ml_tpc_wide {
-  char *data[ML_TPC_MAX_RANKS];      /* every rank's [parity 2][source rank][slot_bytes] */
-  uint64_t *flags[ML_TPC_MAX_RANKS]; /* every rank's [source rank][max_blocks] call numbers */
+  /* every rank's symmetric part: flags [source rank][max_blocks] (call
+   * numbers), then data [parity 2][source rank][slot_bytes] */
+  char *base[ML_TPC_MAX_RANKS];
   size_t slot_bytes;                 /* one source's partial [m, n], m <= ML_TPC_WIDE_MAX_M */
   int max_blocks;                    /* 64-column blocks of the widest n */
   float *pair;                       /* [CTA][64 x 128] fp32 k halves (this GPU only) */
