@@ -149,6 +149,7 @@ int main(int argc, char **argv) {
   TRY(cudaMemset(p.flush, 1, FLUSH_BYTES));
   TRY(cudaMalloc((void **)&p.sink, 4));
   TRY_ML(ml_tpc_blas_create(&p.blas, (size_t)32 << 20, ML_TPC_BLAS_LT, 0));
+  TRY_ML(ml_tpc_fused_prepare(1)); /* the kernels' shared memory, as a tp's create does */
 
   /* One rank: no peers, so neither kernel pushes or waits; the control
    * block only serves a wait that never happens. */

@@ -26,6 +26,7 @@
 
 #include "comm/cuda/ll.cuh"
 #include "core/dtype.cuh"
+#include "cuda/cuda.h"
 #include "cuda/gemm/ptx.cuh"
 #include "cuda/gemm/sm90.cuh"
 
@@ -283,14 +284,10 @@ extern "C" moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_d
     ML_GAR_PICK(64);
   }
 #undef ML_GAR_PICK
-  cudaError_t err =
-      cudaFuncSetAttribute((const void *)kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   const int blocks = n / ML_GAR_BM;
   const int grid = blocks < sms ? blocks : sms; /* one CTA per SM, all resident */
-  if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAR_THREADS, (size_t)smem, stream>>>(p);
-    err = cudaGetLastError();
-  }
+  kernel<<<grid, ML_GAR_THREADS, (size_t)smem, stream>>>(p);
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "tp: launch of the fused gemm_ar (%d CTAs) failed: %s", grid,
                    cudaGetErrorString(err));
@@ -591,15 +588,32 @@ extern "C" moelink_status_t ml_tpc_wide_ar(const ml_tpc_wide *w, const ml_ccu_ll
   ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, 1, 128, "tp: gemm_ar"));
   void (*kernel)(CUtensorMap, ml_gaw_args) =
       dt == MOELINK_DTYPE_BF16 ? ml_gaw_kernel<MOELINK_DTYPE_BF16> : ml_gaw_kernel<MOELINK_DTYPE_F16>;
-  cudaError_t err = cudaFuncSetAttribute((const void *)kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, ML_GAW_SMEM);
   const int grid = n / 64;
-  if (err == cudaSuccess) {
-    kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(map, p);
-    err = cudaGetLastError();
-  }
+  kernel<<<grid, ML_GAW_THREADS, (size_t)ML_GAW_SMEM, stream>>>(map, p);
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "tp: launch of the gemm_ar kernel of %d rows (%d CTAs) failed: %s",
                    m, grid, cudaGetErrorString(err));
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_tpc_fused_prepare(int sm90) {
+  const struct {
+    const void *kernel;
+    int smem;
+  } k[] = {
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_BF16, 64>, ml_gar_tile<64>::SMEM},
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_F16, 64>, ml_gar_tile<64>::SMEM},
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_BF16, 128>, ml_gar_tile<128>::SMEM},
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_F16, 128>, ml_gar_tile<128>::SMEM},
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_BF16, 256>, ml_gar_tile<256>::SMEM},
+      {(const void *)ml_gar_kernel<MOELINK_DTYPE_F16, 256>, ml_gar_tile<256>::SMEM},
+      {(const void *)ml_gaw_kernel<MOELINK_DTYPE_BF16>, ML_GAW_SMEM},
+      {(const void *)ml_gaw_kernel<MOELINK_DTYPE_F16>, ML_GAW_SMEM},
+  };
+  const int count = sm90 ? 8 : 6; /* the last two: sm_90a only */
+  for (int i = 0; i < count; ++i)
+    ML_CUDA_TRY(
+        cudaFuncSetAttribute(k[i].kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, k[i].smem));
   return MOELINK_SUCCESS;
 }

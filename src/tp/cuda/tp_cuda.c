@@ -222,6 +222,7 @@ static moelink_status_t ml_tpc_init_inner(moelink_tp_t tp, ml_tpc *t) {
   size_t wslot;
   int wblocks;
   ML_TRY(ml_tpc_wide_limits(comm, cfg, &wslot, &wblocks));
+  if (t->ll_bytes > 0) ML_TRY(ml_tpc_fused_prepare(wslot > 0));
   if (wslot > 0) {
     ML_TRY(moelink_symm_alloc(comm, ml_tpc_wide_symm_bytes(comm->nranks, wslot, wblocks),
                               (void **)&t->wide_symm));

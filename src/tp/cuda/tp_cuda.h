@@ -105,6 +105,11 @@ moelink_status_t ml_tpc_fused_ar(const ml_ccu_ll *ll, const moelink_device_comm_
                                  moelink_dtype_t dt, const void *a, const void *b, void *c, int m,
                                  int n, int k, int sms, cudaStream_t stream);
 
+/* Lets the one-kernel gemm_ar kernels of this file (both sizes; the 128-row
+ * one with sm90) use their shared memory on the current device: once per tp
+ * at create, so that calls launch without asking. */
+moelink_status_t ml_tpc_fused_prepare(int sm90);
+
 /* gemm_ar of up to ML_TPC_WIDE_MAX_M rows in one kernel
  * (gemm_ar_fused.cu, sm_90a): two CTAs per 128 rows of b, each over half of
  * k (wgmma, the rows of a as the MMA's N side), the halves summed through
