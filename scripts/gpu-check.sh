@@ -9,7 +9,8 @@
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
 # own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
-# alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
+# alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
+# layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one.
@@ -206,6 +207,34 @@ if case "$PARTS" in *" decode "*) true;; *) false;; esac; then
         tee -a "$OUT/decode.log" || rc=1
     done
   done
+fi
+# Prefill sizes (issue 4's T = 8192 targets): each preset eager at PREFILL_TOKENS, again under
+# each PREFILL_AB word (VAR=v[,VAR=v]) in the same order, then Nsight Compute on the sm_90a
+# GEMM kernels of one deepseek-v3 call at 8192 tokens (time, DRAM bytes, pipe use), once per
+# PREFILL_AB word too. Not in all.
+if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
+  for p in ${PRESETS:-deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
+    log "prefill $p"
+    ./"$BUILD"/moelink bench --backend cuda --preset "$p" --tokens "${PREFILL_TOKENS:-512,2048,8192}" \
+      --json "$OUT/json/prefill_$p.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
+    for v in ${PREFILL_AB:-}; do
+      log "prefill $p with $v"
+      env ${v//,/ } ./"$BUILD"/moelink bench --backend cuda --preset "$p" \
+        --tokens "${PREFILL_TOKENS:-512,2048,8192}" \
+        --json "$OUT/json/prefill_${p}_${v//[^A-Za-z0-9]/_}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
+    done
+  done
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ]; then
+    for v in "" ${PREFILL_AB:-}; do
+      log "ncu deepseek-v3 8192 sm_90a GEMMs ${v:-(default)}"
+      env ${v//,/ } "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct \
+        -k 'regex:ml_sm90_kernel' --launch-count 4 \
+        ./"$BUILD"/moelink bench --backend cuda --preset deepseek-v3 --tokens 8192 --iters 1 \
+        --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
+    done
+  fi
 fi
 # Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel

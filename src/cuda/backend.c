@@ -33,6 +33,7 @@ typedef struct ml_cu_layout {
       partials, tickets;
   size_t xq, xs, hq, hs; /* fp8_experts: the experts' inputs quantized (e4m3 + scales) */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
+  size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, total;
 } ml_cu_layout;
 
@@ -49,6 +50,7 @@ typedef struct ml_cu_moe {
   int32_t *tickets;
   float *dec_part;       /* decode GEMMs' split-K partials */
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
+  int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
   uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
   float *xs, *hs;        /* in e4m3, with their scales per 128 */
 } ml_cu_moe;
@@ -218,6 +220,7 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
                          &L->dec_ticket_count);
   L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
   L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
+  L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   if (cfg->fp8_experts) {
     L->xq = ml_cu_take(&cur, T * H);
     L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
@@ -289,6 +292,7 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->tickets = (int32_t *)(m->base + L->tickets);
   m->dec_part = (float *)(m->base + L->dec_part);
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
+  m->sched = (int32_t *)(m->base + L->sched);
   if (cfg->fp8_experts) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
@@ -301,6 +305,8 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   e = cudaMemset(m->tickets, 0, L->tickets_bytes);
   if (e == cudaSuccess && L->dec_ticket_count > 0) /* the decode GEMMs' tickets, likewise */
     e = cudaMemset(m->dec_tickets, 0, L->dec_ticket_count * sizeof(uint32_t));
+  if (e == cudaSuccess) /* and the grouped GEMMs' counter (one stream: one counter) */
+    e = cudaMemset(m->sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   if (e == cudaSuccess) e = cudaStreamSynchronize(0);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -405,15 +411,14 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                                   plan->max_tiles, pairs, (float *)m->h, st));
+                                   plan->max_tiles, pairs, (float *)m->h, m->sched, st));
     ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
     ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter,
                             m->hq, m->hs, sms, st));
-    ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
-                                   (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
-                                   cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles,
-                                   pairs, weights, weights ? plan->sorted_pairs : NULL, y, 0,
-                                   st));
+    ML_TRY(ml_cuda_gemm_scaled_fp8(
+        cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down, moe->w.down_scale,
+        cfg->hidden, cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs, weights,
+        weights ? plan->sorted_pairs : NULL, y, 0, m->sched, st));
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
   /* The plan was complete before the x quantize kernel started (a plain
@@ -464,12 +469,12 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
-                             moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles,
-                             plan->num_tiles, plan->max_tiles, 0, m->h, st));
+                             moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
+                             plan->max_tiles, 0, m->h, m->sched, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
   ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
                              plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights,
-                             weights ? plan->sorted_pairs : NULL, y, 0, st));
+                             weights ? plan->sorted_pairs : NULL, y, 0, m->sched, st));
   return ml_cu_step(st, "routed down GEMM");
 }
 
@@ -561,10 +566,11 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
   } else if (cfg->shared_inter > 0 && !shared_decode) {
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, st));
-    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down,
-                               cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
-                               m->sh_out, 1, st));
+                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, m->sched,
+                               st));
+    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,
+                               cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1,
+                               m->sched, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
   }
   ML_TRY(ml_cuda_combine(cfg->dtype, m->y, plan.pair_rows, T, cfg->top_k, cfg->hidden, sh, x,

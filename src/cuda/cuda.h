@@ -57,7 +57,12 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
  * The grid is sized for max_tiles (known on the host); tiles past *num_tiles
  * exit at once. With tiles == NULL the problem is dense: rows [0, dense_rows)
  * all belong to expert 0. Operands are bf16 or f16 (dt); accumulation fp32.
- * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T. */
+ * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T.
+ * sched: NULL, or ML_CUDA_GEMM_SCHED_INTS zeroed device ints that the sm_90a
+ * kernel hands its work items out from (gemm/sm90.cuh, dynamic schedule)
+ * and leaves zeroed; launches that may run at the same time need their own.
+ * NULL, or MOELINK_GEMM_SM90_DYNAMIC=0, gives the static schedule. */
+#define ML_CUDA_GEMM_SCHED_INTS 2
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.
@@ -65,9 +70,9 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
  * (ld n, dtype dt): out[r, j] = silu(g) * u with g, u the fp32 accumulators
  * of gate row j and up row j. */
 moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
-                                     const int32_t *a_index, int a_div, const void *b, int n,
-                                     int k, const int32_t *tiles, const int32_t *num_tiles,
-                                     int max_tiles, int dense_rows, void *out,
+                                     const int32_t *a_index, int a_div, const void *b, int n, int k,
+                                     const int32_t *tiles, const int32_t *num_tiles, int max_tiles,
+                                     int dense_rows, void *out, int32_t *sched,
                                      cudaStream_t stream);
 
 /* Plain grouped GEMM with a row scale: out[r, j] = s(r) * sum_k a[r, k] * B[e][j][k]
@@ -75,10 +80,10 @@ moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
  * row_scale[scale_index[r]] when row_scale != NULL (scale_index == NULL:
  * row_scale[r]), else 1. out [rows, n] (ld n): dtype dt, or fp32 if out_f32. */
 moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b,
-                                     int n, int k, const int32_t *tiles,
-                                     const int32_t *num_tiles, int max_tiles, int dense_rows,
-                                     const float *row_scale, const int32_t *scale_index,
-                                     void *out, int out_f32, cudaStream_t stream);
+                                     int n, int k, const int32_t *tiles, const int32_t *num_tiles,
+                                     int max_tiles, int dense_rows, const float *row_scale,
+                                     const int32_t *scale_index, void *out, int out_f32,
+                                     int32_t *sched, cudaStream_t stream);
 
 /* FP8 operands (the formats of gemm/decode.h's ml_cuda_fp8_swiglu /
  * ml_cuda_fp8_scaled: e4m3 A with an fp32 scale per 128 of a row, e4m3 B with
@@ -90,16 +95,15 @@ moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
  * out_dt or fp32 (out_f32). */
 moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda,
                                          const int32_t *a_index, int a_div, const uint8_t *b,
-                                         const float *b_scale, int n, int k,
-                                         const int32_t *tiles, const int32_t *num_tiles,
-                                         int max_tiles, int rows, float *out,
-                                         cudaStream_t stream);
+                                         const float *b_scale, int n, int k, const int32_t *tiles,
+                                         const int32_t *num_tiles, int max_tiles, int rows,
+                                         float *out, int32_t *sched, cudaStream_t stream);
 moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
                                          const float *a_scale, int lda, const uint8_t *b,
-                                         const float *b_scale, int n, int k,
-                                         const int32_t *tiles, const int32_t *num_tiles,
-                                         int max_tiles, int rows, const float *row_scale,
-                                         const int32_t *scale_index, void *out, int out_f32,
+                                         const float *b_scale, int n, int k, const int32_t *tiles,
+                                         const int32_t *num_tiles, int max_tiles, int rows,
+                                         const float *row_scale, const int32_t *scale_index,
+                                         void *out, int out_f32, int32_t *sched,
                                          cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -166,6 +166,8 @@ static moelink_status_t ml_gemm_check(const char *what, moelink_dtype_t dt, cons
 /* ---- the sm_90a engine ------------------------------------------------------ */
 
 MOELINK_PARAM(GEMM_SM90, 1)
+/* 0: the sm_90a kernel's static schedule even where a counter is given */
+MOELINK_PARAM(GEMM_SM90_DYNAMIC, 1)
 
 static int ml_engine_choice = ML_GEMM_ENGINE_AUTO;
 static __thread int ml_engine_last = ML_GEMM_ENGINE_AUTO;
@@ -315,7 +317,7 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_index, int a_div,
                               void *out, const int32_t *tiles, const int32_t *num_tiles,
                               const float *row_scale, const int32_t *scale_index, int lda, int k,
-                              int n, int cols, int max_tiles, int dense_rows) {
+                              int n, int cols, int max_tiles, int dense_rows, int32_t *sched) {
   memset(q, 0, sizeof *q);
   q->a = (const char *)a;
   q->a_index = a_index;
@@ -331,13 +333,13 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->nblocks = (n + cols - 1) / cols;
   q->max_tiles = max_tiles;
   q->dense_rows = dense_rows;
+  q->sched = sched != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? sched : NULL;
 }
 
-extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
-                                                const int32_t *a_index, int a_div, const void *b,
-                                                int n, int k, const int32_t *tiles,
-                                                const int32_t *num_tiles, int max_tiles,
-                                                int dense_rows, void *out, cudaStream_t stream) {
+extern "C" moelink_status_t
+ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a_index, int a_div,
+                    const void *b, int n, int k, const int32_t *tiles, const int32_t *num_tiles,
+                    int max_tiles, int dense_rows, void *out, int32_t *sched, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu";
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
@@ -354,8 +356,8 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *
     ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
                          what));
     ml_sm90_args q;
-    ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n,
-                      cols, max_tiles, dense_rows);
+    ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
+                      max_tiles, dense_rows, sched);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
         dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), stream);
   }
@@ -401,12 +403,11 @@ static moelink_status_t ml_scaled_launch(const ml_scaled_args *p, dim3 grid, int
 }
 
 extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
-                                                const void *b, int n, int k,
-                                                const int32_t *tiles, const int32_t *num_tiles,
-                                                int max_tiles, int dense_rows,
-                                                const float *row_scale,
-                                                const int32_t *scale_index, void *out,
-                                                int out_f32, cudaStream_t stream) {
+                                                const void *b, int n, int k, const int32_t *tiles,
+                                                const int32_t *num_tiles, int max_tiles,
+                                                int dense_rows, const float *row_scale,
+                                                const int32_t *scale_index, void *out, int out_f32,
+                                                int32_t *sched, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_scaled";
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
@@ -422,7 +423,7 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *
                          what));
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
-                      cols, max_tiles, dense_rows);
+                      cols, max_tiles, dense_rows, sched);
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, stream)
                    : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, stream);
@@ -488,13 +489,11 @@ static ml_decode_opts ml_fp8_fallback_opts(void) {
   return o;
 }
 
-extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale,
-                                                    int lda, const int32_t *a_index, int a_div,
-                                                    const uint8_t *b, const float *b_scale,
-                                                    int n, int k, const int32_t *tiles,
-                                                    const int32_t *num_tiles, int max_tiles,
-                                                    int rows, float *out,
-                                                    cudaStream_t stream) {
+extern "C" moelink_status_t
+ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const int32_t *a_index,
+                        int a_div, const uint8_t *b, const float *b_scale, int n, int k,
+                        const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int rows,
+                        float *out, int32_t *sched, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
@@ -515,7 +514,7 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const floa
   const int cols = ml_sm90_cfg<1>::BN / 2; /* output columns (gate/up pairs) of a work item */
   ml_sm90_args q;
   ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows);
+                    max_tiles, tiles != NULL ? 0 : rows, sched);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
@@ -524,14 +523,12 @@ extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const floa
       &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream);
 }
 
-extern "C" moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
-                                                    const float *a_scale, int lda,
-                                                    const uint8_t *b, const float *b_scale,
-                                                    int n, int k, const int32_t *tiles,
-                                                    const int32_t *num_tiles, int max_tiles,
-                                                    int rows, const float *row_scale,
-                                                    const int32_t *scale_index, void *out,
-                                                    int out_f32, cudaStream_t stream) {
+extern "C" moelink_status_t
+ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a_scale, int lda,
+                        const uint8_t *b, const float *b_scale, int n, int k, const int32_t *tiles,
+                        const int32_t *num_tiles, int max_tiles, int rows, const float *row_scale,
+                        const int32_t *scale_index, void *out, int out_f32, int32_t *sched,
+                        cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_scaled_fp8";
   if (out_dt != MOELINK_DTYPE_BF16 && out_dt != MOELINK_DTYPE_F16)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
@@ -553,7 +550,7 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, cons
   const int cols = ml_sm90_cfg<1>::BN; /* output columns of a work item */
   ml_sm90_args q;
   ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows);
+                    max_tiles, tiles != NULL ? 0 : rows, sched);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,

@@ -981,7 +981,7 @@ static moelink_status_t bench_run(bench_ctx *b, bench_op op) {
   case OP_OLD_GU:
     return ml_cuda_gemm_swiglu(c->dtype, b->x, c->hidden, p->sorted_pairs, c->top_k, b->w.gate_up,
                                c->inter, c->hidden, p->tiles, p->num_tiles, p->max_tiles, 0, b->h,
-                               b->st);
+                               NULL, b->st);
   case OP_NEW_GU:
     return ml_cuda_decode_swiglu(c->dtype, b->x, c->hidden, p->sorted_pairs, c->top_k,
                                  b->w.gate_up, c->inter, c->hidden, p->tiles, p->num_tiles,
@@ -989,7 +989,7 @@ static moelink_status_t bench_run(bench_ctx *b, bench_op op) {
   case OP_OLD_DN:
     return ml_cuda_gemm_scaled(c->dtype, b->h, c->inter, b->w.down, c->hidden, c->inter, p->tiles,
                                p->num_tiles, p->max_tiles, 0, b->wts, p->sorted_pairs, b->y, 0,
-                               b->st);
+                               NULL, b->st);
   case OP_NEW_DN:
     return ml_cuda_decode_scaled(c->dtype, b->h, c->inter, b->w.down, c->hidden, c->inter,
                                  p->tiles, p->num_tiles, b->passes, b->pairs, b->wts,
@@ -1007,10 +1007,10 @@ static moelink_status_t bench_run(bench_ctx *b, bench_op op) {
   case OP_OLD_SH: {
     moelink_status_t s =
         ml_cuda_gemm_swiglu(c->dtype, b->x, c->hidden, NULL, 1, b->w.shared_gate_up,
-                            c->shared_inter, c->hidden, NULL, NULL, 0, b->T, b->sh_h, b->st);
+                            c->shared_inter, c->hidden, NULL, NULL, 0, b->T, b->sh_h, NULL, b->st);
     if (s != MOELINK_SUCCESS) return s;
     return ml_cuda_gemm_scaled(c->dtype, b->sh_h, c->shared_inter, b->w.shared_down, c->hidden,
-                               c->shared_inter, NULL, NULL, 0, b->T, NULL, NULL, b->sh_out, 1,
+                               c->shared_inter, NULL, NULL, 0, b->T, NULL, NULL, b->sh_out, 1, NULL,
                                b->st);
   }
   case OP_NEW_SH: {

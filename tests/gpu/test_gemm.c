@@ -426,6 +426,12 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   unsigned char *first = malloc(out2_bytes > out1_bytes ? out2_bytes : out1_bytes);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  /* The sm_90a kernel's work counter: run 0 of each GEMM takes the static
+   * schedule (NULL), run 1 and the graph the dynamic one; both must give the
+   * same bits, and the counter must be left at zero. */
+  int32_t *d_sched = NULL;
+  CUDA_CHECK(cudaMalloc((void **)&d_sched, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
+  CUDA_CHECK(cudaMemset(d_sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
   const int32_t *ai = c->top_k ? d_index : NULL;
   const float *rs = c->scale_mode ? d_scale : NULL;
   const int32_t *si = c->scale_mode == 2 ? d_index : NULL;
@@ -442,7 +448,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
     moelink_status_t st = ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles,
-                                              d_num, p->max_tiles, R, d_out1, stream);
+                                              d_num, p->max_tiles, R, d_out1, d_sched, stream);
     CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     CHECK(st == MOELINK_SUCCESS, "%s [%s] swiglu captured in a CUDA graph%s%s", c->name, en,
           st ? ": " : "", st ? moelink_last_error() : "");
@@ -459,7 +465,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
     CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
     CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
-                                 p->max_tiles, R, d_out1, stream),
+                                 p->max_tiles, R, d_out1, rep ? d_sched : NULL, stream),
              label);
     if (rep == 0)
       CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu ran on the %s engine (%s)",
@@ -470,8 +476,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   snprintf(label, sizeof label, "%s [%s] swiglu (%s, n %d, k %d, lda %d)", c->name, en,
            moelink_dtype_name(dt), n, k, lda1);
   check_output(label, p, n, first, dt, 0, ref1);
-  CHECK(memcmp(first, got, out1_bytes) == 0, "%s [%s] swiglu: two runs bitwise equal", c->name,
-        en);
+  CHECK(memcmp(first, got, out1_bytes) == 0,
+        "%s [%s] swiglu: static and dynamic schedule bitwise equal", c->name, en);
   if (graph_out) {
     CHECK(memcmp(first, graph_out, out1_bytes) == 0,
           "%s [%s] swiglu: graph replay bitwise equal to a direct run", c->name, en);
@@ -485,8 +491,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
       CUDA_CHECK(cudaMemsetAsync(d_out2, 0xFF, bytes, stream));
       snprintf(label, sizeof label, "%s [%s] scaled%s run %d", c->name, en, f32 ? " f32" : "",
                rep);
-      CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R,
-                                   rs, si, d_out2, f32, stream),
+      CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs,
+                                   si, d_out2, f32, rep ? d_sched : NULL, stream),
                label);
       if (rep == 0)
         CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s ran on the %s engine (%s)",
@@ -499,9 +505,16 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
              c->name, en, moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2,
              c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
-    CHECK(memcmp(first, got, bytes) == 0, "%s [%s] scaled%s: two runs bitwise equal", c->name,
-          en, f32 ? " f32" : "");
+    CHECK(memcmp(first, got, bytes) == 0,
+          "%s [%s] scaled%s: static and dynamic schedule bitwise equal", c->name, en,
+          f32 ? " f32" : "");
   }
+  int32_t sched_after[ML_CUDA_GEMM_SCHED_INTS];
+  CUDA_CHECK(cudaMemcpy(sched_after, d_sched, sizeof sched_after, cudaMemcpyDeviceToHost));
+  CHECK(sched_after[0] == 0 && sched_after[1] == 0,
+        "%s [%s] the work counter is left at zero (%d, %d)", c->name, en, (int)sched_after[0],
+        (int)sched_after[1]);
+  cudaFree(d_sched);
 
   CUDA_CHECK(cudaStreamDestroy(stream));
   cudaFree(d_out1);
@@ -518,40 +531,41 @@ static void check_rejections(void) {
   char *b = d;
   int32_t *num = (int32_t *)(b + 60000);
   moelink_dtype_t bf = MOELINK_DTYPE_BF16;
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 12, 16, NULL, NULL, 0, 4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 12, 16, NULL, NULL, 0, 4, b, NULL, 0),
                MOELINK_ERR_UNSUPPORTED, "swiglu n 12");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 24, NULL, 1, b, 16, 20, NULL, NULL, 0, 4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 24, NULL, 1, b, 16, 20, NULL, NULL, 0, 4, b, NULL, 0),
                MOELINK_ERR_UNSUPPORTED, "swiglu k 20");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 20, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 20, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, NULL, 0),
                MOELINK_ERR_UNSUPPORTED, "swiglu lda 20");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b + 8, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b + 8, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, NULL, 0),
                MOELINK_ERR_UNSUPPORTED, "swiglu a 8 bytes off 16-byte alignment");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(MOELINK_DTYPE_F32, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0,
-                                   4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(MOELINK_DTYPE_F32, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4,
+                                   b, NULL, 0),
                MOELINK_ERR_UNSUPPORTED, "swiglu f32");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 8, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 8, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, NULL, 0),
                MOELINK_ERR_INVALID_ARGUMENT, "swiglu lda < k");
-  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, (const int32_t *)b, 0, b, 16, 16, NULL, NULL, 0,
-                                   4, b, 0),
+  CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, (const int32_t *)b, 0, b, 16, 16, NULL, NULL, 0, 4, b,
+                                   NULL, 0),
                MOELINK_ERR_INVALID_ARGUMENT, "swiglu a_div 0");
-  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 36, 16, NULL, NULL, 0, 4, NULL, NULL, b, 0, 0),
-               MOELINK_ERR_UNSUPPORTED, "scaled n 36");
-  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b + 4, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1,
-                                   0),
-               MOELINK_ERR_UNSUPPORTED, "scaled b misaligned");
-  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b + 2, 0,
-                                   0),
-               MOELINK_ERR_UNSUPPORTED, "scaled out misaligned");
-  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, (const int32_t *)b, NULL, 4, 4, NULL,
-                                   NULL, b, 0, 0),
+  CHECK_STATUS(
+      ml_cuda_gemm_scaled(bf, b, 16, b, 36, 16, NULL, NULL, 0, 4, NULL, NULL, b, 0, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "scaled n 36");
+  CHECK_STATUS(
+      ml_cuda_gemm_scaled(bf, b, 16, b + 4, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "scaled b misaligned");
+  CHECK_STATUS(
+      ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b + 2, 0, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "scaled out misaligned");
+  CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, (const int32_t *)b, NULL, 4, 4, NULL, NULL,
+                                   b, 0, NULL, 0),
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
   /* nothing to do: succeeds without touching out */
   CUDA_CHECK(cudaMemset(b, 0xFF, 4096));
   CUDA_CHECK(cudaMemset(num, 0, sizeof(int32_t)));
-  CHECK_OK(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, (const int32_t *)(b + 50000), num,
-                               0, 0, b, 0),
+  CHECK_OK(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, (const int32_t *)(b + 50000), num, 0,
+                               0, b, NULL, 0),
            "swiglu with max_tiles 0");
-  CHECK_OK(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 0, NULL, NULL, b, 0, 0),
+  CHECK_OK(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 0, NULL, NULL, b, 0, NULL, 0),
            "scaled with dense_rows 0");
   CUDA_CHECK(cudaDeviceSynchronize());
   unsigned char host[4096];

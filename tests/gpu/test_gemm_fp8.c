@@ -364,6 +364,11 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   unsigned char *got = xmalloc(most), *first = xmalloc(most);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  /* run 0 of each GEMM on the static schedule, run 1 on the dynamic one
+   * (a work counter): the same bits, and the counter left at zero */
+  int32_t *d_sched = NULL;
+  CUDA_CHECK(cudaMalloc((void **)&d_sched, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
+  CUDA_CHECK(cudaMemset(d_sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
   const int32_t *ai = c->top_k ? d->index : NULL;
   const float *rs = c->scale_mode ? d->row_scale : NULL;
   const int32_t *si = c->scale_mode == 2 ? d->index : NULL;
@@ -372,8 +377,9 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   for (int rep = 0; rep < 2; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
-    CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k,
-                                     d->tiles, d->num, p->max_tiles, R, (float *)d_out, stream),
+    CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k, d->tiles,
+                                     d->num, p->max_tiles, R, (float *)d_out, rep ? d_sched : NULL,
+                                     stream),
              label);
     CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu run %d on the %s engine (%s)",
           c->name, en, rep, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
@@ -383,8 +389,8 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   snprintf(label, sizeof label, "%s [%s] swiglu (n %d, k %d, lda %d, a_div %d)", c->name, en, n,
            k, lda1, c->top_k);
   check_output(label, p, n, first, MOELINK_DTYPE_F32, 1, ref1, tol1);
-  CHECK(memcmp(first, got, out1_bytes) == 0, "%s [%s] swiglu: two runs bitwise equal", c->name,
-        en);
+  CHECK(memcmp(first, got, out1_bytes) == 0,
+        "%s [%s] swiglu: static and dynamic schedule bitwise equal", c->name, en);
 
   /* scaled: the dtype out, then fp32 out */
   for (int f32 = 0; f32 < 2; ++f32) {
@@ -394,7 +400,8 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
       snprintf(label, sizeof label, "%s [%s] scaled%s run %d", c->name, en, f32 ? " f32" : "",
                rep);
       CHECK_OK(ml_cuda_gemm_scaled_fp8(c->dt, d->h, d->hs, lda2, d->w2, d->w2s, k, n, d->tiles,
-                                       d->num, p->max_tiles, R, rs, si, d_out, f32, stream),
+                                       d->num, p->max_tiles, R, rs, si, d_out, f32,
+                                       rep ? d_sched : NULL, stream),
                label);
       CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s run %d on the %s engine (%s)",
             c->name, en, f32 ? " f32" : "", rep, engine_name(want2),
@@ -405,9 +412,16 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
     snprintf(label, sizeof label, "%s [%s] scaled (-> %s, n %d, k %d, lda %d, scale %d)", c->name,
              en, f32 ? "f32" : moelink_dtype_name(c->dt), k, n, lda2, c->scale_mode);
     check_output(label, p, k, first, c->dt, f32, ref2, f32 ? tol2_f32 : tol2);
-    CHECK(memcmp(first, got, bytes) == 0, "%s [%s] scaled%s: two runs bitwise equal", c->name,
-          en, f32 ? " f32" : "");
+    CHECK(memcmp(first, got, bytes) == 0,
+          "%s [%s] scaled%s: static and dynamic schedule bitwise equal", c->name, en,
+          f32 ? " f32" : "");
   }
+  int32_t sched_after[ML_CUDA_GEMM_SCHED_INTS];
+  CUDA_CHECK(cudaMemcpy(sched_after, d_sched, sizeof sched_after, cudaMemcpyDeviceToHost));
+  CHECK(sched_after[0] == 0 && sched_after[1] == 0,
+        "%s [%s] the work counter is left at zero (%d, %d)", c->name, en, (int)sched_after[0],
+        (int)sched_after[1]);
+  cudaFree(d_sched);
 
   CUDA_CHECK(cudaStreamDestroy(stream));
   cudaFree(d_out);
@@ -586,50 +600,56 @@ static void check_rejections(int engine) {
   } while (0)
 
   /* n, k, lda not multiples of 128 */
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 192, 128, NULL, NULL, 0, 4, of, 0),
-         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 n 192", en);
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 256, NULL, 1, q, sc, 128, 200, NULL, NULL, 0, 4, of, 0),
-         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 k 200", en);
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 192, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, 0),
-         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 lda 192", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 64, 128, NULL, NULL, 0, 4, NULL, NULL, o,
-                                 0, 0),
+  REJECT(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 192, 128, NULL, NULL, 0, 4, of, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 n 192", en);
+  REJECT(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 256, NULL, 1, q, sc, 128, 200, NULL, NULL, 0, 4, of, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 k 200", en);
+  REJECT(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 192, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, NULL, 0),
+      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 lda 192", en);
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 64, 128, NULL, NULL, 0, 4, NULL, NULL, o, 0,
+                                 NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 n 64", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 256, q, sc, 256, 136, NULL, NULL, 0, 4, NULL, NULL,
-                                 o, 1, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 256, q, sc, 256, 136, NULL, NULL, 0, 4, NULL, NULL, o,
+                                 1, NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 k 136", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 200, q, sc, 384, 128, NULL, NULL, 0, 4, NULL, NULL,
-                                 o, 0, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 200, q, sc, 384, 128, NULL, NULL, 0, 4, NULL, NULL, o,
+                                 0, NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 lda 200", en);
   /* NULL scales */
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, NULL, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, 0),
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, NULL, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, NULL,
+                                 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 a_scale NULL", en);
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, NULL, 128, 128, NULL, NULL, 0, 4, of, 0),
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, NULL, 128, 128, NULL, NULL, 0, 4, of, NULL,
+                                 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 b_scale NULL", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, NULL, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
-                                 o, 0, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, NULL, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL, o,
+                                 0, NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] scaled fp8 a_scale NULL", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, NULL, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
-                                 o, 1, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, NULL, 128, 128, NULL, NULL, 0, 4, NULL, NULL, o,
+                                 1, NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] scaled fp8 b_scale NULL (f32 out)", en);
   /* output dtypes: fp32 only through out_f32 */
   REJECT(ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_F32, q, sc, 128, q, sc, 128, 128, NULL, NULL, 0, 4,
-                                 NULL, NULL, o, 0, 0),
+                                 NULL, NULL, o, 0, NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 out dtype f32", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_FP8_E4M3, q, sc, 128, q, sc, 128, 128, NULL, NULL,
-                                 0, 4, NULL, NULL, o, 0, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_FP8_E4M3, q, sc, 128, q, sc, 128, 128, NULL, NULL, 0,
+                                 4, NULL, NULL, o, 0, NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 out dtype e4m3", en);
   /* malformed problems */
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, NULL, 2, 4, of, 0),
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, NULL, 2, 4, of, NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 tiles without num_tiles", en);
-  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, NULL, 2, 4, NULL, NULL, o,
-                                 0, 0),
+  REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, NULL, 2, 4, NULL, NULL, o, 0,
+                                 NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] scaled fp8 tiles without num_tiles", en);
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, (const int32_t *)tl, 0, q, sc, 128, 128, NULL, NULL,
-                                 0, 4, of, 0),
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, (const int32_t *)tl, 0, q, sc, 128, 128, NULL, NULL, 0,
+                                 4, of, NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 a_div 0", en);
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, -1, of, 0),
-         MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 rows -1", en);
+  REJECT(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, -1, of, NULL, 0),
+      MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 rows -1", en);
 #undef REJECT
   CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -640,18 +660,20 @@ static void check_rejections(int engine) {
   CUDA_CHECK(cudaMemcpy(tl, host_tiles, sizeof host_tiles, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(num, &zero, sizeof zero, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(o, 0xFF, 1 << 16));
-  CHECK_OK(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 0, of, 0),
-           "swiglu fp8 with 0 dense rows");
-  CHECK_OK(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, num, 0, 4, NULL, NULL, o,
-                                   0, 0),
+  CHECK_OK(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 0, of, NULL, 0),
+      "swiglu fp8 with 0 dense rows");
+  CHECK_OK(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, num, 0, 4, NULL, NULL, o, 0,
+                                   NULL, 0),
            "scaled fp8 with max_tiles 0");
-  CHECK_OK(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, num, 3, 4, of, 0),
-           "swiglu fp8 with *num_tiles 0");
+  CHECK_OK(
+      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, num, 3, 4, of, NULL, 0),
+      "swiglu fp8 with *num_tiles 0");
   CHECK(ml_cuda_gemm_last_engine() == expected_engine(engine, 1, 128),
         "[%s] swiglu fp8 with *num_tiles 0 launched on the %s engine (%s)", en,
         engine_name(expected_engine(engine, 1, 128)), engine_name(ml_cuda_gemm_last_engine()));
   CHECK_OK(ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_F16, q, sc, 128, q, sc, 128, 128, tl, num, 3, 4,
-                                   NULL, NULL, o, 0, 0),
+                                   NULL, NULL, o, 0, NULL, 0),
            "scaled fp8 with *num_tiles 0");
   CHECK(ml_cuda_gemm_last_engine() == expected_engine(engine, 0, 128),
         "[%s] scaled fp8 with *num_tiles 0 launched on the %s engine (%s)", en,

@@ -30,13 +30,25 @@
  * expert, units go in groups of ML_SM90_GROUP, column blocks outer and the
  * group's units inner: the CTAs running at the same time share a slab of the
  * expert's weights and a bounded set of activation rows, which both stay in
- * L2. CTA b takes items b, b + grid, b + 2 grid, ... The producer finds them
- * by walking the tile list (a warp-wide ballot finds where an expert's tiles
- * end), an item ahead, so that the walk and the next item's index loads
- * overlap the current item's k loop, and hands each item to the consumers
- * in a header beside its first stage (column block, the unit's tile rows),
- * published by the same full barrier; a header with column block -1 tells
- * them the work is done.
+ * L2, as long as the CTAs that take neighbouring items start them at about
+ * the same time. CTA b takes item b first. Its later items come from a
+ * counter in global memory (p->sched; dynamic schedule): the producer claims
+ * the next item near the end of the current one (its last-but-one load), so
+ * items start in the order they are numbered even when the CTAs' items take
+ * different times (a unit with one tile computes half as much). Without a
+ * counter (sched NULL: static schedule) CTA b takes b, b + grid, b + 2 grid,
+ * ..., and CTAs drift apart over a long run. The producer finds an item by
+ * walking the tile list (a warp-wide ballot finds where an expert's tiles
+ * end) before the current item's loads are all issued, so that the walk and
+ * the next item's index loads overlap the current item's k loop, and hands
+ * each item to the consumers in a header beside its first stage (column
+ * block, the unit's tile rows), published by the same full barrier; a header
+ * with column block -1 tells them the work is done.
+ *
+ * The counter: sched[0] counts claims, sched[1] CTAs done. Both are zero
+ * when a launch starts: the CTA that finishes last (its claims over, the
+ * other CTAs' too) sets them back to zero, so a stream-ordered next launch
+ * finds them so. Launches that may overlap need counters of their own.
  *
  * Shared memory tiles are 128-byte rows (64 16-bit elements) in the 128-byte
  * swizzle: 16-byte chunk c of row r sits at chunk c ^ (r & 7) of the row,
@@ -149,6 +161,8 @@ typedef struct ml_sm90_args {
   const float *a_scale;
   const float *b_scale;
   int as_ld, kblocks, b_rblocks;
+  /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
+  int32_t *sched;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -446,10 +460,9 @@ static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
  * before its arrival on the stage's full barrier (a release), read by the
  * consumers after their wait on it (an acquire). */
 template <class C, int MODE>
-static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
-                                                        const CUtensorMap *map, uint32_t base,
-                                                        uint32_t scales, uint32_t bars,
-                                                        int *headers) {
+static __device__ __forceinline__ void
+ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, uint32_t scales,
+                 uint32_t bars, int *headers, int *claim) {
   const int tid = (int)threadIdx.x; /* 0..127 */
   const int c = tid & 7, r0 = tid >> 3;
   const int ktiles = (p->k + C::BK - 1) / C::BK;
@@ -467,11 +480,16 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
   int have = ml_sm90_next(p, &walk, w, &it);
   int32_t src[ML_SM90_ROWS];
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
+  /* where in an item the next one is found: its first step (static), its
+   * last-but-one load (dynamic: a claim as late as the loads allow) */
+  const int kfind = p->sched != NULL && ktiles > 1 ? ktiles - 2 : 0;
+  int claims = 0;
   while (have) {
     ml_sm90_item nx;
     int32_t src_n[ML_SM90_ROWS];
     uint32_t valid_n = 0;
     int have_n = 0;
+    int w_n = w + (int)gridDim.x;
     for (int kt = 0; kt < ktiles; ++kt) {
       const uint32_t full = ml_sm90_full(bars, stage);
       const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
@@ -515,13 +533,23 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
         stage = 0;
         phase ^= 1u;
       }
-      /* the next item's walk and index loads, behind this item's first step */
-      if (kt == 0) {
-        have_n = ml_sm90_next(p, &walk, w + (int)gridDim.x, &nx);
+      /* the next item's claim, walk and index loads, behind this step's loads */
+      if (kt == kfind) {
+        if (p->sched != NULL) {
+          /* thread 0 claims; two slots by parity, so a slot is rewritten
+           * only after every producer thread passed the barrier that
+           * follows its last read */
+          if (tid == 0)
+            claim[claims & 1] = (int)gridDim.x + atomicAdd(p->sched, 1);
+          asm volatile("bar.sync 1, 128;\n" ::: "memory");
+          w_n = claim[claims & 1];
+          ++claims;
+        }
+        have_n = ml_sm90_next(p, &walk, w_n, &nx);
         if (have_n) valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
     }
-    w += (int)gridDim.x;
+    w = w_n;
     have = have_n;
     it = nx;
     valid = valid_n;
@@ -534,6 +562,15 @@ static __device__ __forceinline__ void ml_sm90_producer(const ml_sm90_args *p,
   if (tid == 0) headers[stage * ML_SM90_HEADER_INTS] = -1;
   ml_mbar_arrive(ml_sm90_full(bars, stage));
   if (tid == 0) ml_mbar_arrive(ml_sm90_full(bars, stage));
+  /* this CTA's claims are over; the last CTA done zeroes the counters for
+   * the next launch (every other CTA's claims are over by then too) */
+  if (p->sched != NULL && tid == 0) {
+    __threadfence();
+    if (atomicAdd(p->sched + 1, 1) == (int)gridDim.x - 1) {
+      atomicExch(p->sched, 0);
+      atomicExch(p->sched + 1, 0);
+    }
+  }
   /* the copies still in flight arrive on their own; wait for them anyway so
    * no thread leaves with shared-memory writes pending */
   asm volatile("cp.async.wait_all;\n" ::: "memory");
@@ -792,6 +829,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   const uint32_t scales = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
   const uint32_t bars = scales + (uint32_t)(C::STAGES * C::SCALE_BYTES);
   int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * C::STAGES * 8);
+  __shared__ int claim[2]; /* the dynamic schedule's claimed items */
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       ml_mbar_init(ml_sm90_full(bars, s), ML_SM90_FULL_COUNT);
@@ -805,7 +843,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_PRODUCER_REGS) : "memory");
-    ml_sm90_producer<C, MODE>(&p, &map_b, base, scales, bars, headers);
+    ml_sm90_producer<C, MODE>(&p, &map_b, base, scales, bars, headers, claim);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_CONSUMER_REGS) : "memory");
     if constexpr (FP8)

@@ -287,10 +287,11 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   const ml_epc_args *a = &w->a;
   ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
   if (shared && T > 0 && c->shared_inter > 0) {
-    ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up,
-                               c->shared_inter, c->hidden, NULL, NULL, 0, T, w->sh_h, st));
+    ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
+                               c->hidden, NULL, NULL, 0, T, w->sh_h, NULL, st));
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
-                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, st));
+                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, NULL,
+                               st));
   }
   return ml_epc_receive(a, st);
 }

@@ -314,7 +314,7 @@ static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const v
     return ml_cuda_decode_scaled(dt, a, k, b, n, k, NULL, NULL, 1, rows, NULL, NULL, out, 0, &o,
                                  st);
   }
-  return ml_cuda_gemm_scaled(dt, a, k, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 0, st);
+  return ml_cuda_gemm_scaled(dt, a, k, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 0, NULL, st);
 }
 
 static ml_tpc_pass ml_tpc_pass_none(void) {
