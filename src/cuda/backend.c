@@ -34,6 +34,7 @@ typedef struct ml_cu_layout {
   size_t xq, xs, hq, hs; /* fp8_experts: the experts' inputs quantized (e4m3 + scales) */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
+  size_t logits;                /* router logits by the GEMM engine (large batches only) */
   size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, total;
 } ml_cu_layout;
 
@@ -51,6 +52,7 @@ typedef struct ml_cu_moe {
   float *dec_part;       /* decode GEMMs' split-K partials */
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
+  float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
   uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
   float *xs, *hs;        /* in e4m3, with their scales per 128 */
 } ml_cu_moe;
@@ -221,6 +223,9 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
   L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
   L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  L->logits = ml_cu_take(
+      &cur,
+      ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden) * sizeof(float));
   if (cfg->fp8_experts) {
     L->xq = ml_cu_take(&cur, T * H);
     L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
@@ -293,6 +298,9 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_part = (float *)(m->base + L->dec_part);
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
+  m->logits = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden) > 0
+                  ? (float *)(m->base + L->logits)
+                  : NULL;
   if (cfg->fp8_experts) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
@@ -358,6 +366,17 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
                               m->partials, m->tickets, c->sm_count);
   a.plan = plan;
   a.pdl = pdl;
+  if (m->logits != NULL && plan == NULL &&
+      ml_cuda_router_gemm_wanted(T, cfg->num_experts, cfg->hidden)) {
+    /* a large batch: the logits from the GEMM engine, the kernel selects */
+    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, x, cfg->hidden, moe->w.router, cfg->num_experts,
+                               cfg->hidden, NULL, NULL, 0, T, NULL, NULL, m->logits, 1, m->sched,
+                               st));
+    ML_TRY(ml_cu_step(st, "router logits GEMM"));
+    a.logits = m->logits;
+    a.splits = 1;
+    a.pdl = 0;
+  }
   ML_TRY(ml_cuda_router(&a, st));
   return ml_cu_step(st, "router");
 }

@@ -51,6 +51,10 @@ typedef struct ml_cuda_router_args {
    * bias (which that kernel must not write), and waits for it before it
    * completes */
   int pdl;
+  /* NULL, or the fp32 logits [T, E] (x W^T) computed before, e.g. by the
+   * grouped GEMM engine (ml_cuda_router_gemm_wanted): the kernel then only
+   * selects; splits 1 and pdl 0 */
+  const float *logits;
 } ml_cuda_router_args;
 
 /* The arguments that route T tokens of x as the layer cfg does, with router
@@ -66,6 +70,13 @@ ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg, con
 int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);
 /* Whether the router kernel can build the plan of T tokens (one block). */
 int ml_cuda_router_builds_plan(int num_tokens, int top_k);
+/* Whether T tokens' logits are better computed by the grouped GEMM engine
+ * (ml_cuda_gemm_scaled, fp32 out) and passed to the router kernel as
+ * logits: from MOELINK_ROUTER_GEMM_MIN_TOKENS tokens (docs/ENV.md), where
+ * the kernel's 16-token blocks each stream all of W through L2. */
+int ml_cuda_router_gemm_wanted(int num_tokens, int num_experts, int hidden);
+/* Floats of logits scratch a layer of max_tokens needs for that (0: none). */
+size_t ml_cuda_router_logits_floats(int max_tokens, int num_experts, int hidden);
 /* Tickets the router may use with sm_count SMs. */
 size_t ml_cuda_router_tickets(int sm_count);
 /* Floats of partial logits that blocks * splits <= sm_count CTAs may write. */

@@ -70,6 +70,7 @@ typedef struct ml_router_params {
   float *weights;
   float *partials;
   int32_t *tickets;
+  const float *logits; /* NULL, or [T, E] computed before: select only */
   ml_plan_ptrs plan;
   int build_plan;             /* one block of tokens: this CTA builds the plan too */
   int cta_select;             /* the whole CTA selects (small rows * E^2); two-level sums */
@@ -513,19 +514,22 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
 
   /* One commit group per stage slot, empty ones included, so that
-   * wait_group<STAGES-2> always means "chunk i has landed". */
+   * wait_group<STAGES-2> always means "chunk i has landed". Logits given:
+   * no chunks (splits is 1, checked by the host). */
+  const int nchunks = p.logits != NULL ? 0 : nc;
 #pragma unroll
   for (int st = 0; st < ML_R_STAGES - 1; ++st) {
-    if (st < nc) ml_r_load_stage(ml_r_smem + st * stage_bytes, p, t0, c0 + st, E_pad);
+    if (st < nchunks)
+      ml_r_load_stage(ml_r_smem + st * stage_bytes, p, t0, c0 + st, E_pad);
     ml_r_commit();
   }
-  for (int i = 0; i < nc; ++i) {
+  for (int i = 0; i < nchunks; ++i) {
     ml_r_wait<ML_R_STAGES - 2>();
     /* Chunk i is visible to all, and everyone is done with chunk i-1, whose
      * slot the next copies overwrite. */
     __syncthreads();
     const int next = i + ML_R_STAGES - 1;
-    if (next < nc)
+    if (next < nchunks)
       ml_r_load_stage(ml_r_smem + (next % ML_R_STAGES) * stage_bytes, p, t0, c0 + next, E_pad);
     ml_r_commit();
     ml_r_mma_stage<DT>(ml_r_smem + (i % ML_R_STAGES) * stage_bytes, acc, warp, g, c, n_tiles);
@@ -556,6 +560,12 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     } else {
       if (!ml_r_ticket(p.tickets + blockIdx.x, splits, &ml_r_last)) return;
       ml_r_sum_partials(part, splits, stride4, n4, (float4 *)L, P);
+    }
+  } else if (p.logits != NULL) {
+    /* the block's rows of the given logits; padded columns are never read */
+    for (int i = (int)threadIdx.x; i < rows * p.E; i += ML_R_THREADS) {
+      const int r = i / p.E, e = i - r * p.E;
+      L[r * E_pad + e] = __ldg(p.logits + (size_t)(t0 + r) * (size_t)p.E + e);
     }
   } else {
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
@@ -660,6 +670,21 @@ extern "C" int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count) {
   return s < 1 ? 1 : s;
 }
 
+/* Tokens from which the layer computes the logits with the grouped GEMM
+ * engine and lets the router kernel select only (0: never). */
+MOELINK_PARAM(ROUTER_GEMM_MIN_TOKENS, 2048)
+
+extern "C" int ml_cuda_router_gemm_wanted(int num_tokens, int num_experts, int hidden) {
+  const int64_t min_t = ml_param_ROUTER_GEMM_MIN_TOKENS();
+  return min_t > 0 && num_tokens >= min_t && num_experts % 8 == 0 && hidden % 8 == 0;
+}
+
+extern "C" size_t ml_cuda_router_logits_floats(int max_tokens, int num_experts, int hidden) {
+  return ml_cuda_router_gemm_wanted(max_tokens, num_experts, hidden)
+             ? (size_t)max_tokens * (size_t)num_experts
+             : 0;
+}
+
 extern "C" moelink_status_t ml_cuda_router_prepare(int smem_optin) {
   size_t want = ml_cuda_router_smem(ML_CUDA_MAX_EXPERTS);
   /* Leave room for the kernel's static shared memory (one int). */
@@ -685,6 +710,10 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   if (a->splits > 1 && (a->partials == NULL || a->tickets == NULL))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: splits %d without partials/tickets",
                    a->splits);
+  if (a->logits != NULL && (a->splits != 1 || a->pdl || ((uintptr_t)a->logits & 3u)))
+    return ml_fail(MOELINK_ERR_INTERNAL,
+                   "router: logits given with splits %d, pdl %d or misaligned (%p)", a->splits,
+                   a->pdl, (const void *)a->logits);
   if (a->plan != NULL && (!ml_cuda_router_builds_plan(a->num_tokens, a->top_k) ||
                           a->plan->tile_rows != ML_CUDA_TILE_ROWS))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: cannot build the plan of T %d, k %d here",
@@ -697,6 +726,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.weights = a->weights;
   p.partials = a->partials;
   p.tickets = a->tickets;
+  p.logits = a->logits;
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
   p.cta_select = ml_param_ROUTER_CTA_SELECT() != 0;

@@ -17,6 +17,12 @@
  *   and the ids against the double-precision reference's routing
  *   (ref_route_token) where no near tie.
  *
+ * - Logits given (large batches: the layer computes them with the grouped GEMM
+ *   engine, ml_cuda_gemm_scaled with fp32 out, and the kernel only selects):
+ *   the experts of the kernel's own logits where no near tie, weights within
+ *   1e-4 relative, at T 16 and 333 (21 blocks, the last one short); E not a
+ *   multiple of 8 is never sent that way.
+ *
  * Shapes: the routing of mixtral-8x7b, qwen3-30b-a3b (E 128, k 8) and
  * deepseek-v3 (sigmoid, correction bias, 8 groups keep 4, scale 2.5) at their
  * full hidden sizes, so the split counts are the real ones (up to 56 for
@@ -24,6 +30,7 @@
  * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 8, 16. */
 #include "core/core.h"
 #include "core/random.h"
+#include "cuda/cuda.h"
 #include "cuda/pipeline.h"
 #include "gpu_util.h"
 
@@ -254,6 +261,99 @@ static void run_case(const rcase *c, int T, uint64_t seed) {
   gu_free(dplan);
 }
 
+/* Logits from the GEMM engine, the kernel selecting only, against the
+ * kernel's own logits (one CTA per block). */
+static void run_logits_case(const rcase *c, int T, uint64_t seed) {
+  char what[200];
+  const int E = c->E, k = c->k, H = c->H;
+  snprintf(what, sizeof what, "%s T %d logits given (H %d, E %d, k %d)", c->name, T, H, E, k);
+  if (E % 8 != 0) {
+    CHECK(!ml_cuda_router_gemm_wanted(1 << 20, E, H) &&
+              ml_cuda_router_logits_floats(1 << 20, E, H) == 0,
+          "%s: E %% 8 != 0 never takes the GEMM route", what);
+    return;
+  }
+  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
+  cfg.hidden = H;
+  cfg.inter = 64;
+  cfg.num_experts = E;
+  cfg.top_k = k;
+  cfg.router = c->router;
+  cfg.renormalize = c->renorm;
+  cfg.n_group = c->groups;
+  cfg.topk_group = c->keep;
+  cfg.routed_scaling = c->scale;
+  cfg.correction_bias = c->bias;
+  cfg.dtype = MOELINK_DTYPE_BF16;
+  cfg.max_tokens = T;
+  uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
+  float *hb = gu_host((size_t)E * 4);
+  fill(MOELINK_DTYPE_BF16, hx, (size_t)T * H, 3 * seed, 1.0f);
+  fill(MOELINK_DTYPE_BF16, hw, (size_t)E * H, 3 * seed + 1, 3.0f / sqrtf((float)H));
+  fill(MOELINK_DTYPE_F32, hb, (size_t)E, 3 * seed + 2, 0.05f);
+  void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
+  float *db = gu_dev((size_t)E * 4), *dl = gu_dev((size_t)T * E * 4);
+  gu_h2d(dx, hx, (size_t)T * H * 2);
+  gu_h2d(dw, hw, (size_t)E * H * 2);
+  gu_h2d(db, hb, (size_t)E * 4);
+  int32_t *dids = gu_dev((size_t)T * k * 4);
+  float *dwts = gu_dev((size_t)T * k * 4);
+  const size_t ntickets = ml_cuda_router_tickets(g_sms);
+  int32_t *tickets = gu_dev(ntickets * 4);
+  GU_CUDA(cudaMemset(tickets, 0, ntickets * 4));
+  ml_cuda_router_args a =
+      ml_cuda_router_args_for(&cfg, dx, dw, db, T, dids, dwts, NULL, tickets, g_sms);
+  routed R, G;
+  R.ids = gu_host((size_t)T * k * 4);
+  R.w = gu_host((size_t)T * k * 4);
+  G.ids = gu_host((size_t)T * k * 4);
+  G.w = gu_host((size_t)T * k * 4);
+  R.plan = G.plan = NULL;
+  launch(what, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &R);
+  gu_poison(dl, (size_t)T * E * 4);
+  CHECK_OK(ml_cuda_gemm_scaled(MOELINK_DTYPE_BF16, dx, H, dw, E, H, NULL, NULL, 0, T, NULL, NULL,
+                               dl, 1, NULL, NULL),
+           what);
+  a.logits = dl;
+  launch(what, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &G);
+  moelink_moe_weights_t w;
+  memset(&w, 0, sizeof w);
+  w.size = sizeof w;
+  w.dtype = MOELINK_DTYPE_BF16;
+  w.router = hw;
+  w.correction_bias = c->bias ? hb : NULL;
+  int flipped = 0, ties = 0, off = 0;
+  double worst = 0.0;
+  for (int t = 0; t < T; ++t) {
+    if (memcmp(R.ids + (size_t)t * k, G.ids + (size_t)t * k, (size_t)k * 4) != 0) {
+      const double m = ref_route_margin(&cfg, &w, hx + (size_t)t * H);
+      if (m >= 0 && m < GU_TIE)
+        ++ties;
+      else
+        ++flipped;
+      continue;
+    }
+    for (int j = 0; j < k; ++j) {
+      const double x = G.w[(size_t)t * k + j], y = R.w[(size_t)t * k + j];
+      const double r = fabs(x - y) / (fabs(y) > 1e-30 ? fabs(y) : 1e-30);
+      if (r > worst)
+        worst = r;
+      off += !(r <= 1e-4);
+    }
+  }
+  CHECK(flipped == 0, "%s: the experts of the kernel's own logits (%d differ, %d near ties)", what,
+        flipped, ties);
+  CHECK(off == 0, "%s: weights within 1e-4 of the kernel's own logits' (worst %.2e)", what, worst);
+  /* a bad combination is refused, not run */
+  a.splits = 1;
+  a.pdl = 1;
+  CHECK(ml_cuda_router(&a, NULL) == MOELINK_ERR_INTERNAL,
+        "%s: logits with a programmatic-dependent launch refused", what);
+  free(R.ids), free(R.w), free(G.ids), free(G.w), free(hx), free(hw), free(hb);
+  gu_free(dx), gu_free(dw), gu_free(db), gu_free(dl), gu_free(dids), gu_free(dwts);
+  gu_free(tickets);
+}
+
 int main(void) {
   struct cudaDeviceProp prop;
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major < 9) {
@@ -268,5 +368,9 @@ int main(void) {
   for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c)
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; ++i)
       run_case(&g_cases[c], Ts[i], 100 * c + i);
+  for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c) {
+    run_logits_case(&g_cases[c], 16, 1000 + 10 * c);
+    run_logits_case(&g_cases[c], 333, 1001 + 10 * c);
+  }
   return ml_test_done();
 }

@@ -78,6 +78,7 @@ typedef struct ml_epc {
   float *sh_out;        /* [max_tokens][H] */
   float *r_partials;    /* the router's split-K partial logits */
   int32_t *r_tickets;   /* ml_cuda_router_tickets(sms), zero between router launches */
+  int32_t *sched;       /* the shared expert's GEMM work counter, zero between launches */
   int cap;
 } ml_epc;
 
@@ -137,6 +138,7 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->r_partials, float *,
               ml_cuda_router_partial_floats(c->num_experts, w->a.sms) * sizeof(float));
   ML_EPC_TAKE(w->r_tickets, int32_t *, ml_cuda_router_tickets(w->a.sms) * 4);
+  ML_EPC_TAKE(w->sched, int32_t *, ML_CUDA_GEMM_SCHED_INTS * 4);
 #undef ML_EPC_TAKE
   return off;
 }
@@ -288,10 +290,10 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
   if (shared && T > 0 && c->shared_inter > 0) {
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
-                               c->hidden, NULL, NULL, 0, T, w->sh_h, NULL, st));
+                               c->hidden, NULL, NULL, 0, T, w->sh_h, w->sched, st));
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
-                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, NULL,
-                               st));
+                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1,
+                               w->sched, st));
   }
   return ml_epc_receive(a, st);
 }
