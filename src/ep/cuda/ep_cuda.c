@@ -79,6 +79,7 @@ typedef struct ml_epc {
   float *r_partials;    /* the router's split-K partial logits */
   int32_t *r_tickets;   /* ml_cuda_router_tickets(sms), zero between router launches */
   int32_t *sched;       /* the shared expert's GEMM work counter, zero between launches */
+  float *logits;        /* [max_tokens][E] router logits of large batches, or NULL */
   int cap;
 } ml_epc;
 
@@ -139,6 +140,10 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
               ml_cuda_router_partial_floats(c->num_experts, w->a.sms) * sizeof(float));
   ML_EPC_TAKE(w->r_tickets, int32_t *, ml_cuda_router_tickets(w->a.sms) * 4);
   ML_EPC_TAKE(w->sched, int32_t *, ML_CUDA_GEMM_SCHED_INTS * 4);
+  const size_t nlogits = ml_cuda_router_logits_floats(c->max_tokens, c->num_experts, c->hidden);
+  ML_EPC_TAKE(w->logits, float *, nlogits * 4);
+  if (nlogits == 0)
+    w->logits = NULL;
 #undef ML_EPC_TAKE
   return off;
 }
@@ -316,9 +321,17 @@ static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const v
 /* This rank's T tokens routed as the whole layer routes them: ids, wts. */
 static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                      cudaStream_t st) {
-  const ml_cuda_router_args r =
-      ml_cuda_router_args_for(&ep->cfg.moe, x, ep->w.router, ep->w.correction_bias, T, w->ids,
-                              w->wts, w->r_partials, w->r_tickets, w->a.sms);
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  ml_cuda_router_args r =
+      ml_cuda_router_args_for(c, x, ep->w.router, ep->w.correction_bias, T, w->ids, w->wts,
+                              w->r_partials, w->r_tickets, w->a.sms);
+  if (w->logits != NULL && ml_cuda_router_gemm_wanted(T, c->num_experts, c->hidden)) {
+    /* a large batch: the logits from the GEMM engine, the kernel selects (as the layer) */
+    ML_TRY(ml_cuda_gemm_scaled(c->dtype, x, c->hidden, ep->w.router, c->num_experts, c->hidden,
+                               NULL, NULL, 0, T, NULL, NULL, w->logits, 1, w->sched, st));
+    r.logits = w->logits;
+    r.splits = 1;
+  }
   return ml_cuda_router(&r, st);
 }
 
