@@ -369,9 +369,9 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
   if (m->logits != NULL && plan == NULL &&
       ml_cuda_router_gemm_wanted(T, cfg->num_experts, cfg->hidden)) {
     /* a large batch: the logits from the GEMM engine, the kernel selects */
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1);
     ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, x, cfg->hidden, moe->w.router, cfg->num_experts,
-                               cfg->hidden, NULL, NULL, 0, T, NULL, NULL, m->logits, 1, m->sched,
-                               st));
+                               cfg->hidden, NULL, NULL, 0, T, NULL, NULL, m->logits, 1, &go, st));
     ML_TRY(ml_cu_step(st, "router logits GEMM"));
     a.logits = m->logits;
     a.splits = 1;
@@ -426,18 +426,19 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms,
                           st));
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                                   plan->max_tiles, pairs, (float *)m->h, m->sched, st));
+                                   plan->max_tiles, pairs, (float *)m->h, &go, st));
     ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
     ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter,
                             m->hq, m->hs, sms, st));
-    ML_TRY(ml_cuda_gemm_scaled_fp8(
-        cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down, moe->w.down_scale,
-        cfg->hidden, cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs, weights,
-        weights ? plan->sorted_pairs : NULL, y, 0, m->sched, st));
+    ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
+                                   (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
+                                   cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs,
+                                   weights, weights ? plan->sorted_pairs : NULL, y, 0, &go, st));
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
   /* The plan was complete before the x quantize kernel started (a plain
@@ -487,13 +488,14 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                                  weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                             plan->max_tiles, 0, m->h, m->sched, st));
+                             plan->max_tiles, 0, m->h, &go, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
   ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
                              plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights,
-                             weights ? plan->sorted_pairs : NULL, y, 0, m->sched, st));
+                             weights ? plan->sorted_pairs : NULL, y, 0, &go, st));
   return ml_cu_step(st, "routed down GEMM");
 }
 
@@ -584,12 +586,12 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
   } else if (cfg->shared_inter > 0 && !shared_decode) {
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1);
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, m->sched,
-                               st));
+                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &go, st));
     ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,
-                               cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1,
-                               m->sched, st));
+                               cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1, &go,
+                               st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
   }
   ML_TRY(ml_cuda_combine(cfg->dtype, m->y, plan.pair_rows, T, cfg->top_k, cfg->hidden, sh, x,

@@ -58,11 +58,26 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
  * exit at once. With tiles == NULL the problem is dense: rows [0, dense_rows)
  * all belong to expert 0. Operands are bf16 or f16 (dt); accumulation fp32.
  * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T.
- * sched: NULL, or ML_CUDA_GEMM_SCHED_INTS zeroed device ints that the sm_90a
- * kernel hands its work items out from (gemm/sm90.cuh, dynamic schedule)
- * and leaves zeroed; launches that may run at the same time need their own.
- * NULL, or MOELINK_GEMM_SM90_DYNAMIC=0, gives the static schedule. */
+ * opts: NULL (defaults), or how the sm_90a kernel schedules its work
+ * (gemm/sm90.cuh); the other engines ignore it. */
 #define ML_CUDA_GEMM_SCHED_INTS 2
+typedef struct ml_cuda_gemm_opts {
+  /* NULL, or ML_CUDA_GEMM_SCHED_INTS zeroed device ints that the kernel hands
+   * its work items out from (dynamic schedule) and leaves zeroed; launches
+   * that may run at the same time need their own. NULL, or
+   * MOELINK_GEMM_SM90_DYNAMIC=0: the static schedule. */
+  int32_t *counter;
+  /* 2: clusters of two CTAs that take neighbouring units of an expert and
+   * share each weight box (TMA multicast), where the device can run them
+   * (bf16/f16 only); anything else: one CTA. Pays where experts have two
+   * units (256 rows) or more: a lone unit leaves its partner CTA idle. */
+  int cluster;
+} ml_cuda_gemm_opts;
+
+/* The options a layer passes for a grouped GEMM of `rows` rows over
+ * `experts` experts (dense: 1): the counter, and clusters where the average
+ * expert has MOELINK_GEMM_SM90_CLUSTER_ROWS rows or more (0: never). */
+ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts);
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.
@@ -72,7 +87,7 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
 moelink_status_t ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda,
                                      const int32_t *a_index, int a_div, const void *b, int n, int k,
                                      const int32_t *tiles, const int32_t *num_tiles, int max_tiles,
-                                     int dense_rows, void *out, int32_t *sched,
+                                     int dense_rows, void *out, const ml_cuda_gemm_opts *opts,
                                      cudaStream_t stream);
 
 /* Plain grouped GEMM with a row scale: out[r, j] = s(r) * sum_k a[r, k] * B[e][j][k]
@@ -83,7 +98,7 @@ moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
                                      int n, int k, const int32_t *tiles, const int32_t *num_tiles,
                                      int max_tiles, int dense_rows, const float *row_scale,
                                      const int32_t *scale_index, void *out, int out_f32,
-                                     int32_t *sched, cudaStream_t stream);
+                                     const ml_cuda_gemm_opts *opts, cudaStream_t stream);
 
 /* FP8 operands (the formats of gemm/decode.h's ml_cuda_fp8_swiglu /
  * ml_cuda_fp8_scaled: e4m3 A with an fp32 scale per 128 of a row, e4m3 B with
@@ -97,13 +112,14 @@ moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale,
                                          const int32_t *a_index, int a_div, const uint8_t *b,
                                          const float *b_scale, int n, int k, const int32_t *tiles,
                                          const int32_t *num_tiles, int max_tiles, int rows,
-                                         float *out, int32_t *sched, cudaStream_t stream);
+                                         float *out, const ml_cuda_gemm_opts *opts,
+                                         cudaStream_t stream);
 moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
                                          const float *a_scale, int lda, const uint8_t *b,
                                          const float *b_scale, int n, int k, const int32_t *tiles,
                                          const int32_t *num_tiles, int max_tiles, int rows,
                                          const float *row_scale, const int32_t *scale_index,
-                                         void *out, int out_f32, int32_t *sched,
+                                         void *out, int out_f32, const ml_cuda_gemm_opts *opts,
                                          cudaStream_t stream);
 
 #ifdef __cplusplus

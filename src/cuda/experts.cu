@@ -98,11 +98,18 @@ static __global__ void __launch_bounds__(ml_xs::THREADS)
  * device (the attribute belongs to the function in the device's context).
  * Setting it twice is harmless, so a race between threads costs one extra
  * call and nothing else. */
-enum { ML_K_SWIGLU_BF16, ML_K_SWIGLU_F16, ML_K_SCALED_BF16, ML_K_SCALED_BF16_F32,
-       ML_K_SCALED_F16, ML_K_SCALED_F16_F32,
-       ML_K_SM90, /* 6 sm_90a kernels from here: see ml_sm90_which */
-       ML_K_SM90_FP8 = ML_K_SM90 + 6, /* 4 FP8 ones: see ml_sm90_which */
-       ML_K_COUNT = ML_K_SM90_FP8 + 4 };
+enum {
+  ML_K_SWIGLU_BF16,
+  ML_K_SWIGLU_F16,
+  ML_K_SCALED_BF16,
+  ML_K_SCALED_BF16_F32,
+  ML_K_SCALED_F16,
+  ML_K_SCALED_F16_F32,
+  ML_K_SM90,                        /* 6 sm_90a kernels from here: see ml_sm90_which */
+  ML_K_SM90_FP8 = ML_K_SM90 + 6,    /* 4 FP8 ones: see ml_sm90_which */
+  ML_K_SM90_CL = ML_K_SM90_FP8 + 4, /* 6 in clusters of two: see ml_sm90_which */
+  ML_K_COUNT = ML_K_SM90_CL + 6
+};
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
 
@@ -241,8 +248,14 @@ static moelink_status_t ml_sm90_encoder(PFN_cuTensorMapEncodeTiled_v12000 *fn) {
 
 /* (declared in cuda/gemm/sm90.cuh) */
 moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
-                                      int j_rows, int halves, int experts, int box_rows,
-                                      const char *what) {
+                               int j_rows, int halves, int experts, int box_rows,
+                               const char *what) {
+  return ml_sm90_map_b_box(map, dt, b, k, j_rows, halves, experts, box_rows, halves, what);
+}
+
+moelink_status_t ml_sm90_map_b_box(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+                                   int j_rows, int halves, int experts, int box_rows,
+                                   int box_halves, const char *what) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
   ML_TRY(ml_sm90_encoder(&encode));
   const int fp8 = dt == MOELINK_DTYPE_F32;
@@ -252,7 +265,7 @@ moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void 
   cuuint64_t strides[3] = {row, row * (cuuint64_t)j_rows,
                            row * (cuuint64_t)j_rows * (cuuint64_t)halves};
   cuuint32_t box[4] = {fp8 ? 128u : (cuuint32_t)ML_SM90_BK, (cuuint32_t)box_rows,
-                       (cuuint32_t)halves, 1};
+                       (cuuint32_t)box_halves, 1};
   cuuint32_t unit[4] = {1, 1, 1, 1};
   CUresult r = encode(map,
                       fp8                        ? CU_TENSOR_MAP_DATA_TYPE_UINT8
@@ -279,37 +292,151 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
 }
 
 /* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
- * output only; the scaled GEMM bf16, f16 or fp32. */
-template <int DT, int MODE, int OUT_F32, int FP8> static int ml_sm90_which(void) {
+ * output only; the scaled GEMM bf16, f16 or fp32. CL 2: the cluster ones. */
+template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
   if (FP8)
     return ML_K_SM90_FP8 +
            (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 3 : 1 + (DT == MOELINK_DTYPE_F16));
-  return ML_K_SM90 + (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 4 : 2) + (DT == MOELINK_DTYPE_F16);
+  return (CL > 1 ? ML_K_SM90_CL : ML_K_SM90) +
+         (MODE == ML_SM90_SWIGLU ? 0
+          : OUT_F32              ? 4
+                                 : 2) +
+         (DT == MOELINK_DTYPE_F16);
 }
 
-template <int DT, int MODE, int OUT_F32, int FP8 = 0>
-static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p,
-                                       unsigned grid, cudaStream_t stream) {
+/* Clusters of two of a cluster kernel the device holds at once (0: it cannot
+ * run them), cached per device and kernel as value + 1. */
+static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][6];
+
+template <int DT, int MODE, int OUT_F32> static moelink_status_t ml_sm90_cluster_room(int *room) {
+  const int which = ml_sm90_which<DT, MODE, OUT_F32, 0, 2>();
+  const void *kernel = (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, 0, 2>;
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  const int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
+  int *slot = cached ? &ml_sm90_cluster_room_cache[dev][which - ML_K_SM90_CL] : NULL;
+  int v = slot ? __atomic_load_n(slot, __ATOMIC_ACQUIRE) : 0;
+  if (v == 0) {
+    const int smem = ml_sm90_cfg<0>::SMEM_BYTES;
+    ML_TRY(ml_gemm_allow_smem(kernel, which, smem));
+    int sms = 0, is_sm90 = 0;
+    ML_TRY(ml_cuda_sm90_device(&is_sm90, &sms));
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3((unsigned)(2 * (sms > 0 ? sms : 1)), 1, 1);
+    cfg.blockDim = dim3(ML_SM90_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cudaLaunchAttribute at;
+    memset(&at, 0, sizeof at);
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = 2;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    int n = 0;
+    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+      (void)cudaGetLastError(); /* no clusters here: the one-CTA kernel runs */
+      n = 0;
+    }
+    v = n + 1;
+    if (slot)
+      __atomic_store_n(slot, v, __ATOMIC_RELEASE);
+  }
+  *room = v - 1;
+  return MOELINK_SUCCESS;
+}
+
+template <int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_cluster_room_dt(moelink_dtype_t dt, int *room) {
+  if (dt == MOELINK_DTYPE_BF16)
+    return ml_sm90_cluster_room<MOELINK_DTYPE_BF16, MODE, OUT_F32>(room);
+  return ml_sm90_cluster_room<MOELINK_DTYPE_F16, MODE, OUT_F32>(room);
+}
+
+/* Clusters of two MODE's kernel runs in for these options (2), else 1. */
+template <int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_cl(moelink_dtype_t dt, const ml_cuda_gemm_opts *opts, int *cl) {
+  *cl = 1;
+  if (opts == NULL || opts->cluster != 2)
+    return MOELINK_SUCCESS;
+  int room = 0;
+  ML_TRY((ml_sm90_cluster_room_dt<MODE, OUT_F32>(dt, &room)));
+  if (room > 0)
+    *cl = 2;
+  return MOELINK_SUCCESS;
+}
+
+template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
+static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
+                                       cudaStream_t stream) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
-  ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8>,
-                            ml_sm90_which<DT, MODE, OUT_F32, FP8>(), smem));
-  ml_sm90_kernel<DT, MODE, OUT_F32, FP8><<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *p);
-  ML_CUDA_LAUNCHED(MODE == ML_SM90_SWIGLU ? (FP8 ? "ml_sm90_kernel (fp8, swiglu)"
-                                                 : "ml_sm90_kernel (swiglu)")
-                                          : (FP8 ? "ml_sm90_kernel (fp8, scaled)"
-                                                 : "ml_sm90_kernel (scaled)"));
+  const char *name = MODE == ML_SM90_SWIGLU ? (FP8      ? "ml_sm90_kernel (fp8, swiglu)"
+                                               : CL > 1 ? "ml_sm90_kernel (swiglu, clusters of 2)"
+                                                        : "ml_sm90_kernel (swiglu)")
+                                            : (FP8      ? "ml_sm90_kernel (fp8, scaled)"
+                                               : CL > 1 ? "ml_sm90_kernel (scaled, clusters of 2)"
+                                                        : "ml_sm90_kernel (scaled)");
+  ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>,
+                            ml_sm90_which<DT, MODE, OUT_F32, FP8, CL>(), smem));
+  if (CL > 1) {
+    /* grid CTAs' worth of clusters, no more than the device holds at once
+     * (persistent clusters; the work comes from the schedule) */
+    int room = 0;
+    ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32>(&room)));
+    unsigned clusters = (grid + 1) / 2;
+    if (room > 0 && clusters > (unsigned)room)
+      clusters = (unsigned)room;
+    cudaLaunchConfig_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDim = dim3(2 * clusters, 1, 1);
+    cfg.blockDim = dim3(ML_SM90_THREADS, 1, 1);
+    cfg.dynamicSmemBytes = (size_t)smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute at;
+    memset(&at, 0, sizeof at);
+    at.id = cudaLaunchAttributeClusterDimension;
+    at.val.clusterDim.x = 2;
+    at.val.clusterDim.y = 1;
+    at.val.clusterDim.z = 1;
+    cfg.attrs = &at;
+    cfg.numAttrs = 1;
+    const cudaError_t e =
+        cudaLaunchKernelEx(&cfg, ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, *map, *p);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u clusters) failed: %s", name, clusters,
+                     cudaGetErrorString(e));
+    }
+  } else {
+    ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL><<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *p);
+    ML_CUDA_LAUNCHED(name);
+  }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
   return MOELINK_SUCCESS;
 }
 
-/* The bf16 or f16 instantiation of an epilogue. */
+/* The bf16 or f16 instantiation of an epilogue, one CTA or clusters of two. */
 template <int MODE, int OUT_F32>
 static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *map,
-                                         const ml_sm90_args *p, unsigned grid,
+                                         const ml_sm90_args *p, unsigned grid, int cl,
                                          cudaStream_t stream) {
   if (dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32>(map, p, grid, stream);
-  return ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32>(map, p, grid, stream);
+    return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32, 0, 2>(map, p, grid, stream)
+                  : ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32>(map, p, grid, stream);
+  return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32, 0, 2>(map, p, grid, stream)
+                : ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32>(map, p, grid, stream);
+}
+
+/* See cuda.h. */
+MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 256)
+
+extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts) {
+  ml_cuda_gemm_opts o;
+  o.counter = counter;
+  const long long min_rows = (long long)ml_param_GEMM_SM90_CLUSTER_ROWS();
+  o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
+  return o;
 }
 
 /* The fields of an sm_90a launch every GEMM fills alike (FP8 fields: see
@@ -317,7 +444,8 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_index, int a_div,
                               void *out, const int32_t *tiles, const int32_t *num_tiles,
                               const float *row_scale, const int32_t *scale_index, int lda, int k,
-                              int n, int cols, int max_tiles, int dense_rows, int32_t *sched) {
+                              int n, int cols, int max_tiles, int dense_rows,
+                              const ml_cuda_gemm_opts *opts) {
   memset(q, 0, sizeof *q);
   q->a = (const char *)a;
   q->a_index = a_index;
@@ -333,13 +461,14 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->nblocks = (n + cols - 1) / cols;
   q->max_tiles = max_tiles;
   q->dense_rows = dense_rows;
-  q->sched = sched != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? sched : NULL;
+  q->sched = opts != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? opts->counter : NULL;
 }
 
 extern "C" moelink_status_t
 ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a_index, int a_div,
                     const void *b, int n, int k, const int32_t *tiles, const int32_t *num_tiles,
-                    int max_tiles, int dense_rows, void *out, int32_t *sched, cudaStream_t stream) {
+                    int max_tiles, int dense_rows, void *out, const ml_cuda_gemm_opts *opts,
+                    cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu";
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
@@ -352,14 +481,17 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
   ML_TRY(ml_sm90_pick(k, n, ML_SM90_SWIGLU_COLS, &sm90, &sms));
   if (sm90) {
     const int cols = ML_SM90_SWIGLU_COLS; /* output columns (gate/up pairs) of a work item */
+    int cl = 1;
+    ML_TRY((ml_sm90_cl<ML_SM90_SWIGLU, 0>(dt, opts, &cl)));
+    /* clusters: a CTA's box is the gate or the up half of the tile's rows */
     CUtensorMap map;
-    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
-                         what));
+    ML_TRY(ml_sm90_map_b_box(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
+                             cl > 1 ? 1 : 2, what));
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
-                      max_tiles, dense_rows, sched);
+                      max_tiles, dense_rows, opts);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
-        dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), stream);
+        dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), cl, stream);
   }
 
   ml_swiglu_args p;
@@ -402,12 +534,11 @@ static moelink_status_t ml_scaled_launch(const ml_scaled_args *p, dim3 grid, int
   return MOELINK_SUCCESS;
 }
 
-extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
-                                                const void *b, int n, int k, const int32_t *tiles,
-                                                const int32_t *num_tiles, int max_tiles,
-                                                int dense_rows, const float *row_scale,
-                                                const int32_t *scale_index, void *out, int out_f32,
-                                                int32_t *sched, cudaStream_t stream) {
+extern "C" moelink_status_t
+ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, int n, int k,
+                    const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int dense_rows,
+                    const float *row_scale, const int32_t *scale_index, void *out, int out_f32,
+                    const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_scaled";
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
@@ -418,15 +549,21 @@ extern "C" moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *
   ML_TRY(ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms));
   if (sm90) {
     const int cols = ML_SM90_SCALED_COLS; /* output columns of a work item */
+    int cl = 1;
+    if (out_f32)
+      ML_TRY((ml_sm90_cl<ML_SM90_SCALED, 1>(dt, opts, &cl)));
+    else
+      ML_TRY((ml_sm90_cl<ML_SM90_SCALED, 0>(dt, opts, &cl)));
+    /* clusters: a CTA's box is half the tile's rows */
     CUtensorMap map;
-    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
-                         what));
+    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
+                         cl > 1 ? cols / 2 : cols, what));
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
-                      cols, max_tiles, dense_rows, sched);
+                      cols, max_tiles, dense_rows, opts);
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
-    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, stream)
-                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, stream);
+    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, cl, stream)
+                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, cl, stream);
   }
 
   ml_scaled_args p;
@@ -493,7 +630,7 @@ extern "C" moelink_status_t
 ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const int32_t *a_index,
                         int a_div, const uint8_t *b, const float *b_scale, int n, int k,
                         const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int rows,
-                        float *out, int32_t *sched, cudaStream_t stream) {
+                        float *out, const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
@@ -514,7 +651,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   const int cols = ml_sm90_cfg<1>::BN / 2; /* output columns (gate/up pairs) of a work item */
   ml_sm90_args q;
   ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows, sched);
+                    max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
@@ -527,8 +664,8 @@ extern "C" moelink_status_t
 ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a_scale, int lda,
                         const uint8_t *b, const float *b_scale, int n, int k, const int32_t *tiles,
                         const int32_t *num_tiles, int max_tiles, int rows, const float *row_scale,
-                        const int32_t *scale_index, void *out, int out_f32, int32_t *sched,
-                        cudaStream_t stream) {
+                        const int32_t *scale_index, void *out, int out_f32,
+                        const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_scaled_fp8";
   if (out_dt != MOELINK_DTYPE_BF16 && out_dt != MOELINK_DTYPE_F16)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16)", what,
@@ -550,7 +687,7 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   const int cols = ml_sm90_cfg<1>::BN; /* output columns of a work item */
   ml_sm90_args q;
   ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows, sched);
+                    max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,

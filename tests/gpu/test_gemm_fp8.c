@@ -369,6 +369,8 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   int32_t *d_sched = NULL;
   CUDA_CHECK(cudaMalloc((void **)&d_sched, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
   CUDA_CHECK(cudaMemset(d_sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
+  /* clusters asked for: the FP8 kernel runs one CTA regardless */
+  const ml_cuda_gemm_opts dyn = {d_sched, 2};
   const int32_t *ai = c->top_k ? d->index : NULL;
   const float *rs = c->scale_mode ? d->row_scale : NULL;
   const int32_t *si = c->scale_mode == 2 ? d->index : NULL;
@@ -378,7 +380,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
     CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
     CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k, d->tiles,
-                                     d->num, p->max_tiles, R, (float *)d_out, rep ? d_sched : NULL,
+                                     d->num, p->max_tiles, R, (float *)d_out, rep ? &dyn : NULL,
                                      stream),
              label);
     CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu run %d on the %s engine (%s)",
@@ -401,7 +403,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
                rep);
       CHECK_OK(ml_cuda_gemm_scaled_fp8(c->dt, d->h, d->hs, lda2, d->w2, d->w2s, k, n, d->tiles,
                                        d->num, p->max_tiles, R, rs, si, d_out, f32,
-                                       rep ? d_sched : NULL, stream),
+                                       rep ? &dyn : NULL, stream),
                label);
       CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s run %d on the %s engine (%s)",
             c->name, en, f32 ? " f32" : "", rep, engine_name(want2),

@@ -172,6 +172,11 @@ typedef struct ml_sm90_args {
 moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
                                int j_rows, int halves, int experts, int box_rows,
                                const char *what);
+/* The same map with boxes {128 bytes of k, box_rows, box_halves, 1} (the
+ * cluster kernel loads half a tile's B rows a CTA). */
+moelink_status_t ml_sm90_map_b_box(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+                                   int j_rows, int halves, int experts, int box_rows,
+                                   int box_halves, const char *what);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -207,6 +212,54 @@ static __device__ __forceinline__ void ml_mbar_wait(uint32_t bar, uint32_t parit
   } while (!done);
 }
 
+/* As ml_mbar_wait, with acquire at cluster scope: the arrivals it waits for
+ * include other CTAs' of the cluster (released at cluster scope). */
+static __device__ __forceinline__ void ml_mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n .reg .pred p;\n"
+                 " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+
+/* ---- clusters ---- */
+
+static __device__ __forceinline__ uint32_t ml_cluster_rank(void) {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+/* The shared::cluster address of this CTA's shared::cta address `addr` in
+ * the cluster's CTA `rank`. */
+static __device__ __forceinline__ uint32_t ml_mapa(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+/* One arrival, released at cluster scope, on the mbarrier at a
+ * shared::cluster address (another CTA's). */
+static __device__ __forceinline__ void ml_mbar_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
+               : "memory");
+}
+
+static __device__ __forceinline__ void ml_st_cluster_u32(uint32_t cluster_addr, uint32_t v) {
+  asm volatile("st.shared::cluster.u32 [%0], %1;\n" ::"r"(cluster_addr), "r"(v) : "memory");
+}
+
+/* Every thread of every CTA of the cluster (all warps, aligned). */
+static __device__ __forceinline__ void ml_cluster_sync(void) {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::
+                   : "memory");
+}
+
 /* One arrival on bar once every cp.async this thread issued so far has
  * landed; .noinc: the arrival is one of the count the barrier was made with. */
 static __device__ __forceinline__ void ml_cp_async_arrive(uint32_t bar) {
@@ -221,6 +274,17 @@ static __device__ __forceinline__ void ml_tma_load_4d(uint32_t dst, const CUtens
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
+}
+
+/* ml_tma_load_4d into the same shared-memory offset of every CTA of the
+ * cluster in mask, completing bytes on each one's mbarrier at bar's offset. */
+static __device__ __forceinline__ void ml_tma_load_4d_mc(uint32_t dst, const CUtensorMap *map,
+                                                         uint32_t bar, int c0, int c1, int c2,
+                                                         int c3, uint16_t mask) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask)
+               : "memory");
 }
 
 /* Shared-memory matrix descriptor: K-major rows of 128 bytes in the 128-byte
@@ -386,9 +450,13 @@ static __device__ __forceinline__ void ml_sm90_walk_init(const ml_sm90_args *p,
   s->work = 0;
 }
 
-/* Work item w (w only grows from call to call). Returns 0 past the last. */
-static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm90_walk *s,
-                                                   int w, ml_sm90_item *it) {
+/* Work item w (w only grows from call to call). Returns 0 past the last.
+ * CL = 2 (a cluster of two CTAs): an item is a pair of units, the CTA of
+ * cluster rank r takes unit 2 q + r of pair q; a unit past the expert's end
+ * is absent (rows 0: its CTA still loads its half of B and takes part). */
+template <int CL>
+static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm90_walk *s, int w,
+                                                   ml_sm90_item *it, int rank) {
   while (w >= s->w0 + s->work) {
     s->w0 += s->work;
     s->t0 += s->nt;
@@ -398,25 +466,32 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
       return 0;
     }
     s->nt = ml_sm90_seg_len(p, s->t0, s->num_tiles);
-    s->work = ((s->nt + 1) >> 1) * p->nblocks;
+    s->work = ((((s->nt + 1) >> 1) + CL - 1) / CL) * p->nblocks;
   }
-  const int units = (s->nt + 1) >> 1;
+  const int units = (((s->nt + 1) >> 1) + CL - 1) / CL; /* items of one column block */
+  constexpr int GROUP = ML_SM90_GROUP / CL;
   const int local = w - s->w0;
-  const int full = units / ML_SM90_GROUP, per_group = ML_SM90_GROUP * p->nblocks;
+  const int full = units / GROUP, per_group = GROUP * p->nblocks;
   int u;
   if (local < full * per_group) {
     const int g = local / per_group, rem = local - g * per_group;
-    it->nb = rem / ML_SM90_GROUP;
-    u = g * ML_SM90_GROUP + rem % ML_SM90_GROUP;
+    it->nb = rem / GROUP;
+    u = g * GROUP + rem % GROUP;
   } else {
-    const int gs = units - full * ML_SM90_GROUP, rem = local - full * per_group;
+    const int gs = units - full * GROUP, rem = local - full * per_group;
     it->nb = rem / gs;
-    u = full * ML_SM90_GROUP + rem % gs;
+    u = full * GROUP + rem % gs;
+  }
+  u = u * CL + rank;
+  it->row0[0] = it->rows[0] = it->row0[1] = it->rows[1] = 0;
+  if (2 * u >= s->nt) {
+    /* absent unit: the expert still names the B box (the pair's other unit) */
+    int r0, r;
+    ml_sm90_tile(p, s->t0, &it->expert, &r0, &r);
+    return 1;
   }
   const int ta = s->t0 + 2 * u;
   ml_sm90_tile(p, ta, &it->expert, &it->row0[0], &it->rows[0]);
-  it->row0[1] = 0;
-  it->rows[1] = 0;
   if (2 * u + 1 < s->nt) {
     int e;
     ml_sm90_tile(p, ta + 1, &e, &it->row0[1], &it->rows[1]);
@@ -458,16 +533,27 @@ static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
  * row and [3 + i] rows of the unit's tile i. Written by producer thread 0
  * before its arrival on the stage's full barrier (a release), read by the
- * consumers after their wait on it (an acquire). */
-template <class C, int MODE>
+ * consumers after their wait on it (an acquire).
+ *
+ * CL = 2: the two CTAs of a cluster walk the same items (pairs of units) in
+ * step. Each loads its half of the item's B rows (box rank, 128 rows) into
+ * both CTAs' stage at once (TMA multicast), so a stage is refilled only when
+ * both CTAs' consumers have released it (their empty barriers count both);
+ * each gathers its own unit's A rows. Rank 0 claims the dynamic schedule's
+ * items and hands each claim to rank 1 through rank 1's claim slot: cbar[0]
+ * (in rank 1) says the slot is full, cbar[1] (in rank 0) that rank 1 has
+ * read it. */
+template <class C, int MODE, int CL>
 static __device__ __forceinline__ void
 ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, uint32_t scales,
-                 uint32_t bars, int *headers, int *claim) {
+                 uint32_t bars, int *headers, int *claim, uint32_t cbar) {
   const int tid = (int)threadIdx.x; /* 0..127 */
   const int c = tid & 7, r0 = tid >> 3;
   const int ktiles = (p->k + C::BK - 1) / C::BK;
   const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
   const size_t lda_bytes = (size_t)p->lda * C::ES;
+  const int rank = CL > 1 ? (int)ml_cluster_rank() : 0;
+  const int grid = (int)gridDim.x / CL; /* clusters */
   /* every row this thread copies has (row & 7) == (r0 & 7): one swizzled
    * column for all of them */
   const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
@@ -475,9 +561,9 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   uint32_t phase = 0;
   ml_sm90_walk walk;
   ml_sm90_walk_init(p, &walk);
-  int w = (int)blockIdx.x;
+  int w = (int)blockIdx.x / CL;
   ml_sm90_item it;
-  int have = ml_sm90_next(p, &walk, w, &it);
+  int have = ml_sm90_next<CL>(p, &walk, w, &it, rank);
   int32_t src[ML_SM90_ROWS];
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
@@ -489,11 +575,14 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     int32_t src_n[ML_SM90_ROWS];
     uint32_t valid_n = 0;
     int have_n = 0;
-    int w_n = w + (int)gridDim.x;
+    int w_n = w + grid;
     for (int kt = 0; kt < ktiles; ++kt) {
       const uint32_t full = ml_sm90_full(bars, stage);
       const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
-      ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+      if (CL > 1)
+        ml_mbar_wait_cluster(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+      else
+        ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
       if (tid == 0) {
         int *h = headers + stage * ML_SM90_HEADER_INTS;
         if (kt == 0) {
@@ -505,7 +594,19 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           if (C::ES == 1) h[5] = it.expert; /* FP8: the consumers find the B scales */
         }
         ml_mbar_arrive_tx(full, C::B_BYTES);
-        ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, it.nb * cols, 0, it.expert);
+        if (CL > 1) {
+          /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
+           * gate (rank 0) or up (rank 1) rows, scaled rows 128 rank on */
+          const uint32_t half = (uint32_t)(rank * (C::B_BYTES / 2));
+          if (MODE == ML_SM90_SWIGLU)
+            ml_tma_load_4d_mc(a_s + C::A_BYTES + half, map, full, kt * C::BK, it.nb * cols, rank,
+                              it.expert, (uint16_t)3);
+          else
+            ml_tma_load_4d_mc(a_s + C::A_BYTES + half, map, full, kt * C::BK,
+                              it.nb * cols + rank * (C::BN / 2), 0, it.expert, (uint16_t)3);
+        } else {
+          ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, it.nb * cols, 0, it.expert);
+        }
       }
       /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
        * or all past */
@@ -536,16 +637,33 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       /* the next item's claim, walk and index loads, behind this step's loads */
       if (kt == kfind) {
         if (p->sched != NULL) {
-          /* thread 0 claims; two slots by parity, so a slot is rewritten
-           * only after every producer thread passed the barrier that
-           * follows its last read */
-          if (tid == 0)
-            claim[claims & 1] = (int)gridDim.x + atomicAdd(p->sched, 1);
-          asm volatile("bar.sync 1, 128;\n" ::: "memory");
-          w_n = claim[claims & 1];
+          const uint32_t cpar = (uint32_t)(claims & 1);
+          if (CL == 1 || rank == 0) {
+            /* thread 0 claims; two slots by parity, so a slot is rewritten
+             * only after every producer thread passed the barrier that
+             * follows its last read */
+            if (tid == 0) {
+              const int v = grid + atomicAdd(p->sched, 1);
+              claim[cpar] = v;
+              if (CL > 1) {
+                /* rank 1 has read the previous claim: its slot is free */
+                ml_mbar_wait_cluster(cbar + 8u, cpar ^ 1u);
+                ml_st_cluster_u32(ml_mapa(ml_smem_u32(claim + 2), 1), (uint32_t)v);
+                ml_mbar_arrive_remote(ml_mapa(cbar, 1));
+              }
+            }
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            w_n = claim[cpar];
+          } else {
+            ml_mbar_wait_cluster(cbar, cpar);
+            w_n = *(volatile int *)(claim + 2);
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            if (tid == 0)
+              ml_mbar_arrive_remote(ml_mapa(cbar + 8u, 0));
+          }
           ++claims;
         }
-        have_n = ml_sm90_next(p, &walk, w_n, &nx);
+        have_n = ml_sm90_next<CL>(p, &walk, w_n, &nx, rank);
         if (have_n) valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
     }
@@ -558,15 +676,18 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   }
   /* The end: a stage whose header says so. Its full barrier completes on
    * plain arrivals (128 + thread 0's second one, as for a real stage). */
-  ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+  if (CL > 1)
+    ml_mbar_wait_cluster(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+  else
+    ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
   if (tid == 0) headers[stage * ML_SM90_HEADER_INTS] = -1;
   ml_mbar_arrive(ml_sm90_full(bars, stage));
   if (tid == 0) ml_mbar_arrive(ml_sm90_full(bars, stage));
-  /* this CTA's claims are over; the last CTA done zeroes the counters for
-   * the next launch (every other CTA's claims are over by then too) */
-  if (p->sched != NULL && tid == 0) {
+  /* this CTA's (cluster's) claims are over; the last one done zeroes the
+   * counters for the next launch (every other one's claims are over too) */
+  if (p->sched != NULL && tid == 0 && rank == 0) {
     __threadfence();
-    if (atomicAdd(p->sched + 1, 1) == (int)gridDim.x - 1) {
+    if (atomicAdd(p->sched + 1, 1) == grid - 1) {
       atomicExch(p->sched, 0);
       atomicExch(p->sched + 1, 0);
     }
@@ -576,8 +697,15 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
-template <class C> static __device__ __forceinline__ void ml_sm90_release(uint32_t bars, int s) {
-  if ((threadIdx.x & 31) == 0) ml_mbar_arrive(ml_sm90_empty<C>(bars, s));
+/* A consumer warp gives a stage back: to its own CTA's producer, and with
+ * CL = 2 to the other CTA's, whose multicast also fills this stage. */
+template <class C, int CL>
+static __device__ __forceinline__ void ml_sm90_release(uint32_t bars, int s) {
+  if ((threadIdx.x & 31) == 0) {
+    ml_mbar_arrive(ml_sm90_empty<C>(bars, s));
+    if (CL > 1)
+      ml_mbar_arrive_remote(ml_mapa(ml_sm90_empty<C>(bars, s), ml_cluster_rank() ^ 1u));
+  }
 }
 
 /* Row scales of the thread's rows rl and rl + 8 (scaled epilogue): index
@@ -652,10 +780,9 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
 }
 
 /* The bf16/f16 consumer (see the top of the file). */
-template <int DT, int MODE, int OUT_F32>
+template <int DT, int MODE, int OUT_F32, int CL>
 static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, uint32_t base,
-                                                        uint32_t bars, const int *headers,
-                                                        int cw) {
+                                                        uint32_t bars, const int *headers, int cw) {
   typedef ml_sm90_cfg<0> C;
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
@@ -695,9 +822,10 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
         /* the previous step's wgmma are done: its stage can be refilled */
         ml_wgmma_wait<1>();
         ml_acc_fence<128>(d);
-        if (kt > 0) ml_sm90_release<C>(bars, prev);
+        if (kt > 0)
+          ml_sm90_release<C, CL>(bars, prev);
       } else {
-        ml_sm90_release<C>(bars, stage);
+        ml_sm90_release<C, CL>(bars, stage);
       }
       prev = stage;
       if (++stage == ML_SM90_STAGES) {
@@ -713,7 +841,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     ml_wgmma_wait<0>();
     ml_acc_fence<128>(d);
     if (!active) continue;
-    ml_sm90_release<C>(bars, prev);
+    ml_sm90_release<C, CL>(bars, prev);
     ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
 }
@@ -782,7 +910,7 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
         }
-        ml_sm90_release<C>(bars, stage);
+        ml_sm90_release<C, 1>(bars, stage);
         const float bs[2] = {bs_next[0], bs_next[1]};
         if (kt + 1 < ktiles) {
           bs_next[0] = __ldg(bs0 + kt + 1);
@@ -796,7 +924,7 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
           d[i] = fmaf(blk[i], f, d[i]);
         }
       } else {
-        ml_sm90_release<C>(bars, stage);
+        ml_sm90_release<C, 1>(bars, stage);
       }
       if (++stage == C::STAGES) {
         stage = 0;
@@ -817,40 +945,56 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
 /* The kernel. Built for sm_90a only: in any other device pass (the compute_90
  * PTX fallback) its body is empty and the host never launches it there.
  * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype. */
-template <int DT, int MODE, int OUT_F32, int FP8 = 0>
+template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
+  static_assert(CL == 1 || (CL == 2 && FP8 == 0), "clusters of two, bf16/f16 only");
   extern __shared__ __align__(1024) char ml_sm90_smem[];
   const uint32_t raw = ml_smem_u32(ml_sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t scales = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
   const uint32_t bars = scales + (uint32_t)(C::STAGES * C::SCALE_BYTES);
   int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * C::STAGES * 8);
-  __shared__ int claim[2]; /* the dynamic schedule's claimed items */
+  /* the dynamic schedule's claims: [0], [1] by parity, [2] rank 1's slot;
+   * the claim hand-over's barriers (CL = 2) */
+  __shared__ int claim[3];
+  __shared__ __align__(8) uint64_t cbar_mem[2];
+  const uint32_t cbar = ml_smem_u32(cbar_mem);
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::STAGES; ++s) {
       ml_mbar_init(ml_sm90_full(bars, s), ML_SM90_FULL_COUNT);
-      ml_mbar_init(ml_sm90_empty<C>(bars, s), ML_SM90_EMPTY_COUNT);
+      ml_mbar_init(ml_sm90_empty<C>(bars, s), ML_SM90_EMPTY_COUNT * CL);
     }
-    /* barrier initialization visible to the async proxy (TMA completes on it) */
+    if (CL > 1) {
+      ml_mbar_init(cbar, 1);
+      ml_mbar_init(cbar + 8u, 1);
+    }
+    /* barrier initialization visible to the async proxy (TMA completes on it)
+     * and to the cluster */
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_b) : "memory");
   }
-  __syncthreads();
+  if (CL > 1)
+    ml_cluster_sync(); /* the other CTA's barriers exist before anyone uses them */
+  else
+    __syncthreads();
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_PRODUCER_REGS) : "memory");
-    ml_sm90_producer<C, MODE>(&p, &map_b, base, scales, bars, headers, claim);
+    ml_sm90_producer<C, MODE, CL>(&p, &map_b, base, scales, bars, headers, claim, cbar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_CONSUMER_REGS) : "memory");
     if constexpr (FP8)
       ml_sm90_consumer_fp8<DT, MODE, OUT_F32>(&p, base, scales, bars, headers, wg - 1);
     else
-      ml_sm90_consumer<DT, MODE, OUT_F32>(&p, base, bars, headers, wg - 1);
+      ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1);
   }
+  /* no CTA leaves while the other may still arrive on its barriers */
+  if (CL > 1)
+    ml_cluster_sync();
 #endif
 }
 

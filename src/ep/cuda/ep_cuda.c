@@ -294,11 +294,12 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   const ml_epc_args *a = &w->a;
   ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
   if (shared && T > 0 && c->shared_inter > 0) {
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1);
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
-                               c->hidden, NULL, NULL, 0, T, w->sh_h, w->sched, st));
+                               c->hidden, NULL, NULL, 0, T, w->sh_h, &go, st));
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
-                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1,
-                               w->sched, st));
+                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, &go,
+                               st));
   }
   return ml_epc_receive(a, st);
 }
@@ -327,8 +328,9 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
                               w->r_partials, w->r_tickets, w->a.sms);
   if (w->logits != NULL && ml_cuda_router_gemm_wanted(T, c->num_experts, c->hidden)) {
     /* a large batch: the logits from the GEMM engine, the kernel selects (as the layer) */
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1);
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, x, c->hidden, ep->w.router, c->num_experts, c->hidden,
-                               NULL, NULL, 0, T, NULL, NULL, w->logits, 1, w->sched, st));
+                               NULL, NULL, 0, T, NULL, NULL, w->logits, 1, &go, st));
     r.logits = w->logits;
     r.splits = 1;
   }
