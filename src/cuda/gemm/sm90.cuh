@@ -242,10 +242,18 @@ static __device__ __forceinline__ uint32_t ml_mapa(uint32_t addr, uint32_t rank)
   return r;
 }
 
-/* One arrival, released at cluster scope, on the mbarrier at a
- * shared::cluster address (another CTA's). */
+/* One arrival on the mbarrier at a shared::cluster address (another
+ * CTA's), default semantics (release, CTA scope): what it guards must need
+ * no more (a stage's wgmma reads, complete before the arrival). */
 static __device__ __forceinline__ void ml_mbar_arrive_remote(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
+}
+
+/* The same, released at cluster scope: orders this thread's earlier
+ * (shared::cluster) stores before the arrival (the claim hand-over). */
+static __device__ __forceinline__ void ml_mbar_arrive_remote_release(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(
+                   cluster_addr)
                : "memory");
 }
 
@@ -579,10 +587,10 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     for (int kt = 0; kt < ktiles; ++kt) {
       const uint32_t full = ml_sm90_full(bars, stage);
       const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
-      if (CL > 1)
-        ml_mbar_wait_cluster(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
-      else
-        ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+      /* (with CL = 2 the other CTA's consumers arrive here too; what they
+       * guard is their wgmma reads of the stage, complete before they
+       * arrive, so no cluster-scope acquire is needed) */
+      ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
       if (tid == 0) {
         int *h = headers + stage * ML_SM90_HEADER_INTS;
         if (kt == 0) {
@@ -649,7 +657,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
                 /* rank 1 has read the previous claim: its slot is free */
                 ml_mbar_wait_cluster(cbar + 8u, cpar ^ 1u);
                 ml_st_cluster_u32(ml_mapa(ml_smem_u32(claim + 2), 1), (uint32_t)v);
-                ml_mbar_arrive_remote(ml_mapa(cbar, 1));
+                ml_mbar_arrive_remote_release(ml_mapa(cbar, 1));
               }
             }
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
@@ -659,7 +667,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
             w_n = *(volatile int *)(claim + 2);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             if (tid == 0)
-              ml_mbar_arrive_remote(ml_mapa(cbar + 8u, 0));
+              ml_mbar_arrive_remote_release(ml_mapa(cbar + 8u, 0));
           }
           ++claims;
         }
@@ -676,10 +684,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   }
   /* The end: a stage whose header says so. Its full barrier completes on
    * plain arrivals (128 + thread 0's second one, as for a real stage). */
-  if (CL > 1)
-    ml_mbar_wait_cluster(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
-  else
-    ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+  ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
   if (tid == 0) headers[stage * ML_SM90_HEADER_INTS] = -1;
   ml_mbar_arrive(ml_sm90_full(bars, stage));
   if (tid == 0) ml_mbar_arrive(ml_sm90_full(bars, stage));
