@@ -429,7 +429,7 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 }
 
 /* See cuda.h. */
-MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 256)
+MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 0)
 
 extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts) {
   ml_cuda_gemm_opts o;

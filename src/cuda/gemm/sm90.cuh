@@ -19,6 +19,12 @@
  * 256 x 128 tile (two m64n128 blocks per consumer), and an L2 prefetch of
  * the B box four steps ahead (cp.async.bulk.prefetch.tensor).
  *
+ * Clusters of two (CL = 2, an option of the launchers, off by default): the
+ * two CTAs take neighbouring units of one expert and column block, and each
+ * loads half of the B box into both CTAs' stage (TMA multicast), halving the
+ * L2 reads of B. Measured on H200 (docs/PERF.md): the kernel runs at a
+ * higher clock (less power) but takes ~18% more cycles, so no faster.
+ *
  * Rows. The plan cuts each expert's rows into tiles of 64 (the last one
  * shorter), listed expert by expert. A work unit is two consecutive tiles of
  * one expert (or the expert's last, odd one): consumer c computes the unit's
