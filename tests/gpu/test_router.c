@@ -64,6 +64,37 @@ static void fill(moelink_dtype_t dt, void *dst, size_t n, uint64_t seed, float s
   free(f);
 }
 
+/* The layer config of a case at T tokens (bf16). */
+static moelink_moe_config_t case_config(const rcase *c, int T) {
+  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
+  cfg.hidden = c->H;
+  cfg.inter = 64;
+  cfg.num_experts = c->E;
+  cfg.top_k = c->k;
+  cfg.router = c->router;
+  cfg.renormalize = c->renorm;
+  cfg.n_group = c->groups;
+  cfg.topk_group = c->keep;
+  cfg.routed_scaling = c->scale;
+  cfg.correction_bias = c->bias;
+  cfg.dtype = MOELINK_DTYPE_BF16;
+  cfg.max_tokens = T;
+  return cfg;
+}
+
+/* Host inputs of a case: x [T, H] and the router weight [E, H] in bf16, the
+ * bias [E] in fp32 (freed by the caller). */
+static void case_inputs(const rcase *c, int T, uint64_t seed, uint16_t **hx, uint16_t **hw,
+                        float **hb) {
+  const int E = c->E, H = c->H;
+  *hx = gu_host((size_t)T * H * 2);
+  *hw = gu_host((size_t)E * H * 2);
+  *hb = gu_host((size_t)E * 4);
+  fill(MOELINK_DTYPE_BF16, *hx, (size_t)T * H, 3 * seed, 1.0f);
+  fill(MOELINK_DTYPE_BF16, *hw, (size_t)E * H, 3 * seed + 1, 3.0f / sqrtf((float)H));
+  fill(MOELINK_DTYPE_F32, *hb, (size_t)E, 3 * seed + 2, 0.05f);
+}
+
 typedef struct routed {
   int32_t *ids;
   float *w;
@@ -107,26 +138,11 @@ static void launch(const char *what, ml_cuda_router_args a, int T, int k, int E,
 static void run_case(const rcase *c, int T, uint64_t seed) {
   char what[200];
   const int E = c->E, k = c->k, H = c->H;
-  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
-  cfg.hidden = H;
-  cfg.inter = 64;
-  cfg.num_experts = E;
-  cfg.top_k = k;
-  cfg.router = c->router;
-  cfg.renormalize = c->renorm;
-  cfg.n_group = c->groups;
-  cfg.topk_group = c->keep;
-  cfg.routed_scaling = c->scale;
-  cfg.correction_bias = c->bias;
-  cfg.dtype = MOELINK_DTYPE_BF16;
-  cfg.max_tokens = T;
+  const moelink_moe_config_t cfg = case_config(c, T);
 
-  uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
-  float *hb = gu_host((size_t)E * 4);
-  const float ws = 3.0f / sqrtf((float)H);
-  fill(MOELINK_DTYPE_BF16, hx, (size_t)T * H, 3 * seed, 1.0f);
-  fill(MOELINK_DTYPE_BF16, hw, (size_t)E * H, 3 * seed + 1, ws);
-  fill(MOELINK_DTYPE_F32, hb, (size_t)E, 3 * seed + 2, 0.05f);
+  uint16_t *hx, *hw;
+  float *hb;
+  case_inputs(c, T, seed, &hx, &hw, &hb);
   void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
   float *db = gu_dev((size_t)E * 4);
   gu_h2d(dx, hx, (size_t)T * H * 2);
@@ -273,24 +289,10 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
           "%s: E %% 8 != 0 never takes the GEMM route", what);
     return;
   }
-  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
-  cfg.hidden = H;
-  cfg.inter = 64;
-  cfg.num_experts = E;
-  cfg.top_k = k;
-  cfg.router = c->router;
-  cfg.renormalize = c->renorm;
-  cfg.n_group = c->groups;
-  cfg.topk_group = c->keep;
-  cfg.routed_scaling = c->scale;
-  cfg.correction_bias = c->bias;
-  cfg.dtype = MOELINK_DTYPE_BF16;
-  cfg.max_tokens = T;
-  uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
-  float *hb = gu_host((size_t)E * 4);
-  fill(MOELINK_DTYPE_BF16, hx, (size_t)T * H, 3 * seed, 1.0f);
-  fill(MOELINK_DTYPE_BF16, hw, (size_t)E * H, 3 * seed + 1, 3.0f / sqrtf((float)H));
-  fill(MOELINK_DTYPE_F32, hb, (size_t)E, 3 * seed + 2, 0.05f);
+  const moelink_moe_config_t cfg = case_config(c, T);
+  uint16_t *hx, *hw;
+  float *hb;
+  case_inputs(c, T, seed, &hx, &hw, &hb);
   void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
   float *db = gu_dev((size_t)E * 4), *dl = gu_dev((size_t)T * E * 4);
   gu_h2d(dx, hx, (size_t)T * H * 2);
