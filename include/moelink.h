@@ -260,8 +260,12 @@ MOELINK_API moelink_status_t moelink_moe_get_config(moelink_moe_t moe, moelink_m
  * dtype. num_tokens may be 0 (nothing is touched) and may exceed max_tokens
  * (processed in chunks). x and out must not overlap. Deterministic: the same
  * inputs give bitwise the same output. On CUDA: stream-ordered, no host
- * synchronization, capturable in a CUDA graph. Errors: INVALID_ARGUMENT,
- * INVALID_STATE (no weights set), CUDA. */
+ * synchronization, capturable in a CUDA graph. A layer's calls (this one
+ * and the pieces) share its workspace: calls on one layer must not run at
+ * the same time (one stream, or streams ordered by events; the same for
+ * replays of graphs that captured them); use one layer object per
+ * concurrent stream. Errors: INVALID_ARGUMENT, INVALID_STATE (no weights
+ * set), CUDA. */
 MOELINK_API moelink_status_t moelink_moe_forward(moelink_moe_t moe, const void *x,
                                                  int num_tokens, void *out, void *stream);
 
