@@ -211,7 +211,8 @@ fi
 # Prefill sizes (issue 4's T = 8192 targets): each preset eager at PREFILL_TOKENS, again under
 # each PREFILL_AB word (VAR=v[,VAR=v]) in the same order, then Nsight Compute on the sm_90a
 # GEMM kernels of one deepseek-v3 call at 8192 tokens (time, DRAM bytes, pipe use), once per
-# PREFILL_AB word too. Not in all.
+# PREFILL_AB word too; PREFILL_FP8=1 adds the warp stall reasons of the FP8 and bf16 gate/up
+# GEMMs (mixtral-8x7b, 8192 tokens). Not in all.
 if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
   for p in ${PRESETS:-deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
     log "prefill $p"
@@ -225,6 +226,18 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
     done
   done
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ] && [ -n "${PREFILL_FP8:-}" ]; then
+    # PREFILL_FP8=1: the FP8 experts' gate/up GEMM of one mixtral-8x7b call at 8192 tokens,
+    # every warp stall reason (where its time goes), beside the bf16 kernel of the same call
+    for f in --fp8-experts ""; do
+      log "ncu mixtral-8x7b 8192 gate/up GEMM, stall reasons ${f:-(bf16)}"
+      "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats --print-details all \
+        -k 'regex:ml_sm90_kernel' --launch-count 1 \
+        ./"$BUILD"/moelink bench --backend cuda --preset mixtral-8x7b $f --tokens 8192 \
+        --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
+    done
+  fi
   if [ -n "$NCU" ]; then
     for v in "" ${PREFILL_AB:-}; do
       log "ncu deepseek-v3 8192 sm_90a GEMMs ${v:-(default)}"
