@@ -51,10 +51,11 @@
  * block, the unit's tile rows), published by the same full barrier; a header
  * with column block -1 tells them the work is done.
  *
- * The counter: sched[0] counts claims, sched[1] CTAs done. Both are zero
- * when a launch starts: the CTA that finishes last (its claims over, the
- * other CTAs' too) sets them back to zero, so a stream-ordered next launch
- * finds them so. Launches that may overlap need counters of their own.
+ * The counter: sched[0] counts claims, sched[1] CTAs done (with clusters:
+ * clusters; their rank 0 claims and counts). Both are zero when a launch
+ * starts: the CTA that finishes last (its claims over, the other CTAs' too)
+ * sets them back to zero, so a stream-ordered next launch finds them so.
+ * Launches that may overlap need counters of their own.
  *
  * Shared memory tiles are 128-byte rows (64 16-bit elements) in the 128-byte
  * swizzle: 16-byte chunk c of row r sits at chunk c ^ (r & 7) of the row,
