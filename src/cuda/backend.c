@@ -35,7 +35,7 @@ typedef struct ml_cu_layout {
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
-  size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, total;
+  size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, logits_floats, total;
 } ml_cu_layout;
 
 typedef struct ml_cu_moe {
@@ -223,9 +223,8 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
   L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
   L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
-  L->logits = ml_cu_take(
-      &cur,
-      ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden) * sizeof(float));
+  L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
+  L->logits = ml_cu_take(&cur, L->logits_floats * sizeof(float));
   if (cfg->fp8_experts) {
     L->xq = ml_cu_take(&cur, T * H);
     L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
@@ -298,9 +297,7 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_part = (float *)(m->base + L->dec_part);
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
-  m->logits = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden) > 0
-                  ? (float *)(m->base + L->logits)
-                  : NULL;
+  m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
   if (cfg->fp8_experts) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
@@ -366,18 +363,7 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
                               m->partials, m->tickets, c->sm_count);
   a.plan = plan;
   a.pdl = pdl;
-  if (m->logits != NULL && plan == NULL &&
-      ml_cuda_router_gemm_wanted(T, cfg->num_experts, cfg->hidden)) {
-    /* a large batch: the logits from the GEMM engine, the kernel selects */
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1);
-    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, x, cfg->hidden, moe->w.router, cfg->num_experts,
-                               cfg->hidden, NULL, NULL, 0, T, NULL, NULL, m->logits, 1, &go, st));
-    ML_TRY(ml_cu_step(st, "router logits GEMM"));
-    a.logits = m->logits;
-    a.splits = 1;
-    a.pdl = 0;
-  }
-  ML_TRY(ml_cuda_router(&a, st));
+  ML_TRY(ml_cuda_route(&a, m->logits, m->sched, st));
   return ml_cu_step(st, "router");
 }
 
@@ -424,10 +410,9 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (ml_cu_misaligned(x))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
-  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms,
-                          st));
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
+  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,

@@ -36,6 +36,7 @@
  * CTAs wait for that kernel before they exit, so that this grid completes
  * after it. */
 #include "core/launch.cuh"
+#include "cuda/cuda.h"
 #include "cuda/plan.cuh"
 
 #include <cuda_bf16.h>
@@ -755,4 +756,18 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
                    grid.x, grid.y, cudaGetErrorString(e));
   }
   return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits, int32_t *counter,
+                                          cudaStream_t stream) {
+  if (logits != NULL && ml_cuda_router_gemm_wanted(a->num_tokens, a->num_experts, a->hidden)) {
+    /* a large batch: the logits from the GEMM engine, the kernel selects */
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(counter, a->num_tokens, 1);
+    ML_TRY(ml_cuda_gemm_scaled(a->dtype, a->x, a->hidden, a->w, a->num_experts, a->hidden, NULL,
+                               NULL, 0, a->num_tokens, NULL, NULL, logits, 1, &go, stream));
+    a->logits = logits;
+    a->splits = 1;
+    a->pdl = 0;
+  }
+  return ml_cuda_router(a, stream);
 }

@@ -322,19 +322,10 @@ static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const v
 /* This rank's T tokens routed as the whole layer routes them: ids, wts. */
 static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                      cudaStream_t st) {
-  const moelink_moe_config_t *c = &ep->cfg.moe;
   ml_cuda_router_args r =
-      ml_cuda_router_args_for(c, x, ep->w.router, ep->w.correction_bias, T, w->ids, w->wts,
-                              w->r_partials, w->r_tickets, w->a.sms);
-  if (w->logits != NULL && ml_cuda_router_gemm_wanted(T, c->num_experts, c->hidden)) {
-    /* a large batch: the logits from the GEMM engine, the kernel selects (as the layer) */
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1);
-    ML_TRY(ml_cuda_gemm_scaled(c->dtype, x, c->hidden, ep->w.router, c->num_experts, c->hidden,
-                               NULL, NULL, 0, T, NULL, NULL, w->logits, 1, &go, st));
-    r.logits = w->logits;
-    r.splits = 1;
-  }
-  return ml_cuda_router(&r, st);
+      ml_cuda_router_args_for(&ep->cfg.moe, x, ep->w.router, ep->w.correction_bias, T, w->ids,
+                              w->wts, w->r_partials, w->r_tickets, w->a.sms);
+  return ml_cuda_route(&r, w->logits, w->sched, st);
 }
 
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
