@@ -207,29 +207,26 @@ static __device__ __forceinline__ void ml_mbar_arrive_tx(uint32_t bar, uint32_t 
 
 /* Returns once the phase of parity `parity` has completed. A fresh barrier is
  * in phase 0, so waiting for parity 1 returns at once: that is how a
- * producer starts with every stage free. */
+ * producer starts with every stage free. CLUSTER = 1: with acquire at
+ * cluster scope, for arrivals of other CTAs of the cluster released at that
+ * scope. */
+template <int CLUSTER = 0>
 static __device__ __forceinline__ void ml_mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
-
-/* As ml_mbar_wait, with acquire at cluster scope: the arrivals it waits for
- * include other CTAs' of the cluster (released at cluster scope). */
-static __device__ __forceinline__ void ml_mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile("{\n .reg .pred p;\n"
-                 " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
+    if constexpr (CLUSTER)
+      asm volatile("{\n .reg .pred p;\n"
+                   " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done)
+                   : "r"(bar), "r"(parity)
+                   : "memory");
+    else
+      asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                   " selp.u32 %0, 1, 0, p;\n}\n"
+                   : "=r"(done)
+                   : "r"(bar), "r"(parity)
+                   : "memory");
   } while (!done);
 }
 
@@ -662,7 +659,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
               claim[cpar] = v;
               if (CL > 1) {
                 /* rank 1 has read the previous claim: its slot is free */
-                ml_mbar_wait_cluster(cbar + 8u, cpar ^ 1u);
+                ml_mbar_wait<1>(cbar + 8u, cpar ^ 1u);
                 ml_st_cluster_u32(ml_mapa(ml_smem_u32(claim + 2), 1), (uint32_t)v);
                 ml_mbar_arrive_remote_release(ml_mapa(cbar, 1));
               }
@@ -670,7 +667,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             w_n = claim[cpar];
           } else {
-            ml_mbar_wait_cluster(cbar, cpar);
+            ml_mbar_wait<1>(cbar, cpar);
             w_n = *(volatile int *)(claim + 2);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             if (tid == 0)
