@@ -135,6 +135,50 @@ static void launch(const char *what, ml_cuda_router_args a, int T, int k, int E,
   free(t);
 }
 
+/* Two routings of the same tokens compared: tokens whose experts differ,
+ * split into near ties of the reference (margin below GU_TIE) and real
+ * flips; over the tokens that agree, weights beyond 1e-4 relative of b's
+ * and the worst relative difference. */
+typedef struct route_diff {
+  int flipped, ties, off;
+  double worst;
+} route_diff;
+
+static route_diff compare_routes(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
+                                 const uint16_t *hx, const routed *a, const routed *b, int T) {
+  const int k = cfg->top_k, H = cfg->hidden;
+  route_diff d = {0, 0, 0, 0.0};
+  for (int t = 0; t < T; ++t) {
+    if (memcmp(a->ids + (size_t)t * k, b->ids + (size_t)t * k, (size_t)k * 4) != 0) {
+      const double m = ref_route_margin(cfg, w, hx + (size_t)t * H);
+      if (m >= 0 && m < GU_TIE)
+        ++d.ties;
+      else
+        ++d.flipped;
+      continue;
+    }
+    for (int j = 0; j < k; ++j) {
+      const double x = a->w[(size_t)t * k + j], y = b->w[(size_t)t * k + j];
+      const double r = fabs(x - y) / (fabs(y) > 1e-30 ? fabs(y) : 1e-30);
+      if (r > d.worst)
+        d.worst = r;
+      d.off += !(r <= 1e-4);
+    }
+  }
+  return d;
+}
+
+/* The router weights of a case as the reference takes them (host copies). */
+static moelink_moe_weights_t case_weights(const rcase *c, const uint16_t *hw, const float *hb) {
+  moelink_moe_weights_t w;
+  memset(&w, 0, sizeof w);
+  w.size = sizeof w;
+  w.dtype = MOELINK_DTYPE_BF16;
+  w.router = hw;
+  w.correction_bias = c->bias ? hb : NULL;
+  return w;
+}
+
 static void run_case(const rcase *c, int T, uint64_t seed) {
   char what[200];
   const int E = c->E, k = c->k, H = c->H;
@@ -205,34 +249,11 @@ static void run_case(const rcase *c, int T, uint64_t seed) {
             memcmp(A.w, C.w, (size_t)T * k * 4) == 0,
         "%s: two launches bitwise equal", what);
   launch(what, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &D);
-  moelink_moe_weights_t w;
-  memset(&w, 0, sizeof w);
-  w.size = sizeof w;
-  w.dtype = MOELINK_DTYPE_BF16;
-  w.router = hw;
-  w.correction_bias = c->bias ? hb : NULL;
-  int flipped = 0, ties = 0, off = 0;
-  double worst = 0.0;
-  for (int t = 0; t < T; ++t) {
-    const int same = memcmp(A.ids + (size_t)t * k, D.ids + (size_t)t * k, (size_t)k * 4) == 0;
-    if (!same) {
-      const double m = ref_route_margin(&cfg, &w, hx + (size_t)t * H);
-      if (m >= 0 && m < GU_TIE)
-        ++ties;
-      else
-        ++flipped;
-      continue;
-    }
-    for (int j = 0; j < k; ++j) {
-      const double x = A.w[(size_t)t * k + j], y = D.w[(size_t)t * k + j];
-      const double r = fabs(x - y) / (fabs(y) > 1e-30 ? fabs(y) : 1e-30);
-      if (r > worst) worst = r;
-      off += !(r <= 1e-4);
-    }
-  }
-  CHECK(flipped == 0, "%s: %d splits choose the experts of one CTA (%d differ, %d near ties)",
-        what, splits, flipped, ties);
-  CHECK(off == 0, "%s: weights within 1e-4 of one CTA's (worst %.2e)", what, worst);
+  const moelink_moe_weights_t w = case_weights(c, hw, hb);
+  const route_diff df = compare_routes(&cfg, &w, hx, &A, &D, T);
+  CHECK(df.flipped == 0, "%s: %d splits choose the experts of one CTA (%d differ, %d near ties)",
+        what, splits, df.flipped, df.ties);
+  CHECK(df.off == 0, "%s: weights within 1e-4 of one CTA's (worst %.2e)", what, df.worst);
 
   /* against the double-precision reference, tokens clear of a near tie */
   int32_t rid[ML_CUDA_MAX_TOPK];
@@ -318,34 +339,12 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
            what);
   a.logits = dl;
   launch(what, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &G);
-  moelink_moe_weights_t w;
-  memset(&w, 0, sizeof w);
-  w.size = sizeof w;
-  w.dtype = MOELINK_DTYPE_BF16;
-  w.router = hw;
-  w.correction_bias = c->bias ? hb : NULL;
-  int flipped = 0, ties = 0, off = 0;
-  double worst = 0.0;
-  for (int t = 0; t < T; ++t) {
-    if (memcmp(R.ids + (size_t)t * k, G.ids + (size_t)t * k, (size_t)k * 4) != 0) {
-      const double m = ref_route_margin(&cfg, &w, hx + (size_t)t * H);
-      if (m >= 0 && m < GU_TIE)
-        ++ties;
-      else
-        ++flipped;
-      continue;
-    }
-    for (int j = 0; j < k; ++j) {
-      const double x = G.w[(size_t)t * k + j], y = R.w[(size_t)t * k + j];
-      const double r = fabs(x - y) / (fabs(y) > 1e-30 ? fabs(y) : 1e-30);
-      if (r > worst)
-        worst = r;
-      off += !(r <= 1e-4);
-    }
-  }
-  CHECK(flipped == 0, "%s: the experts of the kernel's own logits (%d differ, %d near ties)", what,
-        flipped, ties);
-  CHECK(off == 0, "%s: weights within 1e-4 of the kernel's own logits' (worst %.2e)", what, worst);
+  const moelink_moe_weights_t w = case_weights(c, hw, hb);
+  const route_diff df = compare_routes(&cfg, &w, hx, &G, &R, T);
+  CHECK(df.flipped == 0, "%s: the experts of the kernel's own logits (%d differ, %d near ties)",
+        what, df.flipped, df.ties);
+  CHECK(df.off == 0, "%s: weights within 1e-4 of the kernel's own logits' (worst %.2e)", what,
+        df.worst);
   /* a bad combination is refused, not run */
   a.splits = 1;
   a.pdl = 1;
