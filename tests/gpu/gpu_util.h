@@ -100,6 +100,28 @@ GU_FN void gu_d2h(void *h, const void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
 }
 
+/* n zeroed device ints (a GEMM work counter, ml_cuda_gemm_opts.counter). */
+GU_FN int32_t *gu_counter_new(int n) {
+  int32_t *d = (int32_t *)gu_dev((size_t)n * sizeof(int32_t));
+  GU_CUDA(cudaMemset(d, 0, (size_t)n * sizeof(int32_t)));
+  return d;
+}
+
+/* Checks that the launches before left the n ints of a work counter at zero
+ * (what: the label). */
+GU_FN void gu_counter_check_zero(const int32_t *d, int n, const char *what) {
+  int32_t h[8];
+  int bad = -1;
+  for (int i0 = 0; i0 < n; i0 += 8) {
+    const int m = n - i0 < 8 ? n - i0 : 8;
+    gu_d2h(h, d + i0, (size_t)m * sizeof(int32_t));
+    for (int i = 0; i < m && bad < 0; ++i)
+      if (h[i] != 0)
+        bad = i0 + i;
+  }
+  CHECK(bad < 0, "%s: the work counter is left at zero (int %d is not)", what, bad);
+}
+
 /* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
 GU_FN void gu_poison(void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));

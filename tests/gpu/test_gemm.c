@@ -24,6 +24,7 @@
  * experts and takes several work items. */
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
+#include "gpu_util.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -430,9 +431,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * options), run 1 the dynamic one (a work counter), run 2 and the graph the
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
-  int32_t *d_sched = NULL;
-  CUDA_CHECK(cudaMalloc((void **)&d_sched, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
-  CUDA_CHECK(cudaMemset(d_sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
+  int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1}, {d_sched, 1}, {d_sched, 2}};
   static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
@@ -515,12 +514,9 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
              c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
   }
-  int32_t sched_after[ML_CUDA_GEMM_SCHED_INTS];
-  CUDA_CHECK(cudaMemcpy(sched_after, d_sched, sizeof sched_after, cudaMemcpyDeviceToHost));
-  CHECK(sched_after[0] == 0 && sched_after[1] == 0,
-        "%s [%s] the work counter is left at zero (%d, %d)", c->name, en, (int)sched_after[0],
-        (int)sched_after[1]);
-  cudaFree(d_sched);
+  snprintf(label, sizeof label, "%s [%s]", c->name, en);
+  gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
+  gu_free(d_sched);
 
   CUDA_CHECK(cudaStreamDestroy(stream));
   cudaFree(d_out1);

@@ -27,6 +27,7 @@
 #include "core/fp8.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
+#include "gpu_util.h"
 #include "harness.h"
 
 #include <cuda_runtime_api.h>
@@ -366,9 +367,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   /* run 0 of each GEMM on the static schedule, run 1 on the dynamic one
    * (a work counter): the same bits, and the counter left at zero */
-  int32_t *d_sched = NULL;
-  CUDA_CHECK(cudaMalloc((void **)&d_sched, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
-  CUDA_CHECK(cudaMemset(d_sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t)));
+  int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   /* clusters asked for: the FP8 kernel runs one CTA regardless */
   const ml_cuda_gemm_opts dyn = {d_sched, 2};
   const int32_t *ai = c->top_k ? d->index : NULL;
@@ -418,12 +417,9 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
           "%s [%s] scaled%s: static and dynamic schedule bitwise equal", c->name, en,
           f32 ? " f32" : "");
   }
-  int32_t sched_after[ML_CUDA_GEMM_SCHED_INTS];
-  CUDA_CHECK(cudaMemcpy(sched_after, d_sched, sizeof sched_after, cudaMemcpyDeviceToHost));
-  CHECK(sched_after[0] == 0 && sched_after[1] == 0,
-        "%s [%s] the work counter is left at zero (%d, %d)", c->name, en, (int)sched_after[0],
-        (int)sched_after[1]);
-  cudaFree(d_sched);
+  snprintf(label, sizeof label, "%s [%s]", c->name, en);
+  gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
+  gu_free(d_sched);
 
   CUDA_CHECK(cudaStreamDestroy(stream));
   cudaFree(d_out);
