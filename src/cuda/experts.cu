@@ -15,6 +15,7 @@
  * sized from max_tiles on the host and the count of real tiles is read on the
  * device (no host round trip, graph capturable). blockIdx.x varies fastest,
  * so CTAs resident together share a column block of the weights. */
+#include "core/launch.cuh"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
 #include "cuda/gemm/epilogue.cuh"
@@ -304,24 +305,6 @@ template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90
          (DT == MOELINK_DTYPE_F16);
 }
 
-/* The launch of `clusters` clusters of two sm_90a CTAs (at: the cluster
- * attribute cfg points to). */
-static void ml_sm90_cluster_config(cudaLaunchConfig_t *cfg, cudaLaunchAttribute *at,
-                                   unsigned clusters, int smem, cudaStream_t stream) {
-  memset(cfg, 0, sizeof *cfg);
-  memset(at, 0, sizeof *at);
-  cfg->gridDim = dim3(2 * clusters, 1, 1);
-  cfg->blockDim = dim3(ML_SM90_THREADS, 1, 1);
-  cfg->dynamicSmemBytes = (size_t)smem;
-  cfg->stream = stream;
-  at->id = cudaLaunchAttributeClusterDimension;
-  at->val.clusterDim.x = 2;
-  at->val.clusterDim.y = 1;
-  at->val.clusterDim.z = 1;
-  cfg->attrs = at;
-  cfg->numAttrs = 1;
-}
-
 /* Clusters of two of a cluster kernel the device holds at once (0: it cannot
  * run them), cached per device and kernel as value + 1. */
 static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][6];
@@ -340,8 +323,9 @@ template <int DT, int MODE, int OUT_F32> static moelink_status_t ml_sm90_cluster
     int sms = 0, is_sm90 = 0;
     ML_TRY(ml_cuda_sm90_device(&is_sm90, &sms));
     cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute at;
-    ml_sm90_cluster_config(&cfg, &at, (unsigned)(sms > 0 ? sms : 1), smem, 0);
+    cudaLaunchAttribute attrs[2];
+    ml_launch_config(&cfg, attrs, dim3((unsigned)(2 * (sms > 0 ? sms : 1)), 1, 1),
+                     dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 0, 2, 0);
     int n = 0;
     if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
       (void)cudaGetLastError(); /* no clusters here: the one-CTA kernel runs */
@@ -395,11 +379,10 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     unsigned clusters = (grid + 1) / 2;
     if (room > 0 && clusters > (unsigned)room)
       clusters = (unsigned)room;
-    cudaLaunchConfig_t cfg;
-    cudaLaunchAttribute at;
-    ml_sm90_cluster_config(&cfg, &at, clusters, smem, stream);
-    const cudaError_t e =
-        cudaLaunchKernelEx(&cfg, ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, *map, *p);
+    void *args[] = {(void *)map, (void *)p};
+    const cudaError_t e = ml_launch_kernel_ex(
+        (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(2 * clusters, 1, 1),
+        dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 0, 2, stream, args);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u clusters) failed: %s", name, clusters,
