@@ -212,7 +212,8 @@ fi
 # each PREFILL_AB word (VAR=v[,VAR=v]) in the same order, then Nsight Compute on the sm_90a
 # GEMM kernels of one deepseek-v3 call at 8192 tokens (time, DRAM bytes, pipe use), once per
 # PREFILL_AB word too; PREFILL_FP8=1 adds the warp stall reasons of the FP8 and bf16 gate/up
-# GEMMs (mixtral-8x7b, 8192 tokens). Not in all.
+# GEMMs (mixtral-8x7b, 8192 tokens), PREFILL_SRC=1 stall samples per SASS instruction of the
+# FP8 gate/up and qwen3-30b-a3b GEMMs, PREFILL_NO_DS=1 skips the deepseek-v3 ncu. Not in all.
 if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
   for p in ${PRESETS:-deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
     log "prefill $p"
@@ -238,7 +239,25 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
         --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
     done
   fi
-  if [ -n "$NCU" ]; then
+  if [ -n "$NCU" ] && [ -n "${PREFILL_SRC:-}" ]; then
+    # PREFILL_SRC=1: warp stall samples per SASS instruction (where in the code each kernel
+    # waits) of the FP8 gate/up GEMM (mixtral-8x7b) and of qwen3-30b-a3b's GEMMs, 8192 tokens;
+    # the reports' source pages as CSV, packed with the JSON
+    mkdir -p "$OUT/json/src"
+    for c in "mixtral-8x7b --fp8-experts:1:fp8_gateup" "qwen3-30b-a3b:3:qwen3"; do
+      args=${c%%:*}; rest=${c#*:}; n=${rest%%:*}; tag=${rest#*:}
+      log "ncu source-level $tag"
+      "$NCU" --clock-control none --section SourceCounters --section WarpStateStats \
+        --section SpeedOfLight -k 'regex:ml_sm90_kernel' --launch-count "$n" -f \
+        -o "$OUT/json/src/$tag" ./"$BUILD"/moelink bench --backend cuda --preset $args \
+        --tokens 8192 --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
+      "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page source --csv --print-source sass \
+        >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" ||
+        "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page source --csv \
+          >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" || rc=1
+    done
+  fi
+  if [ -n "$NCU" ] && [ -z "${PREFILL_NO_DS:-}" ]; then
     for v in "" ${PREFILL_AB:-}; do
       log "ncu deepseek-v3 8192 sm_90a GEMMs ${v:-(default)}"
       env ${v//,/ } "$NCU" --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
