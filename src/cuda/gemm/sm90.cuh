@@ -78,7 +78,8 @@
  * block's sum (64 fp32, wgmma m64n128k32 e4m3) beside its running total (64
  * more), and after the block's wgmma complete adds sum x (row's A scale) x
  * (column's B scale) to the total. The producer's threads that copy A rows
- * also copy the rows' scales of the stage (cp.async, same full barrier);
+ * also copy the rows' scales of the stage, one row each (cp.async, same
+ * full barrier);
  * the consumers load the B scales themselves (the item header names the
  * expert), a k block ahead.
  *
@@ -582,7 +583,27 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
    * last-but-one load (dynamic: a claim as late as the loads allow) */
   const int kfind = p->sched != NULL && ktiles > 1 ? ktiles - 2 : 0;
   int claims = 0;
+  static_assert(C::ES != 1 || ML_SM90_ROWS == 8, "FP8: one A-scale row for each of 8 threads");
   while (have) {
+    /* FP8: the 8 threads that copy rows r0 + 16 i (i < 8) copy one row's A
+     * scales each, thread c those of row r0 + 16 c (no divergent loop, no
+     * run-time index into src) */
+    /* the item's A row addresses, once (rows past the unit read row 0,
+     * zero bytes of it) */
+    const char *rp[ML_SM90_ROWS];
+#pragma unroll
+    for (int i = 0; i < ML_SM90_ROWS; ++i)
+      rp[i] = p->a + (size_t)src[i] * lda_bytes;
+    const float *sc_src = p->a_scale;
+    int sc_ok = 0;
+    if (C::ES == 1) {
+#pragma unroll
+      for (int i = 0; i < ML_SM90_ROWS; ++i)
+        if (i == c && ((valid >> i) & 1)) {
+          sc_src = p->a_scale + (size_t)src[i] * (size_t)p->as_ld;
+          sc_ok = 1;
+        }
+    }
     ml_sm90_item nx;
     int32_t src_n[ML_SM90_ROWS];
     uint32_t valid_n = 0;
@@ -623,23 +644,18 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
        * or all past */
       const int kcol = kt * C::BK + c * (16 / C::ES);
-      const uint32_t ok_k = kcol < p->k ? valid : 0u;
-      const size_t koff = (size_t)kcol * C::ES;
+      const int in_k = kcol < p->k;
+      const uint32_t ok_k = in_k ? valid : 0u;
+      const size_t koff = in_k ? (size_t)kcol * C::ES : 0;
 #pragma unroll
-      for (int i = 0; i < ML_SM90_ROWS; ++i) {
-        const int ok = (ok_k >> i) & 1;
-        const char *src_p = ok ? p->a + (size_t)src[i] * lda_bytes + koff : p->a;
-        ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), src_p, ok ? 16 : 0);
-      }
-      if (C::ES == 1 && c == 0) {
-        /* the rows' A scales of this k block, row r of the CTA at scale r */
+      for (int i = 0; i < ML_SM90_ROWS; ++i)
+        ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), rp[i] + koff,
+                      ((ok_k >> i) & 1) ? 16 : 0);
+      if (C::ES == 1) {
+        /* this k block's A scale of row r0 + 16 c, row r of the CTA at scale r */
         const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
-#pragma unroll
-        for (int i = 0; i < ML_SM90_ROWS; ++i) {
-          const int ok = (valid >> i) & 1;
-          const float *src_s = ok ? p->a_scale + (size_t)src[i] * (size_t)p->as_ld + kt : p->a_scale;
-          ml_cp_async4(sc + (uint32_t)((r0 + 16 * i) * 4), src_s, ok ? 4 : 0);
-        }
+        ml_cp_async4(sc + (uint32_t)((r0 + 16 * c) * 4), sc_ok ? sc_src + kt : p->a_scale,
+                     sc_ok ? 4 : 0);
       }
       ml_cp_async_arrive(full);
       if (++stage == C::STAGES) {
