@@ -78,10 +78,9 @@
  * block's sum (64 fp32, wgmma m64n128k32 e4m3) beside its running total (64
  * more), and after the block's wgmma complete adds sum x (row's A scale) x
  * (column's B scale) to the total. The producer's threads that copy A rows
- * also copy the rows' scales of the stage, one row each (cp.async, same
- * full barrier);
- * the consumers load the B scales themselves (the item header names the
- * expert), a k block ahead.
+ * also copy the rows' scales of the stage, one row each, and two threads of
+ * the second warp the tile's two B scales (cp.async, same full barrier), so
+ * the consumers wait on no global load.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -148,7 +147,8 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
   static constexpr int A_BYTES = ML_SM90_BM * 128, B_BYTES = BN * 128;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int SCALE_BYTES = ML_SM90_BM * 4;
+  /* per stage: the A rows' scales, then the two B scales (16 bytes) */
+  static constexpr int SCALE_BYTES = ML_SM90_BM * 4 + 16;
   static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
                                     STAGES * ML_SM90_HEADER_INTS * 4 + 1024;
 };
@@ -624,7 +624,6 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[2] = it.row0[1];
           h[3] = it.rows[0];
           h[4] = it.rows[1];
-          if (C::ES == 1) h[5] = it.expert; /* FP8: the consumers find the B scales */
         }
         ml_mbar_arrive_tx(full, C::B_BYTES);
         if (CL > 1) {
@@ -656,6 +655,16 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
         ml_cp_async4(sc + (uint32_t)((r0 + 16 * c) * 4), sc_ok ? sc_src + kt : p->a_scale,
                      sc_ok ? 4 : 0);
+        if ((unsigned)(tid - 32) < 2u) {
+          /* and the tile's two B scales of this k block (SwiGLU: the gate
+           * rows' block and the up rows'; plain: its one block twice), one
+           * each, by two threads of a warp that issues no TMA */
+          const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU ? (p->n_out + it.nb * cols) / 128
+                                                             : it.nb * cols / 128;
+          const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
+          ml_cp_async4(sc + (uint32_t)(ML_SM90_BM * 4 + 4 * (tid & 1)),
+                       p->b_scale + (eb + (size_t)rb) * (size_t)p->kblocks + kt, 4);
+        }
       }
       ml_cp_async_arrive(full);
       if (++stage == C::STAGES) {
@@ -894,20 +903,6 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
     if (nb < 0) break;
     const int row0 = hd[1 + cw], rows = hd[3 + cw];
     const int active = rows > 0; /* uniform over the warpgroup */
-    /* B scales of the item's k blocks: the gate rows' block and the up rows'
-     * (SwiGLU: 64 columns of each), or the plain tile's one block twice;
-     * each loaded a k block before it is needed */
-    const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
-    const int r0b = nb * cols / 128;
-    const int r1b = MODE == ML_SM90_SWIGLU ? (p->n_out + nb * cols) / 128 : r0b;
-    const size_t eb = (size_t)hd[5] * (size_t)p->b_rblocks;
-    const float *bs0 = p->b_scale + (eb + (size_t)r0b) * (size_t)p->kblocks;
-    const float *bs1 = p->b_scale + (eb + (size_t)r1b) * (size_t)p->kblocks;
-    float bs_next[2] = {0.0f, 0.0f};
-    if (active) {
-      bs_next[0] = __ldg(bs0);
-      bs_next[1] = __ldg(bs1);
-    }
     int32_t sx[2];
     float sc[2] = {1.0f, 1.0f};
     if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
@@ -928,19 +923,19 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
         ml_wgmma_commit();
         ml_wgmma_wait<0>();
         ml_acc_fence<64>(blk);
-        /* the A scales of this stage, read before the stage goes back */
-        float as[2];
+        /* the A scales of this stage and its two B scales (the producer
+         * copied them with the stage), read before the stage goes back */
+        float as[2], bs[2];
         {
-          uint32_t a0 = scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)((cw * 64 + rl) * 4);
+          const uint32_t s0 = scales + (uint32_t)(stage * C::SCALE_BYTES);
+          const uint32_t a0 = s0 + (uint32_t)((cw * 64 + rl) * 4);
+          const uint32_t b0 = s0 + (uint32_t)(ML_SM90_BM * 4);
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
           asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
         }
         ml_sm90_release<C, 1>(bars, stage);
-        const float bs[2] = {bs_next[0], bs_next[1]};
-        if (kt + 1 < ktiles) {
-          bs_next[0] = __ldg(bs0 + kt + 1);
-          bs_next[1] = __ldg(bs1 + kt + 1);
-        }
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
           /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's
