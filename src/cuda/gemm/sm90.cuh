@@ -74,10 +74,10 @@
  * fp32 scale per 128 k, e4m3 B with an fp32 scale per 128 x 128 block. The
  * same 128-byte swizzled rows now hold 128 k, so a stage is one k block of
  * the scale grid. The tile is 128 x 128 (B box {128, 64, 2, 1} for SwiGLU,
- * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps a k
- * block's sum (64 fp32, wgmma m64n128k32 e4m3) beside its running total (64
- * more), and after the block's wgmma complete adds sum x (row's A scale) x
- * (column's B scale) to the total. The producer's threads that copy A rows
+ * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps two k
+ * blocks' sums (64 fp32 each, wgmma m64n128k32 e4m3) beside its running
+ * total (64 more); while one block's wgmma run it adds the other's sum x
+ * (row's A scale) x (column's B scale) to the total. The producer's threads that copy A rows
  * also copy the rows' scales of the stage, one row each, and two threads of
  * the second warp the tile's two B scales (cp.async, same full barrier), so
  * the consumers wait on no global load.
@@ -109,14 +109,7 @@ enum {
   ML_SM90_EMPTY_COUNT = 8,
   /* units per raster group (see above) */
   ML_SM90_GROUP = 8,
-  ML_SM90_PRODUCER_REGS = 88,
-  ML_SM90_CONSUMER_REGS = 208,
 };
-
-/* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
- * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
-static_assert(ML_SM90_PRODUCER_REGS * 128 + 2 * ML_SM90_CONSUMER_REGS * 128 <= 168 * 384,
-              "warpgroup register budgets exceed the register file");
 
 enum {
   ML_SM90_BM = 128,
@@ -142,6 +135,8 @@ template <> struct ml_sm90_cfg<0> {
   static constexpr int A_BYTES = ML_SM90_A_BYTES, B_BYTES = ML_SM90_B_BYTES;
   static constexpr int STAGE_BYTES = ML_SM90_STAGE_BYTES, SCALE_BYTES = 0;
   static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES;
+  /* registers a thread: producer, consumers (one 64 x 256 accumulator) */
+  static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;
 };
 template <> struct ml_sm90_cfg<1> {
   static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
@@ -151,7 +146,17 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int SCALE_BYTES = ML_SM90_BM * 4 + 16;
   static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
                                     STAGES * ML_SM90_HEADER_INTS * 4 + 1024;
+  /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
+  static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
 };
+/* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
+ * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
+static_assert(ml_sm90_cfg<0>::PRODUCER_REGS * 128 + 2 * ml_sm90_cfg<0>::CONSUMER_REGS * 128 <=
+                  168 * 384,
+              "warpgroup register budgets exceed the register file");
+static_assert(ml_sm90_cfg<1>::PRODUCER_REGS * 128 + 2 * ml_sm90_cfg<1>::CONSUMER_REGS * 128 <=
+                  168 * 384,
+              "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
 static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0, "FP8 stages must stay 1024-byte aligned");
 
@@ -880,9 +885,59 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
   }
 }
 
-/* The FP8 consumer: per stage (one k block) the block's sum in blk, then,
- * once its wgmma are done and the stage is released, total += blk x A scale
- * of the row x B scale of the column. */
+/* The FP8 consumer's two steps of a k block. Issue: its stage's wgmma
+ * into blk (the stage's full barrier already waited on), committed as one
+ * group. Finish: once at most WAIT groups are still in flight (the block's
+ * own done), read the stage's A and B scales (the producer copied them with
+ * the stage), give the stage back and add blk x A scale of the row x B scale
+ * of the column to the total d. */
+static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
+                                                         int cw) {
+  typedef ml_sm90_cfg<1> C;
+  const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
+  const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
+  const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
+  /* A came through cp.async (generic proxy); wgmma reads through the async
+   * proxy */
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  ml_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < C::BK / 32; ++kk)
+    /* 32 k = 32 bytes further along the rows: +2 in the address field */
+    ml_wgmma_128_e4m3(blk, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), kk);
+  ml_wgmma_commit();
+}
+
+template <int WAIT>
+static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
+                                                          uint32_t bars, int stage, int cw,
+                                                          int rl) {
+  typedef ml_sm90_cfg<1> C;
+  ml_wgmma_wait<WAIT>();
+  ml_acc_fence<64>(blk);
+  float as[2], bs[2];
+  {
+    const uint32_t s0 = scales + (uint32_t)(stage * C::SCALE_BYTES);
+    const uint32_t a0 = s0 + (uint32_t)((cw * 64 + rl) * 4);
+    const uint32_t b0 = s0 + (uint32_t)(ML_SM90_BM * 4);
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
+  }
+  ml_sm90_release<C, 1>(bars, stage);
+#pragma unroll
+  for (int i = 0; i < 64; ++i) {
+    /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's gate
+     * columns are i < 32 */
+    const float f = as[(i >> 1) & 1] * bs[i < 32 ? 0 : 1];
+    d[i] = fmaf(blk[i], f, d[i]);
+  }
+}
+
+/* The FP8 consumer: each k block's sum in a block accumulator of its own
+ * (b0 for even blocks, b1 for odd), so block kt + 1's wgmma run on the
+ * tensor cores while block kt is scaled into the total d. */
 template <int DT, int MODE, int OUT_F32>
 static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *p,
                                                             uint32_t base, uint32_t scales,
@@ -895,67 +950,79 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
   const int ktiles = (p->k + C::BK - 1) / C::BK;
   int stage = 0;
   uint32_t phase = 0;
-  float d[64], blk[64];
+  float d[64], b0[64], b1[64];
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
     const int *hd = headers + stage * ML_SM90_HEADER_INTS;
     const int nb = hd[0];
     if (nb < 0) break;
     const int row0 = hd[1 + cw], rows = hd[3 + cw];
-    const int active = rows > 0; /* uniform over the warpgroup */
     int32_t sx[2];
     float sc[2] = {1.0f, 1.0f};
     if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) d[i] = 0.0f;
-    for (int kt = 0; kt < ktiles; ++kt) {
-      if (kt > 0) ml_mbar_wait(ml_sm90_full(bars, stage), phase);
-      if (active) {
-        const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
-        const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
-        const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        ml_wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < C::BK / 32; ++kk)
-          /* 32 k = 32 bytes further along the rows: +2 in the address field */
-          ml_wgmma_128_e4m3(blk, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), kk);
-        ml_wgmma_commit();
-        ml_wgmma_wait<0>();
-        ml_acc_fence<64>(blk);
-        /* the A scales of this stage and its two B scales (the producer
-         * copied them with the stage), read before the stage goes back */
-        float as[2], bs[2];
-        {
-          const uint32_t s0 = scales + (uint32_t)(stage * C::SCALE_BYTES);
-          const uint32_t a0 = s0 + (uint32_t)((cw * 64 + rl) * 4);
-          const uint32_t b0 = s0 + (uint32_t)(ML_SM90_BM * 4);
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
-          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
-        }
+    if (rows <= 0) {
+      /* not this consumer's tile (uniform over the warpgroup): give the
+       * item's stages back as they fill */
+      for (int kt = 0; kt < ktiles; ++kt) {
+        if (kt > 0)
+          ml_mbar_wait(ml_sm90_full(bars, stage), phase);
         ml_sm90_release<C, 1>(bars, stage);
-#pragma unroll
-        for (int i = 0; i < 64; ++i) {
-          /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's
-           * gate columns are i < 32 */
-          const float f = as[(i >> 1) & 1] * bs[i < 32 ? 0 : 1];
-          d[i] = fmaf(blk[i], f, d[i]);
+        if (++stage == C::STAGES) {
+          stage = 0;
+          phase ^= 1u;
         }
-      } else {
-        ml_sm90_release<C, 1>(bars, stage);
       }
+      continue;
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i)
+      d[i] = 0.0f;
+    /* s0, s1: the stages of the blocks in flight in b0, b1 */
+    int s0 = stage, s1 = stage;
+    ml_sm90_fp8_issue(b0, base, stage, cw);
+    if (++stage == C::STAGES) {
+      stage = 0;
+      phase ^= 1u;
+    }
+    /* each pass starts with block kt in flight in b0 and leaves with block
+     * kt + 2 there, or ends with nothing in flight (the same wgmma state at
+     * every join, so the compiler need not serialize them) */
+    for (int kt = 0;; kt += 2) {
+      if (kt + 1 >= ktiles) {
+        ml_sm90_fp8_finish<0>(d, b0, scales, bars, s0, cw, rl);
+        break;
+      }
+      ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+      s1 = stage;
+      ml_sm90_fp8_issue(b1, base, stage, cw);
       if (++stage == C::STAGES) {
         stage = 0;
         phase ^= 1u;
       }
-      if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0)) {
+      ml_sm90_fp8_finish<1>(d, b0, scales, bars, s0, cw, rl);
+      if (MODE == ML_SM90_SCALED && kt == 0) {
+        /* the scales, once their indices have had a step to arrive */
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
       }
+      if (kt + 2 >= ktiles) {
+        ml_sm90_fp8_finish<0>(d, b1, scales, bars, s1, cw, rl);
+        break;
+      }
+      ml_mbar_wait(ml_sm90_full(bars, stage), phase);
+      s0 = stage;
+      ml_sm90_fp8_issue(b0, base, stage, cw);
+      if (++stage == C::STAGES) {
+        stage = 0;
+        phase ^= 1u;
+      }
+      ml_sm90_fp8_finish<1>(d, b1, scales, bars, s1, cw, rl);
     }
-    if (!active) continue;
+    if (MODE == ML_SM90_SCALED && ktiles == 1) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
+    }
     ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
 }
@@ -1003,10 +1070,10 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     __syncthreads();
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_PRODUCER_REGS) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS) : "memory");
     ml_sm90_producer<C, MODE, CL>(&p, &map_b, base, scales, bars, headers, claim, cbar);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"((int)ML_SM90_CONSUMER_REGS) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
     if constexpr (FP8)
       ml_sm90_consumer_fp8<DT, MODE, OUT_F32>(&p, base, scales, bars, headers, wg - 1);
     else
