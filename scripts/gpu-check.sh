@@ -252,9 +252,11 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
         -o "$OUT/json/src/$tag" ./"$BUILD"/moelink bench --backend cuda --preset $args \
         --tokens 8192 --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
       "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page source --csv --print-source sass \
-        >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" ||
+        >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" &&
+        "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page details >>"$OUT/prefill_ncu.log" 2>&1 ||
         "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page source --csv \
-          >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" || rc=1
+          >"$OUT/json/src/$tag.csv" 2>>"$OUT/prefill_ncu.log" &&
+        "$NCU" -i "$OUT/json/src/$tag.ncu-rep" --page details >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
     done
   fi
   if [ -n "$NCU" ] && [ -z "${PREFILL_NO_DS:-}" ]; then

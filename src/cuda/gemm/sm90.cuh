@@ -590,15 +590,17 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   int claims = 0;
   static_assert(C::ES != 1 || ML_SM90_ROWS == 8, "FP8: one A-scale row for each of 8 threads");
   while (have) {
-    /* FP8: the 8 threads that copy rows r0 + 16 i (i < 8) copy one row's A
-     * scales each, thread c those of row r0 + 16 c (no divergent loop, no
-     * run-time index into src) */
-    /* the item's A row addresses, once (rows past the unit read row 0,
-     * zero bytes of it) */
+    /* the addresses of this thread's 16-byte chunk of the item's A rows,
+     * moved along k in place step by step (rows past the unit: row 0, zero
+     * bytes of it); a fresh register pair for each copy's address costs a
+     * wait on the previous copy's operand read */
     const char *rp[ML_SM90_ROWS];
 #pragma unroll
     for (int i = 0; i < ML_SM90_ROWS; ++i)
-      rp[i] = p->a + (size_t)src[i] * lda_bytes;
+      rp[i] = p->a + (size_t)src[i] * lda_bytes + (size_t)(c * 16);
+    /* FP8: the 8 threads that copy rows r0 + 16 i (i < 8) copy one row's A
+     * scales each, thread c those of row r0 + 16 c (no divergent loop, no
+     * run-time index into src) */
     const float *sc_src = p->a_scale;
     int sc_ok = 0;
     if (C::ES == 1) {
@@ -646,15 +648,25 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         }
       }
       /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
-       * or all past */
-      const int kcol = kt * C::BK + c * (16 / C::ES);
-      const int in_k = kcol < p->k;
-      const uint32_t ok_k = in_k ? valid : 0u;
-      const size_t koff = in_k ? (size_t)kcol * C::ES : 0;
+       * or all past. A step wholly inside k (all but maybe the last) copies
+       * from the row addresses as they are. */
+      if (kt > 0) {
 #pragma unroll
-      for (int i = 0; i < ML_SM90_ROWS; ++i)
-        ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), rp[i] + koff,
-                      ((ok_k >> i) & 1) ? 16 : 0);
+        for (int i = 0; i < ML_SM90_ROWS; ++i)
+          rp[i] += C::BK * C::ES;
+      }
+      if ((kt + 1) * C::BK <= p->k) {
+#pragma unroll
+        for (int i = 0; i < ML_SM90_ROWS; ++i)
+          ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), rp[i], ((valid >> i) & 1) ? 16 : 0);
+      } else {
+        const uint32_t ok_k = kt * C::BK + c * (16 / C::ES) < p->k ? valid : 0u;
+#pragma unroll
+        for (int i = 0; i < ML_SM90_ROWS; ++i) {
+          const int ok = (ok_k >> i) & 1;
+          ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), ok ? rp[i] : p->a, ok ? 16 : 0);
+        }
+      }
       if (C::ES == 1) {
         /* this k block's A scale of row r0 + 16 c, row r of the CTA at scale r */
         const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
@@ -913,8 +925,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
                                                           uint32_t bars, int stage, int cw,
                                                           int rl) {
   typedef ml_sm90_cfg<1> C;
-  ml_wgmma_wait<WAIT>();
-  ml_acc_fence<64>(blk);
+  /* the scales first: the stage is full, and their loads overlap the wait */
   float as[2], bs[2];
   {
     const uint32_t s0 = scales + (uint32_t)(stage * C::SCALE_BYTES);
@@ -925,6 +936,8 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
   }
+  ml_wgmma_wait<WAIT>();
+  ml_acc_fence<64>(blk);
   ml_sm90_release<C, 1>(bars, stage);
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
