@@ -776,6 +776,14 @@ static __device__ __forceinline__ void ml_sm90_scale_index(const ml_sm90_args *p
   }
 }
 
+/* The row scales themselves, from the indices ml_sm90_scale_index gave. */
+static __device__ __forceinline__ void ml_sm90_scale_load(const ml_sm90_args *p,
+                                                          const int32_t sx[2], float sc[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
+}
+
 /* Stores the consumer's accumulators (C::BN / 2 of them a thread): rows rl
  * and rl + 8 of its tile. SwiGLU pairs accumulator column c (gate) with
  * c + BN / 2 (up). OUT_F32: fp32 output instead of DT. */
@@ -884,10 +892,8 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
         phase ^= 1u;
       }
       /* the scales, once their indices have had a step to arrive */
-      if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0)) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
-      }
+      if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0))
+        ml_sm90_scale_load(p, sx, sc);
     }
     ml_wgmma_wait<0>();
     ml_acc_fence<128>(d);
@@ -918,6 +924,23 @@ static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t ba
     /* 32 k = 32 bytes further along the rows: +2 in the address field */
     ml_wgmma_128_e4m3(blk, da + (uint64_t)(2 * kk), db + (uint64_t)(2 * kk), kk);
   ml_wgmma_commit();
+}
+
+/* Waits for the next stage to fill (unless the caller has), issues its
+ * wgmma into blk and moves the ring on; returns the stage. */
+static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base, uint32_t bars,
+                                                       int *stage, uint32_t *phase, int cw,
+                                                       int wait) {
+  typedef ml_sm90_cfg<1> C;
+  const int s = *stage;
+  if (wait)
+    ml_mbar_wait(ml_sm90_full(bars, s), *phase);
+  ml_sm90_fp8_issue(blk, base, s, cw);
+  if (++*stage == C::STAGES) {
+    *stage = 0;
+    *phase ^= 1u;
+  }
+  return s;
 }
 
 template <int WAIT>
@@ -990,13 +1013,9 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
 #pragma unroll
     for (int i = 0; i < 64; ++i)
       d[i] = 0.0f;
-    /* s0, s1: the stages of the blocks in flight in b0, b1 */
-    int s0 = stage, s1 = stage;
-    ml_sm90_fp8_issue(b0, base, stage, cw);
-    if (++stage == C::STAGES) {
-      stage = 0;
-      phase ^= 1u;
-    }
+    /* s0, s1: the stages of the blocks in flight in b0, b1 (the first
+     * stage's full barrier was waited on for the header) */
+    int s0 = ml_sm90_fp8_take(b0, base, bars, &stage, &phase, cw, 0), s1 = s0;
     /* each pass starts with block kt in flight in b0 and leaves with block
      * kt + 2 there, or ends with nothing in flight (the same wgmma state at
      * every join, so the compiler need not serialize them) */
@@ -1005,37 +1024,20 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
         ml_sm90_fp8_finish<0>(d, b0, scales, bars, s0, cw, rl);
         break;
       }
-      ml_mbar_wait(ml_sm90_full(bars, stage), phase);
-      s1 = stage;
-      ml_sm90_fp8_issue(b1, base, stage, cw);
-      if (++stage == C::STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      s1 = ml_sm90_fp8_take(b1, base, bars, &stage, &phase, cw, 1);
       ml_sm90_fp8_finish<1>(d, b0, scales, bars, s0, cw, rl);
-      if (MODE == ML_SM90_SCALED && kt == 0) {
-        /* the scales, once their indices have had a step to arrive */
-#pragma unroll
-        for (int h = 0; h < 2; ++h) sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
-      }
+      /* the row scales, once their indices have had a step to arrive */
+      if (MODE == ML_SM90_SCALED && kt == 0)
+        ml_sm90_scale_load(p, sx, sc);
       if (kt + 2 >= ktiles) {
         ml_sm90_fp8_finish<0>(d, b1, scales, bars, s1, cw, rl);
         break;
       }
-      ml_mbar_wait(ml_sm90_full(bars, stage), phase);
-      s0 = stage;
-      ml_sm90_fp8_issue(b0, base, stage, cw);
-      if (++stage == C::STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      s0 = ml_sm90_fp8_take(b0, base, bars, &stage, &phase, cw, 1);
       ml_sm90_fp8_finish<1>(d, b1, scales, bars, s1, cw, rl);
     }
-    if (MODE == ML_SM90_SCALED && ktiles == 1) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
-    }
+    if (MODE == ML_SM90_SCALED && ktiles == 1)
+      ml_sm90_scale_load(p, sx, sc);
     ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
 }
