@@ -254,19 +254,17 @@ moelink_status_t ml_sm90_map_b(CUtensorMap *map, moelink_dtype_t dt, const void 
   return ml_sm90_map_b_box(map, dt, b, k, j_rows, halves, experts, box_rows, halves, what);
 }
 
-/* A 4D map {k, rows, halves, experts} over operand x (rows row_bytes
- * apart) with boxes {128 bytes of k, box_rows, box_halves, 1} in the 128-byte
- * swizzle; dt F32 stands for e4m3 bytes. */
-static moelink_status_t ml_sm90_map(CUtensorMap *map, moelink_dtype_t dt, const void *x, int k,
-                                    size_t row_bytes, int rows, int halves, int experts,
-                                    int box_rows, int box_halves, const char *what) {
+moelink_status_t ml_sm90_map_b_box(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
+                                   int j_rows, int halves, int experts, int box_rows,
+                                   int box_halves, const char *what) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
   ML_TRY(ml_sm90_encoder(&encode));
   const int fp8 = dt == MOELINK_DTYPE_F32;
-  const cuuint64_t row = (cuuint64_t)row_bytes;
-  cuuint64_t dims[4] = {(cuuint64_t)k, (cuuint64_t)rows, (cuuint64_t)halves, (cuuint64_t)experts};
-  cuuint64_t strides[3] = {row, row * (cuuint64_t)rows,
-                           row * (cuuint64_t)rows * (cuuint64_t)halves};
+  const cuuint64_t row = (cuuint64_t)k * (fp8 ? 1 : 2);
+  cuuint64_t dims[4] = {(cuuint64_t)k, (cuuint64_t)j_rows, (cuuint64_t)halves,
+                        (cuuint64_t)experts};
+  cuuint64_t strides[3] = {row, row * (cuuint64_t)j_rows,
+                           row * (cuuint64_t)j_rows * (cuuint64_t)halves};
   cuuint32_t box[4] = {fp8 ? 128u : (cuuint32_t)ML_SM90_BK, (cuuint32_t)box_rows,
                        (cuuint32_t)box_halves, 1};
   cuuint32_t unit[4] = {1, 1, 1, 1};
@@ -274,33 +272,13 @@ static moelink_status_t ml_sm90_map(CUtensorMap *map, moelink_dtype_t dt, const 
                       fp8                        ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                       : dt == MOELINK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                                  : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, (void *)x, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      4, (void *)b, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return ml_fail(MOELINK_ERR_CUDA,
-                   "%s: cuTensorMapEncodeTiled failed (CUresult %d) for %p [%d x %d x %d x %d]",
-                   what, (int)r, x, experts, halves, rows, k);
-  return MOELINK_SUCCESS;
-}
-
-moelink_status_t ml_sm90_map_b_box(CUtensorMap *map, moelink_dtype_t dt, const void *b, int k,
-                                   int j_rows, int halves, int experts, int box_rows,
-                                   int box_halves, const char *what) {
-  return ml_sm90_map(map, dt, b, k, (size_t)k * (dt == MOELINK_DTYPE_F32 ? 1 : 2), j_rows, halves,
-                     experts, box_rows, box_halves, what);
-}
-
-/* FP8 A not gathered: its map (64-row halves of a tile by TMA) and p->a_tma,
- * where A's address allows (16-byte aligned; lda is a multiple of 128). */
-static moelink_status_t ml_sm90_map_a_fp8(CUtensorMap *map, const void *a, int lda, int k, int rows,
-                                          ml_sm90_args *p, const char *what) {
-  memset(map, 0, sizeof *map);
-  p->a_tma = 0;
-  if (p->a_index != NULL || rows <= 0 || ((uintptr_t)a & 15u) != 0)
-    return MOELINK_SUCCESS;
-  ML_TRY(ml_sm90_map(map, MOELINK_DTYPE_F32, a, k, (size_t)lda, rows, 1, 1, 64, 1, what));
-  p->a_tma = 1;
+                   "%s: cuTensorMapEncodeTiled failed (CUresult %d) for B %p [%d x %d x %d x %d]",
+                   what, (int)r, b, experts, halves, j_rows, k);
   return MOELINK_SUCCESS;
 }
 
@@ -383,12 +361,7 @@ static moelink_status_t ml_sm90_cl(moelink_dtype_t dt, const ml_cuda_gemm_opts *
 
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
-                                       cudaStream_t stream, const CUtensorMap *map_a = NULL) {
-  CUtensorMap none;
-  if (map_a == NULL) {
-    memset(&none, 0, sizeof none); /* A gathered: the kernel does not read it */
-    map_a = &none;
-  }
+                                       cudaStream_t stream) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
   const char *name = MODE == ML_SM90_SWIGLU ? (FP8      ? "ml_sm90_kernel (fp8, swiglu)"
                                                : CL > 1 ? "ml_sm90_kernel (swiglu, clusters of 2)"
@@ -406,7 +379,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     unsigned clusters = (grid + 1) / 2;
     if (room > 0 && clusters > (unsigned)room)
       clusters = (unsigned)room;
-    void *args[] = {(void *)map, (void *)map_a, (void *)p};
+    void *args[] = {(void *)map, (void *)p};
     const cudaError_t e = ml_launch_kernel_ex(
         (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(2 * clusters, 1, 1),
         dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 0, 2, stream, args);
@@ -416,8 +389,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
                      cudaGetErrorString(e));
     }
   } else {
-    ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>
-        <<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *map_a, *p);
+    ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL><<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *p);
     ML_CUDA_LAUNCHED(name);
   }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
@@ -664,10 +636,8 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
-  CUtensorMap map_a;
-  ML_TRY(ml_sm90_map_a_fp8(&map_a, a, lda, k, rows, &q, what));
   return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(
-      &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream, &map_a);
+      &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream);
 }
 
 extern "C" moelink_status_t
@@ -702,12 +672,10 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
-  CUtensorMap map_a;
-  ML_TRY(ml_sm90_map_a_fp8(&map_a, a, lda, k, rows, &q, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_f32)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream, &map_a);
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);
   if (out_dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream, &map_a);
-  return ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream, &map_a);
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
+  return ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
 }

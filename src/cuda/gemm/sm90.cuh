@@ -77,13 +77,10 @@
  * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps two k
  * blocks' sums (64 fp32 each, wgmma m64n128k32 e4m3) beside its running
  * total (64 more); while one block's wgmma run it adds the other's sum x
- * (row's A scale) x (column's B scale) to the total. The producer's threads
- * that copy A rows also copy the rows' scales of the stage, one row each, and
- * two threads of the second warp the tile's two B scales (cp.async, same full
- * barrier), so the consumers wait on no global load. Where A is not gathered
- * (a_index NULL: the down GEMM, and the gate/up GEMM of rows already in
- * expert order) thread 0 loads A's two 64-row halves by TMA like B, and the
- * other threads copy only the scales.
+ * (row's A scale) x (column's B scale) to the total. The producer's threads that copy A rows
+ * also copy the rows' scales of the stage, one row each, and two threads of
+ * the second warp the tile's two B scales (cp.async, same full barrier), so
+ * the consumers wait on no global load.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -177,10 +174,6 @@ typedef struct ml_sm90_args {
   const float *a_scale;
   const float *b_scale;
   int as_ld, kblocks, b_rblocks;
-  /* FP8, A not gathered (a_index NULL): thread 0 loads each stage's two
-   * 64-row halves of A by TMA (the kernel's map_a, {k, rows, 1, 1} with
-   * 64-row boxes) instead of 128 threads copying them */
-  int a_tma;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
   int32_t *sched;
 } ml_sm90_args;
@@ -570,16 +563,14 @@ static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
  * read it. */
 template <class C, int MODE, int CL>
 static __device__ __forceinline__ void
-ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, const CUtensorMap *map_a,
-                 uint32_t base, uint32_t scales, uint32_t bars, int *headers, int *claim,
-                 uint32_t cbar) {
+ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, uint32_t scales,
+                 uint32_t bars, int *headers, int *claim, uint32_t cbar) {
   const int tid = (int)threadIdx.x; /* 0..127 */
   const int c = tid & 7, r0 = tid >> 3;
   const int ktiles = (p->k + C::BK - 1) / C::BK;
   const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
   const size_t lda_bytes = (size_t)p->lda * C::ES;
   const int rank = CL > 1 ? (int)ml_cluster_rank() : 0;
-  const int a_tma = C::ES == 1 && CL == 1 && p->a_tma; /* uniform */
   const int grid = (int)gridDim.x / CL; /* clusters */
   /* every row this thread copies has (row & 7) == (r0 & 7): one swizzled
    * column for all of them */
@@ -641,18 +632,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, const CUtensorMa
           h[3] = it.rows[0];
           h[4] = it.rows[1];
         }
-        /* A by TMA: the halves the unit has (the box's bytes count in
-         * full, rows past the tensor read as zeros) */
-        const uint32_t a_half = C::A_BYTES / 2;
-        const uint32_t a_bytes =
-            a_tma ? (it.rows[0] > 0 ? a_half : 0u) + (it.rows[1] > 0 ? a_half : 0u) : 0u;
-        ml_mbar_arrive_tx(full, C::B_BYTES + a_bytes);
-        if (a_tma) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (it.rows[h] > 0)
-              ml_tma_load_4d(a_s + (uint32_t)h * a_half, map_a, full, kt * C::BK, it.row0[h], 0, 0);
-        }
+        ml_mbar_arrive_tx(full, C::B_BYTES);
         if (CL > 1) {
           /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
            * gate (rank 0) or up (rank 1) rows, scaled rows 128 rank on */
@@ -675,9 +655,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, const CUtensorMa
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           rp[i] += C::BK * C::ES;
       }
-      if (a_tma) {
-        /* A came by TMA (thread 0, above) */
-      } else if ((kt + 1) * C::BK <= p->k) {
+      if ((kt + 1) * C::BK <= p->k) {
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), rp[i], ((valid >> i) & 1) ? 16 : 0);
@@ -1072,7 +1050,6 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
-                   const __grid_constant__ CUtensorMap map_a,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
@@ -1101,8 +1078,6 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
      * and to the cluster */
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_b) : "memory");
-    if (FP8 && p.a_tma)
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_a) : "memory");
   }
   if (CL > 1)
     ml_cluster_sync(); /* the other CTA's barriers exist before anyone uses them */
@@ -1111,7 +1086,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS) : "memory");
-    ml_sm90_producer<C, MODE, CL>(&p, &map_b, &map_a, base, scales, bars, headers, claim, cbar);
+    ml_sm90_producer<C, MODE, CL>(&p, &map_b, base, scales, bars, headers, claim, cbar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
     if constexpr (FP8)
