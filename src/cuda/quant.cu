@@ -8,7 +8,7 @@
 #define ML_QK_GROUP 256 /* elements a warp item covers */
 
 template <int DT, int FMT>
-static __global__ void __launch_bounds__(ML_QK_THREADS)
+static __global__ void __launch_bounds__(ML_QK_THREADS, 8)
     ml_quantize_kernel(const char *x, int rows, int cols, uint8_t *q, char *scales,
                        size_t scale_row) {
   /* A kernel launched after this one with programmatic stream serialization
@@ -49,8 +49,11 @@ static __global__ void __launch_bounds__(ML_QK_THREADS)
   }
 }
 
+/* Blocks for items (per a block each pass): up to 8 a SM, a full SM of
+ * 256-thread blocks, so enough loads are in flight to stream at the memory's
+ * rate (each warp has one item's 0.5-1 KiB in flight at a time). */
 static unsigned ml_qk_grid(long long items, int per, int sms) {
-  const long long want = (items + per - 1) / per, most = 4LL * (sms > 0 ? sms : 1);
+  const long long want = (items + per - 1) / per, most = 8LL * (sms > 0 ? sms : 1);
   return (unsigned)(want < 1 ? 1 : want < most ? want : most);
 }
 
