@@ -413,13 +413,19 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
+    /* h quantized in the gate/up GEMM's epilogue where the engine can (the
+     * same bytes and scales as quantizing its fp32 output), else after it */
+    int fused = 0;
+    ML_TRY(ml_cuda_gemm_swiglu_fp8_quantizes(cfg->inter, cfg->hidden, &fused));
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                                   plan->max_tiles, pairs, (float *)m->h, &go, st));
+                                   plan->max_tiles, pairs, fused ? (void *)m->hq : m->h,
+                                   fused ? (float *)m->hs : NULL, &go, st));
     ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
-    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter,
-                            m->hq, m->hs, sms, st));
+    if (!fused)
+      ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
+                              m->hs, sms, st));
     ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
                                    (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
                                    cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs,

@@ -107,14 +107,22 @@ moelink_status_t ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda,
  * decode path: the sm_90a FP8 kernel (gemm/sm90.cuh), or where it cannot run
  * the decode kernel with one split. rows is the problem's row count (dense:
  * the rows; tiled: the bound on the rows the tiles name). The SwiGLU output is
- * fp32 [rows, n] (the FP8 layer quantizes it next); the scaled output is
- * out_dt or fp32 (out_f32). */
+ * fp32 [rows, n] with out_scale NULL, else e4m3 rows [rows, n] with their
+ * scales out_scale [rows, n / 128] exactly as moelink_quantize's FP8 would
+ * make them from the fp32 output (the quantization in the GEMM's epilogue;
+ * sm_90a engine only: MOELINK_ERR_UNSUPPORTED where
+ * ml_cuda_gemm_swiglu_fp8_quantizes says no); the scaled output is out_dt or
+ * fp32 (out_f32). */
 moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda,
                                          const int32_t *a_index, int a_div, const uint8_t *b,
                                          const float *b_scale, int n, int k, const int32_t *tiles,
                                          const int32_t *num_tiles, int max_tiles, int rows,
-                                         float *out, const ml_cuda_gemm_opts *opts,
+                                         void *out, float *out_scale, const ml_cuda_gemm_opts *opts,
                                          cudaStream_t stream);
+/* *yes = 1 when ml_cuda_gemm_swiglu_fp8 can quantize its output for this n, k
+ * on the current device (the sm_90a engine runs it) and
+ * MOELINK_GEMM_FP8_QUANT is not 0. */
+moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes);
 moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
                                          const float *a_scale, int lda, const uint8_t *b,
                                          const float *b_scale, int n, int k, const int32_t *tiles,

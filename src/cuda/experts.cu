@@ -107,8 +107,8 @@ enum {
   ML_K_SCALED_F16,
   ML_K_SCALED_F16_F32,
   ML_K_SM90,                        /* 6 sm_90a kernels from here: see ml_sm90_which */
-  ML_K_SM90_FP8 = ML_K_SM90 + 6,    /* 4 FP8 ones: see ml_sm90_which */
-  ML_K_SM90_CL = ML_K_SM90_FP8 + 4, /* 6 in clusters of two: see ml_sm90_which */
+  ML_K_SM90_FP8 = ML_K_SM90 + 6,    /* 5 FP8 ones: see ml_sm90_which */
+  ML_K_SM90_CL = ML_K_SM90_FP8 + 5, /* 6 in clusters of two: see ml_sm90_which */
   ML_K_COUNT = ML_K_SM90_CL + 6
 };
 #define ML_GEMM_MAX_DEVICES 64
@@ -293,8 +293,11 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
 }
 
 /* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
- * output only; the scaled GEMM bf16, f16 or fp32. CL 2: the cluster ones. */
+ * output (FP8 = 1) or an e4m3 one (FP8 = 2); the scaled GEMM bf16, f16 or
+ * fp32. CL 2: the cluster ones. */
 template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
+  if (FP8 == 2)
+    return ML_K_SM90_FP8 + 4; /* SwiGLU, e4m3 output */
   if (FP8)
     return ML_K_SM90_FP8 +
            (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 3 : 1 + (DT == MOELINK_DTYPE_F16));
@@ -363,7 +366,8 @@ template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
                                        cudaStream_t stream) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
-  const char *name = MODE == ML_SM90_SWIGLU ? (FP8      ? "ml_sm90_kernel (fp8, swiglu)"
+  const char *name = MODE == ML_SM90_SWIGLU ? (FP8 == 2 ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
+                                               : FP8    ? "ml_sm90_kernel (fp8, swiglu)"
                                                : CL > 1 ? "ml_sm90_kernel (swiglu, clusters of 2)"
                                                         : "ml_sm90_kernel (swiglu)")
                                             : (FP8      ? "ml_sm90_kernel (fp8, scaled)"
@@ -606,11 +610,25 @@ static ml_decode_opts ml_fp8_fallback_opts(void) {
   return o;
 }
 
+/* See cuda.h. */
+MOELINK_PARAM(GEMM_FP8_QUANT, 1)
+
+extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes) {
+  *yes = 0;
+  if (ml_param_GEMM_FP8_QUANT() == 0)
+    return MOELINK_SUCCESS;
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<2>::BN / 2, &sm90, &sms));
+  *yes = sm90;
+  return MOELINK_SUCCESS;
+}
+
 extern "C" moelink_status_t
 ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const int32_t *a_index,
                         int a_div, const uint8_t *b, const float *b_scale, int n, int k,
                         const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int rows,
-                        float *out, const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
+                        void *out, float *out_scale, const ml_cuda_gemm_opts *opts,
+                        cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
@@ -618,9 +636,17 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   if (a_index != NULL && a_div < 1)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: a_div %d < 1", what, a_div);
   if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
+  if (out_scale != NULL && ((uintptr_t)out_scale & 3u))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: out_scale %p not 4-byte aligned", what,
+                   (const void *)out_scale);
   int sm90 = 0, sms = 0;
   ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<1>::BN / 2, &sm90, &sms));
   if (!sm90) {
+    if (out_scale != NULL)
+      return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                     "%s: an e4m3 output needs the sm_90a engine (n %d, k %d; see "
+                     "ml_cuda_gemm_swiglu_fp8_quantizes)",
+                     what, n, k);
     const ml_decode_opts o = ml_fp8_fallback_opts();
     const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);
     ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, a, a_scale, lda, a_index, a_div, b, b_scale, n,
@@ -628,16 +654,21 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
     ml_engine_last = ML_GEMM_ENGINE_TILE;
     return MOELINK_SUCCESS;
   }
-  const int cols = ml_sm90_cfg<1>::BN / 2; /* output columns (gate/up pairs) of a work item */
+  /* B rows of a tile: 64 gate/up column pairs; output columns of a work item:
+   * as many, or 128 (one quantization block) with the e4m3 output */
+  const int cols = ml_sm90_cfg<1>::BN / 2;
   ml_sm90_args q;
-  ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows, opts);
+  ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n,
+                    out_scale != NULL ? 128 : cols, max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
+  q.out_scale = out_scale;
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
-  return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(
-      &map, &q, ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms), stream);
+  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  if (out_scale != NULL)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
+  return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(&map, &q, grid, stream);
 }
 
 extern "C" moelink_status_t

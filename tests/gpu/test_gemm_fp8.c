@@ -27,6 +27,7 @@
 #include "core/fp8.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
+#include "cuda/pipeline.h"
 #include "gpu_util.h"
 #include "harness.h"
 
@@ -379,8 +380,8 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
     CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
     CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k, d->tiles,
-                                     d->num, p->max_tiles, R, (float *)d_out, rep ? &dyn : NULL,
-                                     stream),
+                                     d->num, p->max_tiles, R, (float *)d_out, NULL,
+                                     rep ? &dyn : NULL, stream),
              label);
     CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu run %d on the %s engine (%s)",
           c->name, en, rep, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
@@ -392,6 +393,91 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   check_output(label, p, n, first, MOELINK_DTYPE_F32, 1, ref1, tol1);
   CHECK(memcmp(first, got, out1_bytes) == 0,
         "%s [%s] swiglu: static and dynamic schedule bitwise equal", c->name, en);
+
+  /* swiglu with the output quantized in the epilogue (sm_90a engine): the
+   * bytes and scales moelink_quantize's FP8 makes of the fp32 output above
+   * (d_out holds it), on the owned rows; the other rows stay poisoned */
+  {
+    int fuses = -1;
+    CHECK_OK(ml_cuda_gemm_swiglu_fp8_quantizes(n, k, &fuses), "swiglu_fp8_quantizes");
+    CHECK(fuses == (want1 == ML_GEMM_ENGINE_SM90),
+          "%s [%s] the quantizing epilogue offered (%d) exactly where the sm_90a engine runs",
+          c->name, en, fuses);
+    const size_t qn = (size_t)(R + GUARD_ROWS) * n, sn = (size_t)(R + GUARD_ROWS) * (n / 128);
+    uint8_t *d_q = NULL, *d_qr = NULL;
+    float *d_s = NULL, *d_sr = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&d_q, qn));
+    CUDA_CHECK(cudaMalloc((void **)&d_qr, qn));
+    CUDA_CHECK(cudaMalloc((void **)&d_s, sn * sizeof(float)));
+    CUDA_CHECK(cudaMalloc((void **)&d_sr, sn * sizeof(float)));
+    uint8_t *q = xmalloc(qn), *qr = xmalloc(qn), *q1 = xmalloc(qn);
+    float *sc = xmalloc(sn * sizeof(float)), *sr = xmalloc(sn * sizeof(float));
+    float *sc1 = xmalloc(sn * sizeof(float));
+    if (!fuses) {
+      snprintf(label, sizeof label, "%s [%s] swiglu, e4m3 out off the sm_90a engine", c->name, en);
+      CHECK_STATUS(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k,
+                                           d->tiles, d->num, p->max_tiles, R, d_q, d_s, NULL,
+                                           stream),
+                   MOELINK_ERR_UNSUPPORTED, label);
+    } else {
+      CHECK_OK(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, d_out, R, n, d_qr, d_sr, 132,
+                                stream),
+               "quantize the fp32 swiglu output");
+      for (int rep = 0; rep < 2; ++rep) {
+        CUDA_CHECK(cudaMemsetAsync(d_q, 0xA5, qn, stream));
+        CUDA_CHECK(cudaMemsetAsync(d_s, 0xFF, sn * sizeof(float), stream));
+        snprintf(label, sizeof label, "%s [%s] swiglu e4m3 out run %d", c->name, en, rep);
+        CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k,
+                                         d->tiles, d->num, p->max_tiles, R, d_q, d_s,
+                                         rep ? &dyn : NULL, stream),
+                 label);
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        CUDA_CHECK(cudaMemcpy(rep ? q1 : q, d_q, qn, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(rep ? sc1 : sc, d_s, sn * sizeof(float), cudaMemcpyDeviceToHost));
+      }
+      CUDA_CHECK(cudaMemcpy(qr, d_qr, qn, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(sr, d_sr, sn * sizeof(float), cudaMemcpyDeviceToHost));
+      long bad_q = 0, bad_s = 0, poison = 0, owned = 0;
+      for (int r = 0; r < R + GUARD_ROWS; ++r) {
+        const int own = r < R && p->row_expert[r] >= 0;
+        owned += own;
+        for (int i = 0; i < n; ++i) {
+          const size_t at = (size_t)r * n + i;
+          if (own)
+            bad_q += q[at] != qr[at];
+          else
+            poison += q[at] != 0xA5;
+        }
+        for (int b = 0; b < n / 128; ++b) {
+          const size_t at = (size_t)r * (n / 128) + b;
+          uint32_t u;
+          memcpy(&u, sc + at, 4);
+          if (own)
+            bad_s += memcmp(sc + at, sr + at, 4) != 0;
+          else
+            poison += u != 0xFFFFFFFFu;
+        }
+      }
+      CHECK(owned > 0 && bad_q == 0 && bad_s == 0,
+            "%s [%s] swiglu e4m3 out: bytes and scales of %ld owned rows bitwise those of "
+            "quantizing the fp32 output (%ld bytes, %ld scales differ)",
+            c->name, en, owned, bad_q, bad_s);
+      CHECK(poison == 0, "%s [%s] swiglu e4m3 out: unowned rows stay poisoned (%ld changed)",
+            c->name, en, poison);
+      CHECK(memcmp(q, q1, qn) == 0 && memcmp(sc, sc1, sn * sizeof(float)) == 0,
+            "%s [%s] swiglu e4m3 out: static and dynamic schedule bitwise equal", c->name, en);
+    }
+    free(q);
+    free(qr);
+    free(q1);
+    free(sc);
+    free(sr);
+    free(sc1);
+    cudaFree(d_q);
+    cudaFree(d_qr);
+    cudaFree(d_s);
+    cudaFree(d_sr);
+  }
 
   /* scaled: the dtype out, then fp32 out */
   for (int f32 = 0; f32 < 2; ++f32) {
@@ -598,15 +684,15 @@ static void check_rejections(int engine) {
   } while (0)
 
   /* n, k, lda not multiples of 128 */
-  REJECT(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 192, 128, NULL, NULL, 0, 4, of, NULL, 0),
-      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 n 192", en);
-  REJECT(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 256, NULL, 1, q, sc, 128, 200, NULL, NULL, 0, 4, of, NULL, 0),
-      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 k 200", en);
-  REJECT(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 192, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, NULL, 0),
-      MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 lda 192", en);
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 192, 128, NULL, NULL, 0, 4, of, NULL,
+                                 NULL, 0),
+         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 n 192", en);
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 256, NULL, 1, q, sc, 128, 200, NULL, NULL, 0, 4, of, NULL,
+                                 NULL, 0),
+         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 k 200", en);
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 192, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, NULL,
+                                 NULL, 0),
+         MOELINK_ERR_UNSUPPORTED, "[%s] swiglu fp8 lda 192", en);
   REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 64, 128, NULL, NULL, 0, 4, NULL, NULL, o, 0,
                                  NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 n 64", en);
@@ -618,10 +704,10 @@ static void check_rejections(int engine) {
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 lda 200", en);
   /* NULL scales */
   REJECT(ml_cuda_gemm_swiglu_fp8(q, NULL, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, of, NULL,
-                                 0),
+                                 NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 a_scale NULL", en);
   REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, NULL, 128, 128, NULL, NULL, 0, 4, of, NULL,
-                                 0),
+                                 NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 b_scale NULL", en);
   REJECT(ml_cuda_gemm_scaled_fp8(bf, q, NULL, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL, o,
                                  0, NULL, 0),
@@ -637,17 +723,18 @@ static void check_rejections(int engine) {
                                  4, NULL, NULL, o, 0, NULL, 0),
          MOELINK_ERR_UNSUPPORTED, "[%s] scaled fp8 out dtype e4m3", en);
   /* malformed problems */
-  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, NULL, 2, 4, of, NULL, 0),
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, NULL, 2, 4, of, NULL,
+                                 NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 tiles without num_tiles", en);
   REJECT(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, NULL, 2, 4, NULL, NULL, o, 0,
                                  NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] scaled fp8 tiles without num_tiles", en);
   REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, (const int32_t *)tl, 0, q, sc, 128, 128, NULL, NULL, 0,
-                                 4, of, NULL, 0),
+                                 4, of, NULL, NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 a_div 0", en);
-  REJECT(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, -1, of, NULL, 0),
-      MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 rows -1", en);
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, -1, of, NULL,
+                                 NULL, 0),
+         MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 rows -1", en);
 #undef REJECT
   CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -658,15 +745,15 @@ static void check_rejections(int engine) {
   CUDA_CHECK(cudaMemcpy(tl, host_tiles, sizeof host_tiles, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemcpy(num, &zero, sizeof zero, cudaMemcpyHostToDevice));
   CUDA_CHECK(cudaMemset(o, 0xFF, 1 << 16));
-  CHECK_OK(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 0, of, NULL, 0),
-      "swiglu fp8 with 0 dense rows");
+  CHECK_OK(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 0, of, NULL,
+                                   NULL, 0),
+           "swiglu fp8 with 0 dense rows");
   CHECK_OK(ml_cuda_gemm_scaled_fp8(bf, q, sc, 128, q, sc, 128, 128, tl, num, 0, 4, NULL, NULL, o, 0,
                                    NULL, 0),
            "scaled fp8 with max_tiles 0");
-  CHECK_OK(
-      ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, num, 3, 4, of, NULL, 0),
-      "swiglu fp8 with *num_tiles 0");
+  CHECK_OK(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, tl, num, 3, 4, of, NULL,
+                                   NULL, 0),
+           "swiglu fp8 with *num_tiles 0");
   CHECK(ml_cuda_gemm_last_engine() == expected_engine(engine, 1, 128),
         "[%s] swiglu fp8 with *num_tiles 0 launched on the %s engine (%s)", en,
         engine_name(expected_engine(engine, 1, 128)), engine_name(ml_cuda_gemm_last_engine()));

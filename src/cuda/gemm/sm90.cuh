@@ -88,6 +88,7 @@
 #define MOELINK_CUDA_GEMM_SM90_CUH
 
 #include "cuda/gemm/ptx.cuh"
+#include "cuda/quant.cuh"
 
 #include <cuda.h>
 #include <stdint.h>
@@ -137,6 +138,7 @@ template <> struct ml_sm90_cfg<0> {
   static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES;
   /* registers a thread: producer, consumers (one 64 x 256 accumulator) */
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;
+  static constexpr int SUBS = 1, STASH_BYTES = 0; /* see ml_sm90_cfg<2> */
 };
 template <> struct ml_sm90_cfg<1> {
   static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
@@ -148,6 +150,19 @@ template <> struct ml_sm90_cfg<1> {
                                     STAGES * ML_SM90_HEADER_INTS * 4 + 1024;
   /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
+  static constexpr int SUBS = 1, STASH_BYTES = 0;
+};
+/* FP8 SwiGLU with the output quantized in the epilogue (moelink_quantize's
+ * FP8 rows: e4m3 and an fp32 scale per 128 columns). A work item covers 128
+ * output columns, one quantization block, as SUBS = 2 sub-items of 64 (the
+ * B rows of one tile) over the same A rows: the consumers keep the first
+ * sub-item's SwiGLU values in a shared-memory stash (32 fp32 a thread) until
+ * the second's are done, then quantize both. The stash costs a stage. */
+template <> struct ml_sm90_cfg<2> : ml_sm90_cfg<1> {
+  static constexpr int STAGES = 5, SUBS = 2;
+  static constexpr int STASH_BYTES = 2 * 128 * 32 * 4;
+  static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
+                                    STAGES * ML_SM90_HEADER_INTS * 4 + STASH_BYTES + 1024;
 };
 /* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
  * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
@@ -158,6 +173,8 @@ static_assert(ml_sm90_cfg<1>::PRODUCER_REGS * 128 + 2 * ml_sm90_cfg<1>::CONSUMER
                   168 * 384,
               "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
+static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
+              "FP8 stages and stash exceed shared memory");
 static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0, "FP8 stages must stay 1024-byte aligned");
 
 typedef struct ml_sm90_args {
@@ -174,6 +191,8 @@ typedef struct ml_sm90_args {
   const float *a_scale;
   const float *b_scale;
   int as_ld, kblocks, b_rblocks;
+  /* ml_sm90_cfg<2> only: the scales of the e4m3 output (out), [rows][n_out / 128] */
+  float *out_scale;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
   int32_t *sched;
 } ml_sm90_args;
@@ -586,7 +605,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
    * last-but-one load (dynamic: a claim as late as the loads allow) */
-  const int kfind = p->sched != NULL && ktiles > 1 ? ktiles - 2 : 0;
+  const int steps = ktiles * C::SUBS; /* stages an item takes */
+  const int kfind = p->sched != NULL && steps > 1 ? steps - 2 : 0;
   int claims = 0;
   static_assert(C::ES != 1 || ML_SM90_ROWS == 8, "FP8: one A-scale row for each of 8 threads");
   while (have) {
@@ -616,7 +636,11 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     uint32_t valid_n = 0;
     int have_n = 0;
     int w_n = w + grid;
-    for (int kt = 0; kt < ktiles; ++kt) {
+    for (int st = 0; st < steps; ++st) {
+      /* sub-item sub (ml_sm90_cfg<2>) of the item, its k block kt; nbs the
+       * B tile (64 gate/up column pairs) it reads */
+      const int sub = C::SUBS > 1 && st >= ktiles, kt = st - sub * ktiles;
+      const int nbs = it.nb * C::SUBS + sub;
       const uint32_t full = ml_sm90_full(bars, stage);
       const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
       /* (with CL = 2 the other CTA's consumers arrive here too; what they
@@ -625,7 +649,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
       if (tid == 0) {
         int *h = headers + stage * ML_SM90_HEADER_INTS;
-        if (kt == 0) {
+        if (st == 0) {
           h[0] = it.nb;
           h[1] = it.row0[0];
           h[2] = it.row0[1];
@@ -644,7 +668,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
             ml_tma_load_4d_mc(a_s + C::A_BYTES + half, map, full, kt * C::BK,
                               it.nb * cols + rank * (C::BN / 2), 0, it.expert, (uint16_t)3);
         } else {
-          ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, it.nb * cols, 0, it.expert);
+          ml_tma_load_4d(a_s + C::A_BYTES, map, full, kt * C::BK, nbs * cols, 0, it.expert);
         }
       }
       /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
@@ -654,6 +678,11 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           rp[i] += C::BK * C::ES;
+      } else if (st > 0) {
+        /* the next sub-item: the same rows from k = 0 again */
+#pragma unroll
+        for (int i = 0; i < ML_SM90_ROWS; ++i)
+          rp[i] -= (size_t)(ktiles - 1) * C::BK * C::ES;
       }
       if ((kt + 1) * C::BK <= p->k) {
 #pragma unroll
@@ -676,8 +705,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           /* and the tile's two B scales of this k block (SwiGLU: the gate
            * rows' block and the up rows'; plain: its one block twice), one
            * each, by two threads of a warp that issues no TMA */
-          const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU ? (p->n_out + it.nb * cols) / 128
-                                                             : it.nb * cols / 128;
+          const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU ? (p->n_out + nbs * cols) / 128
+                                                             : nbs * cols / 128;
           const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
           ml_cp_async4(sc + (uint32_t)(ML_SM90_BM * 4 + 4 * (tid & 1)),
                        p->b_scale + (eb + (size_t)rb) * (size_t)p->kblocks + kt, 4);
@@ -689,7 +718,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         phase ^= 1u;
       }
       /* the next item's claim, walk and index loads, behind this step's loads */
-      if (kt == kfind) {
+      if (st == kfind) {
         if (p->sched != NULL) {
           const uint32_t cpar = (uint32_t)(claims & 1);
           if (CL == 1 || rank == 0) {
@@ -909,9 +938,9 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
  * own done), read the stage's A and B scales (the producer copied them with
  * the stage), give the stage back and add blk x A scale of the row x B scale
  * of the column to the total d. */
+template <class C>
 static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
                                                          int cw) {
-  typedef ml_sm90_cfg<1> C;
   const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
   const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
   const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
@@ -928,14 +957,14 @@ static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t ba
 
 /* Waits for the next stage to fill (unless the caller has), issues its
  * wgmma into blk and moves the ring on; returns the stage. */
+template <class C>
 static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base, uint32_t bars,
                                                        int *stage, uint32_t *phase, int cw,
                                                        int wait) {
-  typedef ml_sm90_cfg<1> C;
   const int s = *stage;
   if (wait)
     ml_mbar_wait(ml_sm90_full(bars, s), *phase);
-  ml_sm90_fp8_issue(blk, base, s, cw);
+  ml_sm90_fp8_issue<C>(blk, base, s, cw);
   if (++*stage == C::STAGES) {
     *stage = 0;
     *phase ^= 1u;
@@ -943,11 +972,10 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
   return s;
 }
 
-template <int WAIT>
+template <class C, int WAIT>
 static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
                                                           uint32_t bars, int stage, int cw,
                                                           int rl) {
-  typedef ml_sm90_cfg<1> C;
   /* the scales first: the stage is full, and their loads overlap the wait */
   float as[2], bs[2];
   {
@@ -971,19 +999,70 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
   }
 }
 
+/* SwiGLU of the consumer's accumulators as ml_sm90_store computes it:
+ * v[16 h + 2 j + e] is row rl + 8 h, output column 8 j + cq + e of the tile. */
+static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float g = d[4 * j + 2 * h + e], u = d[4 * (j + 8) + 2 * h + e];
+        v[16 * h + 2 * j + e] = __fdividef(g, 1.0f + __expf(-g)) * u;
+      }
+}
+
+/* ml_sm90_cfg<2>'s epilogue: the SwiGLU values of the item's two sub-items
+ * (v0 from the stash, v1 just made) quantized per row over the 128 columns,
+ * as moelink_quantize's FP8 does it (quant.cuh): the row's largest |value|
+ * over the four threads that hold it, its scale, the e4m3 bytes. */
+static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, const float *v0,
+                                                       const float *v1, int nb, int row0, int rows,
+                                                       int rl, int cq) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float a = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      a = fmaxf(a, fmaxf(fabsf(v0[16 * h + i]), fabsf(v1[16 * h + i])));
+    /* the quad of lanes holding the row (all lanes take part) */
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+    const float sc = ml_fp8_block_scale(a);
+    const int r = rl + 8 * h;
+    if (r >= rows)
+      continue;
+    const size_t row = (size_t)(row0 + r);
+    uint8_t *q = (uint8_t *)p->out + row * (size_t)p->n_out + (size_t)nb * 128 + (size_t)cq;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float *x0 = v0 + 16 * h + 2 * j, *x1 = v1 + 16 * h + 2 * j;
+      *(uint16_t *)(q + 8 * j) =
+          (uint16_t)ml_q_cvt2(sc > 0.0f ? x0[0] / sc : 0.0f, sc > 0.0f ? x0[1] / sc : 0.0f);
+      *(uint16_t *)(q + 64 + 8 * j) =
+          (uint16_t)ml_q_cvt2(sc > 0.0f ? x1[0] / sc : 0.0f, sc > 0.0f ? x1[1] / sc : 0.0f);
+    }
+    if (cq == 0)
+      p->out_scale[row * (size_t)(p->n_out / 128) + (size_t)nb] = sc;
+  }
+}
+
 /* The FP8 consumer: each k block's sum in a block accumulator of its own
  * (b0 for even blocks, b1 for odd), so block kt + 1's wgmma run on the
- * tensor cores while block kt is scaled into the total d. */
-template <int DT, int MODE, int OUT_F32>
-static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *p,
-                                                            uint32_t base, uint32_t scales,
-                                                            uint32_t bars, const int *headers,
-                                                            int cw) {
-  typedef ml_sm90_cfg<1> C;
+ * tensor cores while block kt is scaled into the total d. C::SUBS = 2: an
+ * item is two sub-items, the first one's SwiGLU values kept in the stash
+ * (value i of consumer thread t at stash + 4 (256 i + t): no bank
+ * conflicts) until the second's are quantized with them. */
+template <class C, int DT, int MODE, int OUT_F32>
+static __device__ __forceinline__ void
+ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint32_t bars,
+                     const int *headers, uint32_t stash, int cw) {
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
   const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
   const int ktiles = (p->k + C::BK - 1) / C::BK;
+  const uint32_t my_stash = stash + (uint32_t)((cw * 128 + t) * 4);
   int stage = 0;
   uint32_t phase = 0;
   float d[64], b0[64], b1[64];
@@ -999,8 +1078,8 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
     if (rows <= 0) {
       /* not this consumer's tile (uniform over the warpgroup): give the
        * item's stages back as they fill */
-      for (int kt = 0; kt < ktiles; ++kt) {
-        if (kt > 0)
+      for (int st = 0; st < ktiles * C::SUBS; ++st) {
+        if (st > 0)
           ml_mbar_wait(ml_sm90_full(bars, stage), phase);
         ml_sm90_release<C, 1>(bars, stage);
         if (++stage == C::STAGES) {
@@ -1010,35 +1089,58 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
       }
       continue;
     }
+    for (int sub = 0; sub < C::SUBS; ++sub) {
 #pragma unroll
-    for (int i = 0; i < 64; ++i)
-      d[i] = 0.0f;
-    /* s0, s1: the stages of the blocks in flight in b0, b1 (the first
-     * stage's full barrier was waited on for the header) */
-    int s0 = ml_sm90_fp8_take(b0, base, bars, &stage, &phase, cw, 0), s1 = s0;
-    /* each pass starts with block kt in flight in b0 and leaves with block
-     * kt + 2 there, or ends with nothing in flight (the same wgmma state at
-     * every join, so the compiler need not serialize them) */
-    for (int kt = 0;; kt += 2) {
-      if (kt + 1 >= ktiles) {
-        ml_sm90_fp8_finish<0>(d, b0, scales, bars, s0, cw, rl);
-        break;
+      for (int i = 0; i < 64; ++i)
+        d[i] = 0.0f;
+      /* s0, s1: the stages of the blocks in flight in b0, b1 (the item's
+       * first stage's full barrier was waited on for the header) */
+      int s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0), s1 = s0;
+      /* each pass starts with block kt in flight in b0 and leaves with block
+       * kt + 2 there, or ends with nothing in flight (the same wgmma state at
+       * every join, so the compiler need not serialize them) */
+      for (int kt = 0;; kt += 2) {
+        if (kt + 1 >= ktiles) {
+          ml_sm90_fp8_finish<C, 0>(d, b0, scales, bars, s0, cw, rl);
+          break;
+        }
+        s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
+        ml_sm90_fp8_finish<C, 1>(d, b0, scales, bars, s0, cw, rl);
+        /* the row scales, once their indices have had a step to arrive */
+        if (MODE == ML_SM90_SCALED && kt == 0)
+          ml_sm90_scale_load(p, sx, sc);
+        if (kt + 2 >= ktiles) {
+          ml_sm90_fp8_finish<C, 0>(d, b1, scales, bars, s1, cw, rl);
+          break;
+        }
+        s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+        ml_sm90_fp8_finish<C, 1>(d, b1, scales, bars, s1, cw, rl);
       }
-      s1 = ml_sm90_fp8_take(b1, base, bars, &stage, &phase, cw, 1);
-      ml_sm90_fp8_finish<1>(d, b0, scales, bars, s0, cw, rl);
-      /* the row scales, once their indices have had a step to arrive */
-      if (MODE == ML_SM90_SCALED && kt == 0)
-        ml_sm90_scale_load(p, sx, sc);
-      if (kt + 2 >= ktiles) {
-        ml_sm90_fp8_finish<0>(d, b1, scales, bars, s1, cw, rl);
-        break;
+      if constexpr (C::SUBS > 1) {
+        float v[32];
+        ml_sm90_swiglu32(d, v);
+        if (sub == 0) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(my_stash + (uint32_t)(i * 1024)),
+                         "f"(v[i])
+                         : "memory");
+        } else {
+          float v0[32];
+#pragma unroll
+          for (int i = 0; i < 32; ++i)
+            asm volatile("ld.shared.f32 %0, [%1];\n"
+                         : "=f"(v0[i])
+                         : "r"(my_stash + (uint32_t)(i * 1024))
+                         : "memory");
+          ml_sm90_store_q(p, v0, v, nb, row0, rows, rl, cq);
+        }
       }
-      s0 = ml_sm90_fp8_take(b0, base, bars, &stage, &phase, cw, 1);
-      ml_sm90_fp8_finish<1>(d, b1, scales, bars, s1, cw, rl);
     }
     if (MODE == ML_SM90_SCALED && ktiles == 1)
       ml_sm90_scale_load(p, sx, sc);
-    ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+    if constexpr (C::SUBS == 1)
+      ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
 }
 
@@ -1046,7 +1148,8 @@ static __device__ __forceinline__ void ml_sm90_consumer_fp8(const ml_sm90_args *
 
 /* The kernel. Built for sm_90a only: in any other device pass (the compute_90
  * PTX fallback) its body is empty and the host never launches it there.
- * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype. */
+ * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype; FP8 = 2
+ * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
@@ -1060,6 +1163,8 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   const uint32_t scales = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
   const uint32_t bars = scales + (uint32_t)(C::STAGES * C::SCALE_BYTES);
   int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * C::STAGES * 8);
+  /* ml_sm90_cfg<2>: the consumers' stash, after the headers */
+  const uint32_t stash = bars + (uint32_t)(2 * C::STAGES * 8 + C::STAGES * ML_SM90_HEADER_INTS * 4);
   /* the dynamic schedule's claims: [0], [1] by parity, [2] rank 1's slot;
    * the claim hand-over's barriers (CL = 2) */
   __shared__ int claim[3];
@@ -1090,7 +1195,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
     if constexpr (FP8)
-      ml_sm90_consumer_fp8<DT, MODE, OUT_F32>(&p, base, scales, bars, headers, wg - 1);
+      ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32>(&p, base, scales, bars, headers, stash, wg - 1);
     else
       ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1);
   }
