@@ -395,6 +395,12 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
   return o;
 }
 
+/* 1: an FP8 layer's h is quantized in the sm_90a gate/up GEMM's epilogue
+ * (ml_cuda_gemm_swiglu_fp8 with out_scale) instead of by a kernel of its own
+ * after the GEMM writes it in fp32; the same bytes either way. Off: slower
+ * at present (docs/PERF.md, FP8 section). */
+MOELINK_PARAM(GEMM_FP8_QUANT, 0)
+
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
  * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
  * both GEMMs read e4m3 operands: the decode kernels while the experts have
@@ -413,10 +419,12 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
-    /* h quantized in the gate/up GEMM's epilogue where the engine can (the
-     * same bytes and scales as quantizing its fp32 output), else after it */
+    /* h quantized in the gate/up GEMM's epilogue when asked for and the
+     * engine can (the same bytes and scales as quantizing its fp32 output),
+     * else after it */
     int fused = 0;
-    ML_TRY(ml_cuda_gemm_swiglu_fp8_quantizes(cfg->inter, cfg->hidden, &fused));
+    if (ml_param_GEMM_FP8_QUANT() != 0)
+      ML_TRY(ml_cuda_gemm_swiglu_fp8_quantizes(cfg->inter, cfg->hidden, &fused));
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                    (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                                    cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,

@@ -120,8 +120,7 @@ moelink_status_t ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale,
                                          void *out, float *out_scale, const ml_cuda_gemm_opts *opts,
                                          cudaStream_t stream);
 /* *yes = 1 when ml_cuda_gemm_swiglu_fp8 can quantize its output for this n, k
- * on the current device (the sm_90a engine runs it) and
- * MOELINK_GEMM_FP8_QUANT is not 0. */
+ * on the current device (the sm_90a engine runs it). */
 moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes);
 moelink_status_t ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a,
                                          const float *a_scale, int lda, const uint8_t *b,

@@ -611,12 +611,8 @@ static ml_decode_opts ml_fp8_fallback_opts(void) {
 }
 
 /* See cuda.h. */
-MOELINK_PARAM(GEMM_FP8_QUANT, 1)
-
 extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes) {
   *yes = 0;
-  if (ml_param_GEMM_FP8_QUANT() == 0)
-    return MOELINK_SUCCESS;
   int sm90 = 0, sms = 0;
   ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<2>::BN / 2, &sm90, &sms));
   *yes = sm90;
