@@ -735,6 +735,10 @@ static void check_rejections(int engine) {
   REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, -1, of, NULL,
                                  NULL, 0),
          MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 rows -1", en);
+  /* an e4m3 output's scales must be 4-byte aligned */
+  REJECT(ml_cuda_gemm_swiglu_fp8(q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, o,
+                                 (float *)(o + 2), NULL, 0),
+         MOELINK_ERR_INVALID_ARGUMENT, "[%s] swiglu fp8 e4m3 out, out_scale misaligned", en);
 #undef REJECT
   CUDA_CHECK(cudaDeviceSynchronize());
 
