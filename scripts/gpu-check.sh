@@ -4,7 +4,8 @@
 # device tool, so everything is gathered into a few.
 #   scripts/gpu-check.sh [PART...]   (default all)
 # PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks, fp8
-# included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked),
+# included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked;
+# FP8_TOKENS, FP8_AB env variants),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
@@ -102,6 +103,14 @@ if want fp8 || want bench; then
     ./"$BUILD"/moelink bench --backend cuda --fp8-experts --preset "$p" \
       --tokens "${FP8_TOKENS:-1,16,128,8192}" --json "$OUT/json/bench_fp8_$p.json" 2>&1 |
       tee -a "$OUT/bench.log" || rc=1
+    # FP8_AB="VAR=v[,VAR=v] ...": the same again under each word (e.g. MOELINK_GEMM_FP8_QUANT=1)
+    for v in ${FP8_AB:-}; do
+      log "bench $p (fp8 experts) with $v"
+      env ${v//,/ } ./"$BUILD"/moelink bench --backend cuda --fp8-experts --preset "$p" \
+        --tokens "${FP8_TOKENS:-1,16,128,8192}" \
+        --json "$OUT/json/bench_fp8_${p}_${v//[^A-Za-z0-9]/_}.json" 2>&1 |
+        tee -a "$OUT/bench.log" || rc=1
+    done
   done
 fi
 # Collectives beside NCCL's on 2 GPUs: the default SM engines, then the copy-engine all-gather.
