@@ -77,10 +77,11 @@
  * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps two k
  * blocks' sums (64 fp32 each, wgmma m64n128k32 e4m3) beside its running
  * total (64 more); while one block's wgmma run it adds the other's sum x
- * (row's A scale) x (column's B scale) to the total. The producer's threads that copy A rows
- * also copy the rows' scales of the stage, one row each, and two threads of
- * the second warp the tile's two B scales (cp.async, same full barrier), so
- * the consumers wait on no global load.
+ * (row's A scale) x (column's B scale) to the total. The producer's threads
+ * that copy A rows also copy the rows' scales of the stage, one row each, and
+ * two threads of the second warp the tile's two B scales (cp.async, same full
+ * barrier), so the consumers wait on no global load. ml_sm90_cfg<2> (below)
+ * also quantizes the SwiGLU output in the epilogue.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -934,10 +935,10 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
 
 /* The FP8 consumer's two steps of a k block. Issue: its stage's wgmma
  * into blk (the stage's full barrier already waited on), committed as one
- * group. Finish: once at most WAIT groups are still in flight (the block's
- * own done), read the stage's A and B scales (the producer copied them with
- * the stage), give the stage back and add blk x A scale of the row x B scale
- * of the column to the total d. */
+ * group. Finish: read the stage's A and B scales (the producer copied them
+ * with the stage), then, once at most WAIT groups are still in flight (the
+ * block's own done), give the stage back and add blk x A scale of the row x
+ * B scale of the column to the total d. */
 template <class C>
 static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
                                                          int cw) {
