@@ -14,7 +14,8 @@
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
-# all = every part. Parts that need 2 GPUs are skipped on one.
+# all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
+# machine) is their rank count, the mgpu tests' too (issue 7: 4 and 8).
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,8 @@ want() { case "$PARTS" in *" all "*|*" $1 "*) return 0;; esac
          [ "$1" = gpu ] || [ "$1" = mgpu ] && case "$PARTS" in *" test "*) return 0;; esac
          return 1; }
 NGPU=$(nvidia-smi -L | wc -l)
+# RANKS: the ranks (one GPU each) of the multi-GPU parts, mgpu tests included (default every GPU)
+RANKS=${RANKS:-$NGPU}
 export NCCL_NVLS_ENABLE=0
 BUILD=${BUILD:-build-gpu}
 JOBS=$(nproc)
@@ -44,7 +47,8 @@ if ! pkg-config --exists openblas 2>/dev/null && [ -d .debs ]; then
   log "OpenBLAS from .debs unpacked into $DEPS"
 fi
 log "configure + build ($BUILD, -j$JOBS)"
-if ! { cmake -S . -B "$BUILD" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${ML_CMAKE_FLAGS:-} &&
+if ! { cmake -S . -B "$BUILD" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
+         -DMOELINK_MGPU_RANKS=$((RANKS >= 2 ? RANKS : 2)) ${ML_CMAKE_FLAGS:-} &&
        cmake --build "$BUILD" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS}; } >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   log "BUILD FAILED"
@@ -62,8 +66,8 @@ if want gpu; then
   log "TAP checks: $(grep -cE '^[0-9]+: ok ' "$OUT/test.log") ok, $(grep -cE '^[0-9]+: not ok ' "$OUT/test.log") not ok"
 fi
 
-if want mgpu && [ "$NGPU" -ge 2 ]; then
-  log "ctest -L mgpu (2 ranks under moelink launch)"
+if want mgpu && [ "$RANKS" -ge 2 ]; then
+  log "ctest -L mgpu ($RANKS ranks under moelink launch)"
   (cd "$BUILD" && ctest -L '^mgpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/mgpu.log" 2>&1 || rc=1
   grep -E ': \[rank [0-9]+\] ([0-9]+ passed|not ok)|Test +#|tests passed' "$OUT/mgpu.log" | tail -20
 fi
@@ -113,48 +117,49 @@ if want fp8 || want bench; then
     done
   done
 fi
-# Collectives beside NCCL's on 2 GPUs: the default SM engines, then the copy-engine all-gather.
-if want comm && [ "$NGPU" -ge 2 ]; then
-  log "bench comm (2 ranks)"
-  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench comm --backend cuda \
+# Collectives beside NCCL's on RANKS GPUs: the default SM engines, then the copy-engine
+# all-gather.
+if want comm && [ "$RANKS" -ge 2 ]; then
+  log "bench comm ($RANKS ranks)"
+  ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink bench comm --backend cuda \
     --json "$OUT/json/bench_comm.json" 2>&1 | tee -a "$OUT/comm.log" || rc=1
-  log "bench comm, copy-engine all-gather (2 ranks)"
-  ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench comm --backend cuda \
+  log "bench comm, copy-engine all-gather ($RANKS ranks)"
+  ./"$BUILD"/moelink launch -n "$RANKS" --timeout 300 -- ./"$BUILD"/moelink bench comm --backend cuda \
     --ops allgather --allgather ce --json "$OUT/json/bench_comm_ce.json" 2>&1 |
     tee -a "$OUT/comm.log" || rc=1
 fi
-# The expert-parallel layer (issue 6) on 2 GPUs: beside the single-GPU layer and NCCL moving
-# the same rows; dispatch and combine timed on their own; the sequential pieces.
-if want ep && [ "$NGPU" -ge 2 ]; then
-  log "bench ep (2 ranks)"
+# The expert-parallel layer (issue 6) on RANKS GPUs: beside the single-GPU layer and NCCL
+# moving the same rows; dispatch and combine timed on their own; the sequential pieces.
+if want ep && [ "$RANKS" -ge 2 ]; then
+  log "bench ep ($RANKS ranks)"
   # EP_ARGS: options of this run (e.g. --tokens 128,4096 --steps 8); EP_QUANT: the dispatch
   # formats of the runs after it (default fp8 mxfp8; "" for none).
-  ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep ${EP_ARGS:-} \
+  ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink bench ep ${EP_ARGS:-} \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
   for q in ${EP_QUANT-fp8 mxfp8}; do
     log "bench ep, rows dispatched as $q"
-    ./"$BUILD"/moelink launch -n 2 --timeout 600 -- ./"$BUILD"/moelink bench ep \
+    ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink bench ep \
       --tokens 128,4096 --dispatch-quant $q --json "$OUT/json/bench_ep_$q.json" 2>&1 |
       tee -a "$OUT/ep.log" || rc=1
   done
 fi
-# Tensor-parallel fused GEMMs (issue 8) on 2 GPUs: moelink's ops beside cuBLAS and NCCL
+# Tensor-parallel fused GEMMs (issue 8) on RANKS GPUs: moelink's ops beside cuBLAS and NCCL
 # (moelink's GEMM choice, then its own engines only), then PyTorch's symm_mem fused ops.
-if want tp && [ "$NGPU" -ge 2 ]; then
-  log "bench tp (2 ranks)"
-  ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp \
+if want tp && [ "$RANKS" -ge 2 ]; then
+  log "bench tp ($RANKS ranks)"
+  ./"$BUILD"/moelink launch -n "$RANKS" --timeout 300 -- ./"$BUILD"/moelink bench tp \
     --json "$OUT/json/bench_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   # TP_AB: one more run per word, under that VAR=value (commas join several: A=1,B=2;
   # MOELINK_TP_GEMM=1: moelink's GEMM engines; =2: cublasGemmEx instead of cuBLASLt;
   # MOELINK_TP_LT_ALGO=i: Lt's i-th algorithm). TP_OPS: --ops of those runs (default all).
   for v in ${TP_AB-MOELINK_TP_GEMM=1}; do
     log "bench tp, $v"
-    env ${v//,/ } ./"$BUILD"/moelink launch -n 2 --timeout 300 -- ./"$BUILD"/moelink bench tp ${TP_OPS:+--ops $TP_OPS} \
+    env ${v//,/ } ./"$BUILD"/moelink launch -n "$RANKS" --timeout 300 -- ./"$BUILD"/moelink bench tp ${TP_OPS:+--ops $TP_OPS} \
       --json "$OUT/json/bench_tp_${v//[^A-Za-z0-9]/_}.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   done
   if python3 -c 'import torch' 2>/dev/null; then
-    log "compare_tp (2 ranks)"
-    PYTHONUNBUFFERED=1 ./"$BUILD"/moelink launch -n 2 --timeout 300 -- \
+    log "compare_tp ($RANKS ranks)"
+    PYTHONUNBUFFERED=1 ./"$BUILD"/moelink launch -n "$RANKS" --timeout 300 -- \
       python3 bench/compare_tp.py --json "$OUT/json/torch_tp.json" 2>&1 | tee -a "$OUT/tp.log" || rc=1
   fi
 fi
