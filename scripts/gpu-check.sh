@@ -102,17 +102,13 @@ if want fp8 || want bench; then
     tee -a "$OUT/bench.log" || rc=1
   ./"$BUILD"/moelink run --backend cuda --fp8-experts --preset deepseek-v3 --experts 32 \
     --tokens 64 --verify --verify-tokens 16 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  # FP8_AB="VAR=v[,VAR=v] ...": each preset again under each word (e.g. MOELINK_GEMM_FP8_QUANT=1)
   for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
-    log "bench $p (fp8 experts)"
-    ./"$BUILD"/moelink bench --backend cuda --fp8-experts --preset "$p" \
-      --tokens "${FP8_TOKENS:-1,16,128,8192}" --json "$OUT/json/bench_fp8_$p.json" 2>&1 |
-      tee -a "$OUT/bench.log" || rc=1
-    # FP8_AB="VAR=v[,VAR=v] ...": the same again under each word (e.g. MOELINK_GEMM_FP8_QUANT=1)
-    for v in ${FP8_AB:-}; do
-      log "bench $p (fp8 experts) with $v"
+    for v in "" ${FP8_AB:-}; do
+      log "bench $p (fp8 experts)${v:+ with $v}"
       env ${v//,/ } ./"$BUILD"/moelink bench --backend cuda --fp8-experts --preset "$p" \
         --tokens "${FP8_TOKENS:-1,16,128,8192}" \
-        --json "$OUT/json/bench_fp8_${p}_${v//[^A-Za-z0-9]/_}.json" 2>&1 |
+        --json "$OUT/json/bench_fp8_$p${v:+_${v//[^A-Za-z0-9]/_}}.json" 2>&1 |
         tee -a "$OUT/bench.log" || rc=1
     done
   done
@@ -230,14 +226,12 @@ fi
 # FP8 gate/up and qwen3-30b-a3b GEMMs, PREFILL_NO_DS=1 skips the deepseek-v3 ncu. Not in all.
 if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
   for p in ${PRESETS:-deepseek-v3 qwen3-30b-a3b mixtral-8x7b}; do
-    log "prefill $p"
-    ./"$BUILD"/moelink bench --backend cuda --preset "$p" --tokens "${PREFILL_TOKENS:-512,2048,8192}" \
-      --json "$OUT/json/prefill_$p.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
-    for v in ${PREFILL_AB:-}; do
-      log "prefill $p with $v"
+    for v in "" ${PREFILL_AB:-}; do
+      log "prefill $p${v:+ with $v}"
       env ${v//,/ } ./"$BUILD"/moelink bench --backend cuda --preset "$p" \
         --tokens "${PREFILL_TOKENS:-512,2048,8192}" \
-        --json "$OUT/json/prefill_${p}_${v//[^A-Za-z0-9]/_}.json" 2>&1 | tee -a "$OUT/prefill.log" || rc=1
+        --json "$OUT/json/prefill_$p${v:+_${v//[^A-Za-z0-9]/_}}.json" 2>&1 |
+        tee -a "$OUT/prefill.log" || rc=1
     done
   done
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
