@@ -425,11 +425,10 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     int fused = 0;
     if (ml_param_GEMM_FP8_QUANT() != 0)
       ML_TRY(ml_cuda_gemm_swiglu_fp8_quantizes(cfg->inter, cfg->hidden, &fused));
-    ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k,
-                                   (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
-                                   cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                                   plan->max_tiles, pairs, fused ? (void *)m->hq : m->h,
-                                   fused ? (float *)m->hs : NULL, &go, st));
+    ML_TRY(ml_cuda_gemm_swiglu_fp8(
+        m->xq, m->xs, cfg->hidden, plan->sorted_pairs, cfg->top_k, (const uint8_t *)moe->w.gate_up,
+        moe->w.gate_up_scale, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
+        plan->max_tiles, pairs, fused ? (void *)m->hq : m->h, fused ? m->hs : NULL, &go, st));
     ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
     if (!fused)
       ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,

@@ -57,6 +57,12 @@ static __device__ __forceinline__ uint32_t ml_q_cvt2(float a, float b) {
   return r;
 }
 
+/* x as the FP8 block format scales it before the e4m3 conversion (s: the
+ * block's scale; a zero block stays zero), as ml_fp8_quant does. */
+static __device__ __forceinline__ float ml_q_fp8_scaled(float x, float s) {
+  return s > 0.0f ? x / s : 0.0f;
+}
+
 /* 8 elements to e4m3 bytes (lowest address in the low byte). FMT is
  * MOELINK_QUANT_FP8 (s: the block's fp32 scale) or MXFP8 (e: its e8m0); the
  * scaled values are those of ml_fp8_quant / ml_mx_quant. */
@@ -66,7 +72,7 @@ static __device__ __forceinline__ uint2 ml_q_pack8(const float *f, float s, uint
   const float m = FMT == MOELINK_QUANT_FP8 ? 0.0f : ml_fp8_pow2(127 - (int)e);
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    v[i] = FMT == MOELINK_QUANT_FP8 ? (s > 0.0f ? f[i] / s : 0.0f) : f[i] * m;
+    v[i] = FMT == MOELINK_QUANT_FP8 ? ml_q_fp8_scaled(f[i], s) : f[i] * m;
   const uint32_t w0 = ml_q_cvt2(v[0], v[1]) | (ml_q_cvt2(v[2], v[3]) << 16);
   const uint32_t w1 = ml_q_cvt2(v[4], v[5]) | (ml_q_cvt2(v[6], v[7]) << 16);
   return make_uint2(w0, w1);

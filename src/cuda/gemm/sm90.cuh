@@ -132,6 +132,13 @@ enum { ML_SM90_SWIGLU = 0, ML_SM90_SCALED = 1 };
  * then 2 x STAGES mbarriers, then STAGES headers. Stages stay 1024-byte
  * aligned (the swizzle's unit). */
 template <int FP8> struct ml_sm90_cfg;
+/* Shared memory of an FP8 configuration: its stages with their scales, 2 x
+ * stages mbarriers, stages headers, the stash, 1 KiB of slack to align the
+ * base. */
+constexpr int ml_sm90_fp8_smem(int stages, int stage_bytes, int scale_bytes, int stash_bytes) {
+  return stages * (stage_bytes + scale_bytes) + 2 * stages * 8 + stages * ML_SM90_HEADER_INTS * 4 +
+         stash_bytes + 1024;
+}
 template <> struct ml_sm90_cfg<0> {
   static constexpr int ES = 2, BK = ML_SM90_BK, BN = ML_SM90_BN, STAGES = ML_SM90_STAGES;
   static constexpr int A_BYTES = ML_SM90_A_BYTES, B_BYTES = ML_SM90_B_BYTES;
@@ -147,8 +154,7 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   /* per stage: the A rows' scales, then the two B scales (16 bytes) */
   static constexpr int SCALE_BYTES = ML_SM90_BM * 4 + 16;
-  static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
-                                    STAGES * ML_SM90_HEADER_INTS * 4 + 1024;
+  static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
   /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
   static constexpr int SUBS = 1, STASH_BYTES = 0;
@@ -162,16 +168,15 @@ template <> struct ml_sm90_cfg<1> {
 template <> struct ml_sm90_cfg<2> : ml_sm90_cfg<1> {
   static constexpr int STAGES = 5, SUBS = 2;
   static constexpr int STASH_BYTES = 2 * 128 * 32 * 4;
-  static constexpr int SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 2 * STAGES * 8 +
-                                    STAGES * ML_SM90_HEADER_INTS * 4 + STASH_BYTES + 1024;
+  static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, STASH_BYTES);
 };
 /* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
  * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
-static_assert(ml_sm90_cfg<0>::PRODUCER_REGS * 128 + 2 * ml_sm90_cfg<0>::CONSUMER_REGS * 128 <=
-                  168 * 384,
-              "warpgroup register budgets exceed the register file");
-static_assert(ml_sm90_cfg<1>::PRODUCER_REGS * 128 + 2 * ml_sm90_cfg<1>::CONSUMER_REGS * 128 <=
-                  168 * 384,
+template <class C> constexpr bool ml_sm90_regs_fit() {
+  return C::PRODUCER_REGS * 128 + 2 * C::CONSUMER_REGS * 128 <= 168 * 384;
+}
+static_assert(ml_sm90_regs_fit<ml_sm90_cfg<0>>() && ml_sm90_regs_fit<ml_sm90_cfg<1>>() &&
+                  ml_sm90_regs_fit<ml_sm90_cfg<2>>(),
               "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
 static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
@@ -539,6 +544,21 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
 
 /* ---- roles ----------------------------------------------------------------- */
 
+/* The next stage of a ring of C::STAGES, the phase flipping at each wrap. */
+template <class C>
+static __device__ __forceinline__ void ml_sm90_next_stage(int *stage, uint32_t *phase) {
+  if (++*stage == C::STAGES) {
+    *stage = 0;
+    *phase ^= 1u;
+  }
+}
+
+/* silu(g) u of the wgmma epilogues; for very negative g the denominator
+ * overflows to inf and the fast division gives -0, the right limit. */
+static __device__ __forceinline__ float ml_sm90_silu_mul(float g, float u) {
+  return __fdividef(g, 1.0f + __expf(-g)) * u;
+}
+
 static __device__ __forceinline__ uint32_t ml_sm90_full(uint32_t bars, int s) {
   return bars + (uint32_t)(8 * s);
 }
@@ -714,10 +734,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         }
       }
       ml_cp_async_arrive(full);
-      if (++stage == C::STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ml_sm90_next_stage<C>(&stage, &phase);
       /* the next item's claim, walk and index loads, behind this step's loads */
       if (st == kfind) {
         if (p->sched != NULL) {
@@ -836,10 +853,7 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
         if (col >= p->n_out) continue;
         const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
         const float u0 = d[4 * (j + HALF) + 2 * h], u1 = d[4 * (j + HALF) + 2 * h + 1];
-        /* silu(g) u; for very negative g the denominator overflows to inf
-         * and the fast division gives -0, the right limit */
-        const float v0 = __fdividef(g0, 1.0f + __expf(-g0)) * u0;
-        const float v1 = __fdividef(g1, 1.0f + __expf(-g1)) * u1;
+        const float v0 = ml_sm90_silu_mul(g0, u0), v1 = ml_sm90_silu_mul(g1, u1);
         if (OUT_F32)
           ((float2 *)orow)[col >> 1] = make_float2(v0, v1);
         else
@@ -917,10 +931,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
         ml_sm90_release<C, CL>(bars, stage);
       }
       prev = stage;
-      if (++stage == ML_SM90_STAGES) {
-        stage = 0;
-        phase ^= 1u;
-      }
+      ml_sm90_next_stage<C>(&stage, &phase);
       /* the scales, once their indices have had a step to arrive */
       if (MODE == ML_SM90_SCALED && kt == (ktiles > 1 ? 1 : 0))
         ml_sm90_scale_load(p, sx, sc);
@@ -966,10 +977,7 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
   if (wait)
     ml_mbar_wait(ml_sm90_full(bars, s), *phase);
   ml_sm90_fp8_issue<C>(blk, base, s, cw);
-  if (++*stage == C::STAGES) {
-    *stage = 0;
-    *phase ^= 1u;
-  }
+  ml_sm90_next_stage<C>(stage, phase);
   return s;
 }
 
@@ -1000,7 +1008,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
   }
 }
 
-/* SwiGLU of the consumer's accumulators as ml_sm90_store computes it:
+/* SwiGLU of the consumer's accumulators (ml_sm90_store's values):
  * v[16 h + 2 j + e] is row rl + 8 h, output column 8 j + cq + e of the tile. */
 static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v) {
 #pragma unroll
@@ -1010,7 +1018,7 @@ static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float g = d[4 * j + 2 * h + e], u = d[4 * (j + 8) + 2 * h + e];
-        v[16 * h + 2 * j + e] = __fdividef(g, 1.0f + __expf(-g)) * u;
+        v[16 * h + 2 * j + e] = ml_sm90_silu_mul(g, u);
       }
 }
 
@@ -1040,9 +1048,9 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
     for (int j = 0; j < 8; ++j) {
       const float *x0 = v0 + 16 * h + 2 * j, *x1 = v1 + 16 * h + 2 * j;
       *(uint16_t *)(q + 8 * j) =
-          (uint16_t)ml_q_cvt2(sc > 0.0f ? x0[0] / sc : 0.0f, sc > 0.0f ? x0[1] / sc : 0.0f);
+          (uint16_t)ml_q_cvt2(ml_q_fp8_scaled(x0[0], sc), ml_q_fp8_scaled(x0[1], sc));
       *(uint16_t *)(q + 64 + 8 * j) =
-          (uint16_t)ml_q_cvt2(sc > 0.0f ? x1[0] / sc : 0.0f, sc > 0.0f ? x1[1] / sc : 0.0f);
+          (uint16_t)ml_q_cvt2(ml_q_fp8_scaled(x1[0], sc), ml_q_fp8_scaled(x1[1], sc));
     }
     if (cq == 0)
       p->out_scale[row * (size_t)(p->n_out / 128) + (size_t)nb] = sc;
@@ -1083,10 +1091,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
         if (st > 0)
           ml_mbar_wait(ml_sm90_full(bars, stage), phase);
         ml_sm90_release<C, 1>(bars, stage);
-        if (++stage == C::STAGES) {
-          stage = 0;
-          phase ^= 1u;
-        }
+        ml_sm90_next_stage<C>(&stage, &phase);
       }
       continue;
     }
