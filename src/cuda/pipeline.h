@@ -87,11 +87,12 @@ size_t ml_cuda_router_smem(int num_experts);
  * the current device (bounded by smem_optin). */
 moelink_status_t ml_cuda_router_prepare(int smem_optin);
 moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStream_t stream);
-/* The router as a layer runs it: where ml_cuda_router_gemm_wanted and logits
- * (ml_cuda_router_logits_floats of the layer's max_tokens) is given, the
- * logits first by the grouped GEMM engine (its work counter: counter, see
- * ml_cuda_gemm_opts) and the kernel then selects only (a's logits, splits
- * and pdl set so); else ml_cuda_router(a) as it is. */
+/* The router as a layer runs it: where ml_cuda_router_gemm_wanted, logits
+ * (ml_cuda_router_logits_floats of the layer's max_tokens) is given and the
+ * kernel builds no plan (a->plan NULL), the logits first by the grouped GEMM
+ * engine (its work counter: counter, see ml_cuda_gemm_opts) and the kernel
+ * then selects only (a's logits, splits and pdl set so); else
+ * ml_cuda_router(a) as it is. */
 moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits, int32_t *counter,
                                cudaStream_t stream);
 
