@@ -5,7 +5,7 @@
 #   scripts/gpu-check.sh [PART...]   (default all)
 # PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks, fp8
 # included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked;
-# FP8_TOKENS, FP8_AB env variants),
+# FP8_TOKENS, FP8_AB env variants, FP8_NCU=1 kernel times),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
@@ -112,6 +112,20 @@ if want fp8 || want bench; then
         tee -a "$OUT/bench.log" || rc=1
     done
   done
+  # FP8_NCU=1: each FP8 layer's kernels at 8192 tokens under Nsight Compute (speed of light:
+  # time, SM clock, L2 use), default and each FP8_AB word, into fp8_ncu.log
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  if [ -n "$NCU" ] && [ -n "${FP8_NCU:-}" ]; then
+    for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
+      for v in "" ${FP8_AB:-}; do
+        log "ncu $p 8192 fp8 kernels${v:+ with $v}"
+        echo "== $p ${v:-(default)}" >>"$OUT/fp8_ncu.log"
+        env ${v//,/ } "$NCU" --clock-control none --section SpeedOfLight \
+          -k 'regex:^(ml_|mld_)' ./"$BUILD"/moelink bench --backend cuda --fp8-experts \
+          --preset "$p" --tokens 8192 --iters 1 --warmup 0 >>"$OUT/fp8_ncu.log" 2>&1 || rc=1
+      done
+    done
+  fi
 fi
 # Collectives beside NCCL's on RANKS GPUs: the default SM engines, then the copy-engine
 # all-gather.

@@ -418,7 +418,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 1);
     /* h quantized in the gate/up GEMM's epilogue when asked for and the
      * engine can (the same bytes and scales as quantizing its fp32 output),
      * else after it */
@@ -486,7 +486,7 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                                  weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts);
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 0);
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
                              plan->max_tiles, 0, m->h, &go, st));
@@ -584,7 +584,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
   } else if (cfg->shared_inter > 0 && !shared_decode) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1);
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, 0);
     ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
                                cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &go, st));
     ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,

@@ -69,16 +69,18 @@ typedef struct ml_cuda_gemm_opts {
   int32_t *counter;
   /* 2: clusters of two CTAs that take neighbouring units of an expert and
    * share each weight box (TMA multicast), where the device can run them
-   * (bf16/f16 only); anything else: one CTA. Pays where experts have two
-   * units (256 rows) or more: a lone unit leaves its partner CTA idle. */
+   * (not the FP8 SwiGLU with e4m3 output); anything else: one CTA. Pays, if
+   * at all, where experts have two units (256 rows) or more: a lone unit
+   * leaves its partner CTA idle. */
   int cluster;
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over
  * `experts` experts (dense: 1): the counter, and clusters where the average
- * expert has MOELINK_GEMM_SM90_CLUSTER_ROWS rows or more (default 0: never;
- * measured no faster on H200, docs/PERF.md). */
-ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts);
+ * expert has MOELINK_GEMM_SM90_CLUSTER_ROWS (fp8: the FP8 GEMMs,
+ * MOELINK_GEMM_FP8_CLUSTER_ROWS) rows or more (default 0: never; see
+ * docs/PERF.md). */
+ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts, int fp8);
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.

@@ -109,7 +109,8 @@ enum {
   ML_K_SM90,                        /* 6 sm_90a kernels from here: see ml_sm90_which */
   ML_K_SM90_FP8 = ML_K_SM90 + 6,    /* 5 FP8 ones: see ml_sm90_which */
   ML_K_SM90_CL = ML_K_SM90_FP8 + 5, /* 6 in clusters of two: see ml_sm90_which */
-  ML_K_COUNT = ML_K_SM90_CL + 6
+  ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6, /* 4 FP8 ones in clusters of two */
+  ML_K_COUNT = ML_K_SM90_FP8_CL + 4
 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
@@ -294,12 +295,13 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
 
 /* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
  * output (FP8 = 1) or an e4m3 one (FP8 = 2); the scaled GEMM bf16, f16 or
- * fp32. CL 2: the cluster ones. */
+ * fp32. CL 2: the cluster ones (the cluster slots, ML_K_SM90_CL on, are also
+ * ml_sm90_cluster_room's). */
 template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
   if (FP8 == 2)
     return ML_K_SM90_FP8 + 4; /* SwiGLU, e4m3 output */
   if (FP8)
-    return ML_K_SM90_FP8 +
+    return (CL > 1 ? ML_K_SM90_FP8_CL : ML_K_SM90_FP8) +
            (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 3 : 1 + (DT == MOELINK_DTYPE_F16));
   return (CL > 1 ? ML_K_SM90_CL : ML_K_SM90) +
          (MODE == ML_SM90_SWIGLU ? 0
@@ -310,18 +312,19 @@ template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90
 
 /* Clusters of two of a cluster kernel the device holds at once (0: it cannot
  * run them), cached per device and kernel as value + 1. */
-static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][6];
+static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][ML_K_COUNT - ML_K_SM90_CL];
 
-template <int DT, int MODE, int OUT_F32> static moelink_status_t ml_sm90_cluster_room(int *room) {
-  const int which = ml_sm90_which<DT, MODE, OUT_F32, 0, 2>();
-  const void *kernel = (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, 0, 2>;
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
+static moelink_status_t ml_sm90_cluster_room(int *room) {
+  const int which = ml_sm90_which<DT, MODE, OUT_F32, FP8, 2>();
+  const void *kernel = (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, 2>;
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
   const int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
   int *slot = cached ? &ml_sm90_cluster_room_cache[dev][which - ML_K_SM90_CL] : NULL;
   int v = slot ? __atomic_load_n(slot, __ATOMIC_ACQUIRE) : 0;
   if (v == 0) {
-    const int smem = ml_sm90_cfg<0>::SMEM_BYTES;
+    const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
     ML_TRY(ml_gemm_allow_smem(kernel, which, smem));
     int sms = 0, is_sm90 = 0;
     ML_TRY(ml_cuda_sm90_device(&is_sm90, &sms));
@@ -366,20 +369,23 @@ template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
                                        cudaStream_t stream) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
-  const char *name = MODE == ML_SM90_SWIGLU ? (FP8 == 2 ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
-                                               : FP8    ? "ml_sm90_kernel (fp8, swiglu)"
-                                               : CL > 1 ? "ml_sm90_kernel (swiglu, clusters of 2)"
-                                                        : "ml_sm90_kernel (swiglu)")
-                                            : (FP8      ? "ml_sm90_kernel (fp8, scaled)"
-                                               : CL > 1 ? "ml_sm90_kernel (scaled, clusters of 2)"
-                                                        : "ml_sm90_kernel (scaled)");
+  const char *name = MODE == ML_SM90_SWIGLU
+                         ? (FP8 == 2            ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
+                            : FP8 && CL > 1     ? "ml_sm90_kernel (fp8, swiglu, clusters of 2)"
+                            : FP8               ? "ml_sm90_kernel (fp8, swiglu)"
+                            : CL > 1            ? "ml_sm90_kernel (swiglu, clusters of 2)"
+                                                : "ml_sm90_kernel (swiglu)")
+                         : (FP8 && CL > 1 ? "ml_sm90_kernel (fp8, scaled, clusters of 2)"
+                            : FP8         ? "ml_sm90_kernel (fp8, scaled)"
+                            : CL > 1      ? "ml_sm90_kernel (scaled, clusters of 2)"
+                                          : "ml_sm90_kernel (scaled)");
   ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>,
                             ml_sm90_which<DT, MODE, OUT_F32, FP8, CL>(), smem));
-  if (CL > 1) {
+  if constexpr (CL > 1) {
     /* grid CTAs' worth of clusters, no more than the device holds at once
      * (persistent clusters; the work comes from the schedule) */
     int room = 0;
-    ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32>(&room)));
+    ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32, FP8>(&room)));
     unsigned clusters = (grid + 1) / 2;
     if (room > 0 && clusters > (unsigned)room)
       clusters = (unsigned)room;
@@ -414,11 +420,14 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 
 /* See cuda.h. */
 MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 0)
+MOELINK_PARAM(GEMM_FP8_CLUSTER_ROWS, 0)
 
-extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts) {
+extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts,
+                                                   int fp8) {
   ml_cuda_gemm_opts o;
   o.counter = counter;
-  const long long min_rows = (long long)ml_param_GEMM_SM90_CLUSTER_ROWS();
+  const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
+                                             : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
   return o;
 }
@@ -610,6 +619,20 @@ static ml_decode_opts ml_fp8_fallback_opts(void) {
   return o;
 }
 
+/* Clusters of two the FP8 kernel <DT, MODE, OUT_F32> runs in for these
+ * options (2), else 1 (its quantizing epilogue never runs in clusters). */
+template <int DT, int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_fp8_cl(const ml_cuda_gemm_opts *opts, int *cl) {
+  *cl = 1;
+  if (opts == NULL || opts->cluster != 2)
+    return MOELINK_SUCCESS;
+  int room = 0;
+  ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32, 1>(&room)));
+  if (room > 0)
+    *cl = 2;
+  return MOELINK_SUCCESS;
+}
+
 /* See cuda.h. */
 extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes) {
   *yes = 0;
@@ -658,12 +681,18 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                     out_scale != NULL ? 128 : cols, max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   q.out_scale = out_scale;
+  int cl = 1;
+  if (out_scale == NULL)
+    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1>(opts, &cl)));
+  /* clusters: a CTA's box is the gate or the up half of the tile's rows */
   CUtensorMap map;
-  ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 2,
-                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
+  ML_TRY(ml_sm90_map_b_box(&map, MOELINK_DTYPE_F32, b, k, n, 2,
+                           tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, cl > 1 ? 1 : 2, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_scale != NULL)
     return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
+  if (cl > 1)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1, 2>(&map, &q, grid, stream);
   return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(&map, &q, grid, stream);
 }
 
@@ -696,13 +725,26 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
                     max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
+  int cl = 1;
+  if (out_f32)
+    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1>(opts, &cl)));
+  else if (out_dt == MOELINK_DTYPE_BF16)
+    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0>(opts, &cl)));
+  else
+    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0>(opts, &cl)));
+  /* clusters: a CTA's box is half the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
-                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, what));
+                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_f32)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);
+    return cl > 1
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1, 2>(&map, &q, grid, stream)
+               : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);
   if (out_dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
-  return ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
+    return cl > 1
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1, 2>(&map, &q, grid, stream)
+               : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
+  return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1, 2>(&map, &q, grid, stream)
+                : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
 }

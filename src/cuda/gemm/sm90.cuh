@@ -22,8 +22,9 @@
  * Clusters of two (CL = 2, an option of the launchers, off by default): the
  * two CTAs take neighbouring units of one expert and column block, and each
  * loads half of the B box into both CTAs' stage (TMA multicast), halving the
- * L2 reads of B. Measured on H200 (docs/PERF.md): the kernel runs at a
- * higher clock (less power) but takes ~18% more cycles, so no faster.
+ * L2 reads of B. Measured on H200 (docs/PERF.md) for bf16: the kernel runs
+ * at a higher clock (less power) but takes ~18% more cycles, so no faster.
+ * The FP8 kernel (not its quantizing epilogue) runs in clusters the same way.
  *
  * Rows. The plan cuts each expert's rows into tiles of 64 (the last one
  * shorter), listed expert by expert. A work unit is two consecutive tiles of
@@ -981,7 +982,7 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
   return s;
 }
 
-template <class C, int WAIT>
+template <class C, int WAIT, int CL>
 static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
                                                           uint32_t bars, int stage, int cw,
                                                           int rl) {
@@ -998,7 +999,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
   }
   ml_wgmma_wait<WAIT>();
   ml_acc_fence<64>(blk);
-  ml_sm90_release<C, 1>(bars, stage);
+  ml_sm90_release<C, CL>(bars, stage);
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
     /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's gate
@@ -1063,7 +1064,7 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
  * item is two sub-items, the first one's SwiGLU values kept in the stash
  * (value i of consumer thread t at stash + 4 (256 i + t): no bank
  * conflicts) until the second's are quantized with them. */
-template <class C, int DT, int MODE, int OUT_F32>
+template <class C, int DT, int MODE, int OUT_F32, int CL>
 static __device__ __forceinline__ void
 ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint32_t bars,
                      const int *headers, uint32_t stash, int cw) {
@@ -1090,7 +1091,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
       for (int st = 0; st < ktiles * C::SUBS; ++st) {
         if (st > 0)
           ml_mbar_wait(ml_sm90_full(bars, stage), phase);
-        ml_sm90_release<C, 1>(bars, stage);
+        ml_sm90_release<C, CL>(bars, stage);
         ml_sm90_next_stage<C>(&stage, &phase);
       }
       continue;
@@ -1107,20 +1108,20 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
        * every join, so the compiler need not serialize them) */
       for (int kt = 0;; kt += 2) {
         if (kt + 1 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0>(d, b0, scales, bars, s0, cw, rl);
+          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl);
           break;
         }
         s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1>(d, b0, scales, bars, s0, cw, rl);
+        ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl);
         /* the row scales, once their indices have had a step to arrive */
         if (MODE == ML_SM90_SCALED && kt == 0)
           ml_sm90_scale_load(p, sx, sc);
         if (kt + 2 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0>(d, b1, scales, bars, s1, cw, rl);
+          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl);
           break;
         }
         s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1>(d, b1, scales, bars, s1, cw, rl);
+        ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl);
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
@@ -1162,7 +1163,8 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
-  static_assert(CL == 1 || (CL == 2 && FP8 == 0), "clusters of two, bf16/f16 only");
+  static_assert(CL == 1 || (CL == 2 && FP8 != 2),
+                "clusters of two: not with the quantizing epilogue (its sub-items)");
   extern __shared__ __align__(1024) char ml_sm90_smem[];
   const uint32_t raw = ml_smem_u32(ml_sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -1201,7 +1203,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
     if constexpr (FP8)
-      ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32>(&p, base, scales, bars, headers, stash, wg - 1);
+      ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1);
     else
       ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1);
   }

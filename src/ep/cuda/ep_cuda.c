@@ -294,7 +294,7 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   const ml_epc_args *a = &w->a;
   ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
   if (shared && T > 0 && c->shared_inter > 0) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1);
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, 0);
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
                                c->hidden, NULL, NULL, 0, T, w->sh_h, &go, st));
     ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
