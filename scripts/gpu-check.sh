@@ -251,11 +251,15 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
   NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ] && [ -n "${PREFILL_FP8:-}" ]; then
     # PREFILL_FP8=1: the FP8 experts' gate/up GEMM of one mixtral-8x7b call at 8192 tokens,
-    # every warp stall reason (where its time goes), beside the bf16 kernel of the same call
+    # every warp stall reason (where its time goes), pipe use and the memory tables (shared
+    # memory wavefronts, bank conflicts, L1 and L2 traffic), beside the bf16 kernel of the same
+    # call
     for f in --fp8-experts ""; do
       log "ncu mixtral-8x7b 8192 gate/up GEMM, stall reasons ${f:-(bf16)}"
       "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
-        --section SchedulerStats --section InstructionStats --print-details all \
+        --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+        --print-details all \
         -k 'regex:ml_sm90_kernel' --launch-count 1 \
         ./"$BUILD"/moelink bench --backend cuda --preset mixtral-8x7b $f --tokens 8192 \
         --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
