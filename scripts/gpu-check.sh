@@ -254,12 +254,14 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
     # every warp stall reason (where its time goes), pipe use and the memory tables (shared
     # memory wavefronts, bank conflicts, L1 and L2 traffic), beside the bf16 kernel of the same
     # call
+    MWA_TABLES=""
+    "$NCU" --list-sections 2>/dev/null | grep -q MemoryWorkloadAnalysis_Tables &&
+      MWA_TABLES="--section MemoryWorkloadAnalysis_Tables"
     for f in --fp8-experts ""; do
       log "ncu mixtral-8x7b 8192 gate/up GEMM, stall reasons ${f:-(bf16)}"
       "$NCU" --clock-control none --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section InstructionStats --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
-        --print-details all \
+        --section MemoryWorkloadAnalysis $MWA_TABLES --print-details all \
         -k 'regex:ml_sm90_kernel' --launch-count 1 \
         ./"$BUILD"/moelink bench --backend cuda --preset mixtral-8x7b $f --tokens 8192 \
         --iters 1 --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
