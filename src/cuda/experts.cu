@@ -606,6 +606,10 @@ static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const 
   q->a_scale = a_scale;
   q->b_scale = b_scale;
   q->as_ld = lda / 128;
+  /* one copy a row brings the A scales of as many k blocks as the rows'
+   * alignment allows (a 16- or 8-byte copy from a row start + a multiple) */
+  const uintptr_t sa = (uintptr_t)a_scale;
+  q->as_group = q->as_ld % 4 == 0 && sa % 16 == 0 ? 4 : q->as_ld % 2 == 0 && sa % 8 == 0 ? 2 : 1;
   q->kblocks = k / 128;
   q->b_rblocks = b_rows / 128;
   return MOELINK_SUCCESS;

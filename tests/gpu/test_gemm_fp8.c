@@ -822,6 +822,10 @@ int main(void) {
       {"plan n 128 k 256", MOELINK_DTYPE_BF16, 128, 256, 128, 2, 2},
       {"plan n 256 k 640", MOELINK_DTYPE_F16, 256, 640, 0, 4, 1},
       {"plan n 384 k 128", MOELINK_DTYPE_BF16, 384, 128, 128, 1, 0},
+      /* A-scale groups of four k blocks (rows 512 or 1536 scales apart):
+       * 11 blocks (4 + 4 + 3) in the gate/up GEMM, 8 in the down one */
+      {"plan n 512 k 1408", MOELINK_DTYPE_BF16, 512, 1408, 128, 2, 1},
+      {"plan n 1024 k 512", MOELINK_DTYPE_F16, 1024, 512, 0, 2, 2},
   };
   for (size_t i = 0; i < sizeof plan_cases / sizeof plan_cases[0]; ++i)
     run_case(&plan_cases[i], &pa);

@@ -84,6 +84,15 @@ static __device__ __forceinline__ void ml_cp_async4(uint32_t dst, const void *sr
                : "memory");
 }
 
+/* 8 bytes global -> shared through L1, the same way (the FP8 kernel's A
+ * scales, two k blocks of a row); src_bytes 8, 4 or 0, the rest zeros. */
+static __device__ __forceinline__ void ml_cp_async8(uint32_t dst, const void *src,
+                                                    int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
+               : "memory");
+}
+
 /* Two fp32 values rounded to nearest even into one 32-bit word of two DT
  * elements, lo at the lower address. */
 template <int DT>

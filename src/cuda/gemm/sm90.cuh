@@ -79,9 +79,12 @@
  * blocks' sums (64 fp32 each, wgmma m64n128k32 e4m3) beside its running
  * total (64 more); while one block's wgmma run it adds the other's sum x
  * (row's A scale) x (column's B scale) to the total. The producer's threads
- * that copy A rows also copy the rows' scales of the stage, one row each, and
- * two threads of the second warp the tile's two B scales (cp.async, same full
- * barrier), so the consumers wait on no global load. ml_sm90_cfg<2> (below)
+ * that copy A rows also copy the rows' scales, one row each, up to four k
+ * blocks' worth in one copy at the first stage of each group of k blocks
+ * (scattered 4-byte copies every stage cost the load pipe as much as the A
+ * rows), and two threads of the second warp the tile's two B scales each
+ * stage (cp.async, same full barriers), so the consumers wait on no global
+ * load. ml_sm90_cfg<2> (below)
  * also quantizes the SwiGLU output in the epilogue.
  *
  * Determinism: each output element is computed by one consumer, summing k
@@ -143,7 +146,7 @@ constexpr int ml_sm90_fp8_smem(int stages, int stage_bytes, int scale_bytes, int
 template <> struct ml_sm90_cfg<0> {
   static constexpr int ES = 2, BK = ML_SM90_BK, BN = ML_SM90_BN, STAGES = ML_SM90_STAGES;
   static constexpr int A_BYTES = ML_SM90_A_BYTES, B_BYTES = ML_SM90_B_BYTES;
-  static constexpr int STAGE_BYTES = ML_SM90_STAGE_BYTES, SCALE_BYTES = 0;
+  static constexpr int STAGE_BYTES = ML_SM90_STAGE_BYTES, SCALE_BYTES = 0, A_SCALE_ROW = 0;
   static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES;
   /* registers a thread: producer, consumers (one 64 x 256 accumulator) */
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;
@@ -153,8 +156,15 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
   static constexpr int A_BYTES = ML_SM90_BM * 128, B_BYTES = BN * 128;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  /* per stage: the A rows' scales, then the two B scales (16 bytes) */
-  static constexpr int SCALE_BYTES = ML_SM90_BM * 4 + 16;
+  /* per stage slot: 16 bytes of A scales a row, then the stage's two B
+   * scales (16 bytes). The A scales go by scale group, not by stage: the
+   * g-th group of up to four k blocks (ml_sm90_args.as_group) of the
+   * kernel's run keeps its rows' scales in slot g % STAGES, written at the
+   * group's first stage; the slot is rewritten STAGES groups later, so at
+   * least STAGES stages later, after the producer has seen every block of
+   * the group released. */
+  static constexpr int A_SCALE_ROW = 16;
+  static constexpr int SCALE_BYTES = ML_SM90_BM * A_SCALE_ROW + 16;
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
   /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
@@ -198,6 +208,10 @@ typedef struct ml_sm90_args {
   const float *a_scale;
   const float *b_scale;
   int as_ld, kblocks, b_rblocks;
+  /* k blocks whose A scales one copy a row brings (4, 2 or 1: as many as
+   * the rows' alignment allows), at the first stage of each group of that
+   * many k blocks of an item */
+  int as_group;
   /* ml_sm90_cfg<2> only: the scales of the e4m3 output (out), [rows][n_out / 128] */
   float *out_scale;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
@@ -618,6 +632,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
   int stage = 0;
   uint32_t phase = 0;
+  int gslot = -1; /* FP8: the A-scale slot of the current scale group */
   ml_sm90_walk walk;
   ml_sm90_walk_init(p, &walk);
   int w = (int)blockIdx.x / CL;
@@ -719,10 +734,25 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         }
       }
       if (C::ES == 1) {
-        /* this k block's A scale of row r0 + 16 c, row r of the CTA at scale r */
+        /* at the first k block of a scale group: the group's A scales of row
+         * r0 + 16 c (row r of the CTA at 16 r; one copy of up to 16 bytes a
+         * row instead of a scattered 4-byte copy every stage) */
         const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
-        ml_cp_async4(sc + (uint32_t)((r0 + 16 * c) * 4), sc_ok ? sc_src + kt : p->a_scale,
-                     sc_ok ? 4 : 0);
+        const int g = p->as_group;
+        if ((kt & (g - 1)) == 0) {
+          gslot = gslot + 1 == C::STAGES ? 0 : gslot + 1;
+          const int left = p->kblocks - kt;
+          const int bytes = sc_ok ? 4 * (left < g ? left : g) : 0;
+          const uint32_t dst = scales + (uint32_t)(gslot * C::SCALE_BYTES) +
+                               (uint32_t)((r0 + 16 * c) * C::A_SCALE_ROW);
+          const float *src_s = sc_ok ? sc_src + kt : p->a_scale;
+          if (g == 4)
+            ml_cp_async16(dst, src_s, bytes);
+          else if (g == 2)
+            ml_cp_async8(dst, src_s, bytes);
+          else
+            ml_cp_async4(dst, src_s, bytes);
+        }
         if ((unsigned)(tid - 32) < 2u) {
           /* and the tile's two B scales of this k block (SwiGLU: the gate
            * rows' block and the up rows'; plain: its one block twice), one
@@ -730,7 +760,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU ? (p->n_out + nbs * cols) / 128
                                                              : nbs * cols / 128;
           const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
-          ml_cp_async4(sc + (uint32_t)(ML_SM90_BM * 4 + 4 * (tid & 1)),
+          ml_cp_async4(sc + (uint32_t)(ML_SM90_BM * C::A_SCALE_ROW + 4 * (tid & 1)),
                        p->b_scale + (eb + (size_t)rb) * (size_t)p->kblocks + kt, 4);
         }
       }
@@ -985,15 +1015,23 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
 template <class C, int WAIT, int CL>
 static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
                                                           uint32_t bars, int stage, int cw,
-                                                          int rl) {
-  /* the scales first: the stage is full, and their loads overlap the wait */
+                                                          int rl, int kt, int g, int *gslot) {
+  /* the scales first: the stage is full, and their loads overlap the wait
+   * (A scales from the slot of the block's scale group, see ml_sm90_cfg<1>) */
   float as[2], bs[2];
   {
-    const uint32_t s0 = scales + (uint32_t)(stage * C::SCALE_BYTES);
-    const uint32_t a0 = s0 + (uint32_t)((cw * 64 + rl) * 4);
-    const uint32_t b0 = s0 + (uint32_t)(ML_SM90_BM * 4);
+    const int j = kt & (g - 1);
+    if (j == 0)
+      *gslot = *gslot + 1 == C::STAGES ? 0 : *gslot + 1;
+    const uint32_t a0 = scales + (uint32_t)(*gslot * C::SCALE_BYTES) +
+                        (uint32_t)((cw * 64 + rl) * C::A_SCALE_ROW + 4 * j);
+    const uint32_t b0 =
+        scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)(ML_SM90_BM * C::A_SCALE_ROW);
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[1]) : "r"(a0 + 32u) : "memory");
+    asm volatile("ld.shared.f32 %0, [%1];\n"
+                 : "=f"(as[1])
+                 : "r"(a0 + (uint32_t)(8 * C::A_SCALE_ROW))
+                 : "memory");
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
   }
@@ -1073,9 +1111,11 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
   const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
   const int ktiles = (p->k + C::BK - 1) / C::BK;
   const uint32_t my_stash = stash + (uint32_t)((cw * 128 + t) * 4);
+  const int g = p->as_group;
   int stage = 0;
   uint32_t phase = 0;
   float d[64], b0[64], b1[64];
+  int gslot = -1; /* the A-scale slot of the current scale group (ml_sm90_fp8_finish) */
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
     const int *hd = headers + stage * ML_SM90_HEADER_INTS;
@@ -1093,6 +1133,9 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
           ml_mbar_wait(ml_sm90_full(bars, stage), phase);
         ml_sm90_release<C, CL>(bars, stage);
         ml_sm90_next_stage<C>(&stage, &phase);
+        /* the scale groups go on (the producer counts them the same way) */
+        if (((st % ktiles) & (g - 1)) == 0)
+          gslot = gslot + 1 == C::STAGES ? 0 : gslot + 1;
       }
       continue;
     }
@@ -1108,20 +1151,20 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
        * every join, so the compiler need not serialize them) */
       for (int kt = 0;; kt += 2) {
         if (kt + 1 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl);
+          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
           break;
         }
         s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl);
+        ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
         /* the row scales, once their indices have had a step to arrive */
         if (MODE == ML_SM90_SCALED && kt == 0)
           ml_sm90_scale_load(p, sx, sc);
         if (kt + 2 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl);
+          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
           break;
         }
         s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl);
+        ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
