@@ -11,7 +11,8 @@
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
 # own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
 # alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
-# layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
+# layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
+# fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
 # replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
@@ -48,7 +49,8 @@ if ! pkg-config --exists openblas 2>/dev/null && [ -d .debs ]; then
 fi
 log "configure + build ($BUILD, -j$JOBS)"
 if ! { cmake -S . -B "$BUILD" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release \
-         -DMOELINK_MGPU_RANKS=$((RANKS >= 2 ? RANKS : 2)) ${ML_CMAKE_FLAGS:-} &&
+         -DMOELINK_MGPU_RANKS=$((RANKS >= 2 ? RANKS : 2)) \
+         -DMOELINK_PROBES=$(case "$PARTS" in *" fp8probe "*) echo ON;; *) echo OFF;; esac) ${ML_CMAKE_FLAGS:-} &&
        cmake --build "$BUILD" -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS}; } >"$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"
   log "BUILD FAILED"
@@ -297,6 +299,21 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
         --warmup 0 >>"$OUT/prefill_ncu.log" 2>&1 || rc=1
     done
   fi
+fi
+# What each part of the FP8 GEMM costs (issue 4's FP8 prefill target): the FP8 layer's sm_90a
+# GEMMs (mixtral-8x7b, 8192 tokens, or PROBE_PRESET) under Nsight Compute, built as they are
+# and as the moelink_probeN builds (CMake MOELINK_PROBES; gemm/sm90.cuh ML_SM90_PROBE: 1 no
+# loads, 2 no promotion, 3 neither, 4 no proxy fence), into fp8probe.log. Not in all.
+if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
+  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+  for b in moelink moelink_probe1 moelink_probe2 moelink_probe3 moelink_probe4; do
+    [ -x "$BUILD/$b" ] || { log "fp8probe: $b not built"; rc=1; continue; }
+    log "fp8probe $b"
+    echo "== $b" >>"$OUT/fp8probe.log"
+    "$NCU" --clock-control none --section SpeedOfLight -k 'regex:ml_sm90_kernel' \
+      ./"$BUILD"/$b bench --backend cuda --fp8-experts --preset "${PROBE_PRESET:-mixtral-8x7b}" \
+      --tokens 8192 --iters 1 --warmup 0 >>"$OUT/fp8probe.log" 2>&1 || rc=1
+  done
 fi
 # Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel

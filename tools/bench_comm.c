@@ -18,6 +18,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef MOELINK_HAVE_CUDA
+#include <cuda_runtime_api.h> /* the graph replay timing below (world.h has it only with NCCL) */
+#endif
+
 
 enum { BC_AR = 0, BC_AG = 1, BC_RS = 2, BC_A2A = 3, BC_NOPS = 4 };
 static const char *const bc_op_names[BC_NOPS] = {"allreduce", "allgather", "reduce_scatter",

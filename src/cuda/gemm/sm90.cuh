@@ -98,6 +98,16 @@
 #include <cuda.h>
 #include <stdint.h>
 
+/* Measurement probes, for the moelink_probeN builds of CMakeLists.txt only
+ * (the library is built with 0; a probe's results are wrong by design): bit 1, the producer loads
+ * nothing (the stages keep stale bytes; only the barriers run); bit 2, the
+ * FP8 consumers skip the promotion of each k block's sums; bit 4, the
+ * consumers skip the proxy fence before their wgmma. What is left of the
+ * time under each says what the removed part costs. */
+#ifndef ML_SM90_PROBE
+#define ML_SM90_PROBE 0
+#endif
+
 enum {
   ML_SM90_BK = 64,
   ML_SM90_STAGES = 4,
@@ -693,8 +703,12 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[3] = it.rows[0];
           h[4] = it.rows[1];
         }
-        ml_mbar_arrive_tx(full, C::B_BYTES);
-        if (CL > 1) {
+        if (ML_SM90_PROBE & 1)
+          ml_mbar_arrive(full);
+        else
+          ml_mbar_arrive_tx(full, C::B_BYTES);
+        if (ML_SM90_PROBE & 1) {
+        } else if (CL > 1) {
           /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
            * gate (rank 0) or up (rank 1) rows, scaled rows 128 rank on */
           const uint32_t half = (uint32_t)(rank * (C::B_BYTES / 2));
@@ -721,7 +735,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           rp[i] -= (size_t)(ktiles - 1) * C::BK * C::ES;
       }
-      if ((kt + 1) * C::BK <= p->k) {
+      if (ML_SM90_PROBE & 1) {
+      } else if ((kt + 1) * C::BK <= p->k) {
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), rp[i], ((valid >> i) & 1) ? 16 : 0);
@@ -733,7 +748,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), ok ? rp[i] : p->a, ok ? 16 : 0);
         }
       }
-      if (C::ES == 1) {
+      if (C::ES == 1 && !(ML_SM90_PROBE & 1)) {
         /* at the first k block of a scale group: the group's A scales of row
          * r0 + 16 c (row r of the CTA at 16 r; one copy of up to 16 bytes a
          * row instead of a scattered 4-byte copy every stage) */
@@ -989,7 +1004,8 @@ static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t ba
   const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
   /* A came through cp.async (generic proxy); wgmma reads through the async
    * proxy */
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  if (!(ML_SM90_PROBE & 4))
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   ml_wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::BK / 32; ++kk)
@@ -1038,6 +1054,8 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
   ml_wgmma_wait<WAIT>();
   ml_acc_fence<64>(blk);
   ml_sm90_release<C, CL>(bars, stage);
+  if (ML_SM90_PROBE & 2)
+    return;
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
     /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's gate
