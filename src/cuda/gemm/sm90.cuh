@@ -102,8 +102,10 @@
  * (the library is built with 0; a probe's results are wrong by design): bit 1, the producer loads
  * nothing (the stages keep stale bytes; only the barriers run); bit 2, the
  * FP8 consumers skip the promotion of each k block's sums; bit 4, the
- * consumers skip the proxy fence before their wgmma. What is left of the
- * time under each says what the removed part costs. */
+ * consumers skip the proxy fence before their wgmma; bit 8 (a correct
+ * variant) the FP8 consumers promote a k block's sums before they wait for
+ * the next stage and issue its wgmma, one block in flight at a time. What is
+ * left of the time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -1172,8 +1174,13 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
           ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
           break;
         }
-        s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
+        if (ML_SM90_PROBE & 8) {
+          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
+          s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
+        } else {
+          s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
+          ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
+        }
         /* the row scales, once their indices have had a step to arrive */
         if (MODE == ML_SM90_SCALED && kt == 0)
           ml_sm90_scale_load(p, sx, sc);
@@ -1181,8 +1188,13 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
           ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
           break;
         }
-        s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-        ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
+        if (ML_SM90_PROBE & 8) {
+          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
+          s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+        } else {
+          s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+          ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
+        }
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
