@@ -99,9 +99,12 @@
 #include <stdint.h>
 
 /* Measurement probes, for the moelink_probeN builds of CMakeLists.txt only
- * (the library is built with 0; a probe's results are wrong by design): bit 1, the producer loads
- * nothing (the stages keep stale bytes; only the barriers run); bit 2, the
- * FP8 consumers skip the promotion of each k block's sums; bit 4, the
+ * (the library is built with 0; a probe's results are wrong by design): bit
+ * 1, the producer loads the stages' bytes on its first pass over the ring
+ * only, then runs the barriers alone (the MMAs go on over real bytes, those
+ * of the first items: over never-written shared memory the FP8 wgmma ran
+ * faster than its nominal rate on H200, so such bytes give no floor); bit
+ * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
  * consumers skip the proxy fence before their wgmma; bit 8 (a correct
  * variant) the FP8 consumers promote a k block's sums before they wait for
  * the next stage and issue its wgmma, one block in flight at a time. What is
@@ -645,6 +648,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   int stage = 0;
   uint32_t phase = 0;
   int gslot = -1; /* FP8: the A-scale slot of the current scale group */
+  bool loads_done = false; /* probe bit 1: the ring has had its first pass */
   ml_sm90_walk walk;
   ml_sm90_walk_init(p, &walk);
   int w = (int)blockIdx.x / CL;
@@ -696,6 +700,9 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
        * guard is their wgmma reads of the stage, complete before they
        * arrive, so no cluster-scope acquire is needed) */
       ml_mbar_wait(ml_sm90_empty<C>(bars, stage), phase ^ 1u);
+      /* probe bit 1: loads for the first pass over the ring only (the MMAs
+       * then run on real bytes, the first items' again and again) */
+      const bool skip = (ML_SM90_PROBE & 1) && loads_done;
       if (tid == 0) {
         int *h = headers + stage * ML_SM90_HEADER_INTS;
         if (st == 0) {
@@ -705,11 +712,11 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[3] = it.rows[0];
           h[4] = it.rows[1];
         }
-        if (ML_SM90_PROBE & 1)
+        if (skip)
           ml_mbar_arrive(full);
         else
           ml_mbar_arrive_tx(full, C::B_BYTES);
-        if (ML_SM90_PROBE & 1) {
+        if (skip) {
         } else if (CL > 1) {
           /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
            * gate (rank 0) or up (rank 1) rows, scaled rows 128 rank on */
@@ -737,7 +744,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           rp[i] -= (size_t)(ktiles - 1) * C::BK * C::ES;
       }
-      if (ML_SM90_PROBE & 1) {
+      if (skip) {
       } else if ((kt + 1) * C::BK <= p->k) {
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
@@ -750,7 +757,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ml_cp_async16(a_s + dst0 + (uint32_t)(i * 16 * 128), ok ? rp[i] : p->a, ok ? 16 : 0);
         }
       }
-      if (C::ES == 1 && !(ML_SM90_PROBE & 1)) {
+      if (C::ES == 1 && !skip) {
         /* at the first k block of a scale group: the group's A scales of row
          * r0 + 16 c (row r of the CTA at 16 r; one copy of up to 16 bytes a
          * row instead of a scattered 4-byte copy every stage) */
@@ -783,6 +790,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       }
       ml_cp_async_arrive(full);
       ml_sm90_next_stage<C>(&stage, &phase);
+      if (stage == 0)
+        loads_done = true;
       /* the next item's claim, walk and index loads, behind this step's loads */
       if (st == kfind) {
         if (p->sched != NULL) {
