@@ -586,30 +586,6 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
 
 /* ---- FP8 operands ----------------------------------------------------------- */
 
-/* See docs/ENV.md. */
-MOELINK_PARAM(GEMM_FP8_TMA_A, 0)
-
-/* The 2D map of the FP8 kernel's A rows ({k bytes, rows}, lda bytes apart,
- * one 128-byte box a row, 128-byte swizzle). The row extent is a bound the
- * kernel never reaches: it only asks for rows the problem names. */
-static moelink_status_t ml_sm90_map_a(CUtensorMap *map, const void *a, int k, int lda,
-                                      const char *what) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-  ML_TRY(ml_sm90_encoder(&encode));
-  cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)INT32_MAX};
-  cuuint64_t strides[1] = {(cuuint64_t)lda};
-  cuuint32_t box[2] = {128u, 1u};
-  cuuint32_t unit[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, (void *)a, dims, strides, box, unit,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return ml_fail(MOELINK_ERR_CUDA,
-                   "%s: cuTensorMapEncodeTiled failed (CUresult %d) for A %p (k %d, lda %d)",
-                   what, (int)r, a, k, lda);
-  return MOELINK_SUCCESS;
-}
-
 /* Fills the FP8 fields of q and checks what both FP8 GEMMs need. */
 static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const float *a_scale,
                                          int lda, const void *b, const float *b_scale, int n,
@@ -634,9 +610,6 @@ static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const 
    * alignment allows (a 16- or 8-byte copy from a row start + a multiple) */
   const uintptr_t sa = (uintptr_t)a_scale;
   q->as_group = q->as_ld % 4 == 0 && sa % 16 == 0 ? 4 : q->as_ld % 2 == 0 && sa % 8 == 0 ? 2 : 1;
-  q->a_tma = ml_param_GEMM_FP8_TMA_A() != 0;
-  if (q->a_tma)
-    ML_TRY(ml_sm90_map_a(&q->map_a, a, k, lda, what));
   q->kblocks = k / 128;
   q->b_rblocks = b_rows / 128;
   return MOELINK_SUCCESS;

@@ -227,15 +227,10 @@ typedef struct ml_sm90_args {
    * the rows' alignment allows), at the first stage of each group of that
    * many k blocks of an item */
   int as_group;
-  /* FP8 only, nonzero: A rows come by TMA, one box of 128 bytes a row
-   * (map_a: 2D {k bytes, rows}, 128-byte swizzle), issued by the producer
-   * thread of the CTA row, instead of eight 16-byte cp.async a thread */
-  int a_tma;
   /* ml_sm90_cfg<2> only: the scales of the e4m3 output (out), [rows][n_out / 128] */
   float *out_scale;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
   int32_t *sched;
-  CUtensorMap map_a; /* a_tma only */
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -352,14 +347,6 @@ static __device__ __forceinline__ void ml_tma_load_4d(uint32_t dst, const CUtens
       " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
       "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
-}
-
-static __device__ __forceinline__ void ml_tma_load_2d(uint32_t dst, const CUtensorMap *map,
-                                                      uint32_t bar, int c0, int c1) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-               : "memory");
 }
 
 /* ml_tma_load_4d into the same shared-memory offset of every CTA of the
@@ -687,16 +674,6 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     /* FP8: the 8 threads that copy rows r0 + 16 i (i < 8) copy one row's A
      * scales each, thread c those of row r0 + 16 c (no divergent loop, no
      * run-time index into src) */
-    /* a_tma: the A row of CTA row tid (an absent row reads row 0: its sums
-     * are never stored and its scale is zero) */
-    int trow = 0;
-    if (C::ES == 1 && p->a_tma) {
-      const int h = tid >> 6, rr = tid & 63;
-      if (rr < it.rows[h]) {
-        trow = it.row0[h] + rr;
-        if (p->a_index != NULL) trow = __ldg(p->a_index + trow) / p->a_div;
-      }
-    }
     const float *sc_src = p->a_scale;
     int sc_ok = 0;
     if (C::ES == 1) {
@@ -738,7 +715,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         if (skip)
           ml_mbar_arrive(full);
         else
-          ml_mbar_arrive_tx(full, C::B_BYTES + (C::ES == 1 && p->a_tma ? C::A_BYTES : 0));
+          ml_mbar_arrive_tx(full, C::B_BYTES);
         if (skip) {
         } else if (CL > 1) {
           /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
@@ -768,10 +745,6 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           rp[i] -= (size_t)(ktiles - 1) * C::BK * C::ES;
       }
       if (skip) {
-      } else if (C::ES == 1 && p->a_tma) {
-        /* one 128-byte box: the TMA writes it swizzled by its address, row
-         * tid of a 1024-byte aligned stage */
-        ml_tma_load_2d(a_s + (uint32_t)(tid * 128), &p->map_a, full, kt * C::BK, trow);
       } else if ((kt + 1) * C::BK <= p->k) {
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
