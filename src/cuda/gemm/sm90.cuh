@@ -107,8 +107,10 @@
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
  * consumers skip the proxy fence before their wgmma; bit 8 (a correct
  * variant) the FP8 consumers promote a k block's sums before they wait for
- * the next stage and issue its wgmma, one block in flight at a time. What is
- * left of the time under each says what the removed part costs. */
+ * the next stage and issue its wgmma, one block in flight at a time; bit 16
+ * (correct) the FP8 consumers' stage address taken from lane 0, so ptxas
+ * builds the wgmma descriptors in uniform registers. What is left of the
+ * time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -1010,7 +1012,9 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
 template <class C>
 static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
                                                          int cw) {
-  const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
+  uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
+  if (ML_SM90_PROBE & 16) /* the stage address from lane 0: warp-uniform to ptxas */
+    a_s = __shfl_sync(0xffffffffu, a_s, 0);
   const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
   const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
   /* A came through cp.async (generic proxy); wgmma reads through the async
