@@ -84,8 +84,8 @@
  * (scattered 4-byte copies every stage cost the load pipe as much as the A
  * rows), and two threads of the second warp the tile's two B scales each
  * stage (cp.async, same full barriers), so the consumers wait on no global
- * load. ml_sm90_cfg<2> (below)
- * also quantizes the SwiGLU output in the epilogue.
+ * load. ml_sm90_cfg<2> (below) also quantizes the SwiGLU output in the
+ * epilogue.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -585,6 +585,18 @@ static __device__ __forceinline__ void ml_sm90_next_stage(int *stage, uint32_t *
   }
 }
 
+/* FP8: the A-scale group of k block kt (ml_sm90_cfg<1>): at a group's first
+ * block (the returned offset in the group is 0) *gslot moves to the next of
+ * the C::STAGES slots. The producer and the consumers step it alike, block
+ * by block, so they agree on the slot. */
+template <class C>
+static __device__ __forceinline__ int ml_sm90_scale_group(int kt, int g, int *gslot) {
+  const int j = kt & (g - 1);
+  if (j == 0)
+    *gslot = *gslot + 1 == C::STAGES ? 0 : *gslot + 1;
+  return j;
+}
+
 /* silu(g) u of the wgmma epilogues; for very negative g the denominator
  * overflows to inf and the fast division gives -0, the right limit. */
 static __device__ __forceinline__ float ml_sm90_silu_mul(float g, float u) {
@@ -649,7 +661,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   const uint32_t dst0 = (uint32_t)(r0 * 128 + ((c ^ (r0 & 7)) << 4));
   int stage = 0;
   uint32_t phase = 0;
-  int gslot = -1; /* FP8: the A-scale slot of the current scale group */
+  int gslot = -1; /* FP8: the A-scale slot of the current scale group (ml_sm90_scale_group) */
   bool loads_done = false; /* probe bit 1: the ring has had its first pass */
   ml_sm90_walk walk;
   ml_sm90_walk_init(p, &walk);
@@ -765,8 +777,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
          * row instead of a scattered 4-byte copy every stage) */
         const uint32_t sc = scales + (uint32_t)(stage * C::SCALE_BYTES);
         const int g = p->as_group;
-        if ((kt & (g - 1)) == 0) {
-          gslot = gslot + 1 == C::STAGES ? 0 : gslot + 1;
+        if (ml_sm90_scale_group<C>(kt, g, &gslot) == 0) {
           const int left = p->kblocks - kt;
           const int bytes = sc_ok ? 4 * (left < g ? left : g) : 0;
           const uint32_t dst = scales + (uint32_t)(gslot * C::SCALE_BYTES) +
@@ -1051,9 +1062,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
    * (A scales from the slot of the block's scale group, see ml_sm90_cfg<1>) */
   float as[2], bs[2];
   {
-    const int j = kt & (g - 1);
-    if (j == 0)
-      *gslot = *gslot + 1 == C::STAGES ? 0 : *gslot + 1;
+    const int j = ml_sm90_scale_group<C>(kt, g, gslot);
     const uint32_t a0 = scales + (uint32_t)(*gslot * C::SCALE_BYTES) +
                         (uint32_t)((cw * 64 + rl) * C::A_SCALE_ROW + 4 * j);
     const uint32_t b0 =
@@ -1167,8 +1176,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
         ml_sm90_release<C, CL>(bars, stage);
         ml_sm90_next_stage<C>(&stage, &phase);
         /* the scale groups go on (the producer counts them the same way) */
-        if (((st % ktiles) & (g - 1)) == 0)
-          gslot = gslot + 1 == C::STAGES ? 0 : gslot + 1;
+        ml_sm90_scale_group<C>(st % ktiles, g, &gslot);
       }
       continue;
     }
