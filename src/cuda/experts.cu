@@ -345,24 +345,26 @@ static moelink_status_t ml_sm90_cluster_room(int *room) {
   return MOELINK_SUCCESS;
 }
 
-template <int MODE, int OUT_F32>
-static moelink_status_t ml_sm90_cluster_room_dt(moelink_dtype_t dt, int *room) {
-  if (dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_cluster_room<MOELINK_DTYPE_BF16, MODE, OUT_F32>(room);
-  return ml_sm90_cluster_room<MOELINK_DTYPE_F16, MODE, OUT_F32>(room);
-}
-
-/* Clusters of two MODE's kernel runs in for these options (2), else 1. */
-template <int MODE, int OUT_F32>
-static moelink_status_t ml_sm90_cl(moelink_dtype_t dt, const ml_cuda_gemm_opts *opts, int *cl) {
+/* Clusters of two the kernel <DT, MODE, OUT_F32, FP8> runs in for these
+ * options (2), else 1. */
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
+static moelink_status_t ml_sm90_cl(const ml_cuda_gemm_opts *opts, int *cl) {
   *cl = 1;
   if (opts == NULL || opts->cluster != 2)
     return MOELINK_SUCCESS;
   int room = 0;
-  ML_TRY((ml_sm90_cluster_room_dt<MODE, OUT_F32>(dt, &room)));
+  ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32, FP8>(&room)));
   if (room > 0)
     *cl = 2;
   return MOELINK_SUCCESS;
+}
+
+/* The same for the bf16 or f16 kernel of an epilogue. */
+template <int MODE, int OUT_F32>
+static moelink_status_t ml_sm90_cl_dt(moelink_dtype_t dt, const ml_cuda_gemm_opts *opts, int *cl) {
+  if (dt == MOELINK_DTYPE_BF16)
+    return ml_sm90_cl<MOELINK_DTYPE_BF16, MODE, OUT_F32>(opts, cl);
+  return ml_sm90_cl<MOELINK_DTYPE_F16, MODE, OUT_F32>(opts, cl);
 }
 
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
@@ -406,16 +408,22 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
   return MOELINK_SUCCESS;
 }
 
+/* ml_sm90_launch in one CTA (cl 1) or clusters of two (cl 2). */
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
+static moelink_status_t ml_sm90_launch_cl(int cl, const CUtensorMap *map, const ml_sm90_args *p,
+                                          unsigned grid, cudaStream_t stream) {
+  return cl > 1 ? ml_sm90_launch<DT, MODE, OUT_F32, FP8, 2>(map, p, grid, stream)
+                : ml_sm90_launch<DT, MODE, OUT_F32, FP8>(map, p, grid, stream);
+}
+
 /* The bf16 or f16 instantiation of an epilogue, one CTA or clusters of two. */
 template <int MODE, int OUT_F32>
 static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *map,
                                          const ml_sm90_args *p, unsigned grid, int cl,
                                          cudaStream_t stream) {
   if (dt == MOELINK_DTYPE_BF16)
-    return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32, 0, 2>(map, p, grid, stream)
-                  : ml_sm90_launch<MOELINK_DTYPE_BF16, MODE, OUT_F32>(map, p, grid, stream);
-  return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32, 0, 2>(map, p, grid, stream)
-                : ml_sm90_launch<MOELINK_DTYPE_F16, MODE, OUT_F32>(map, p, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, MODE, OUT_F32>(cl, map, p, grid, stream);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, MODE, OUT_F32>(cl, map, p, grid, stream);
 }
 
 /* See cuda.h. */
@@ -475,7 +483,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
   if (sm90) {
     const int cols = ML_SM90_SWIGLU_COLS; /* output columns (gate/up pairs) of a work item */
     int cl = 1;
-    ML_TRY((ml_sm90_cl<ML_SM90_SWIGLU, 0>(dt, opts, &cl)));
+    ML_TRY((ml_sm90_cl_dt<ML_SM90_SWIGLU, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is the gate or the up half of the tile's rows */
     CUtensorMap map;
     ML_TRY(ml_sm90_map_b_box(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
@@ -544,9 +552,9 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     const int cols = ML_SM90_SCALED_COLS; /* output columns of a work item */
     int cl = 1;
     if (out_f32)
-      ML_TRY((ml_sm90_cl<ML_SM90_SCALED, 1>(dt, opts, &cl)));
+      ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 1>(dt, opts, &cl)));
     else
-      ML_TRY((ml_sm90_cl<ML_SM90_SCALED, 0>(dt, opts, &cl)));
+      ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is half the tile's rows */
     CUtensorMap map;
     ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
@@ -623,20 +631,6 @@ static ml_decode_opts ml_fp8_fallback_opts(void) {
   return o;
 }
 
-/* Clusters of two the FP8 kernel <DT, MODE, OUT_F32> runs in for these
- * options (2), else 1 (its quantizing epilogue never runs in clusters). */
-template <int DT, int MODE, int OUT_F32>
-static moelink_status_t ml_sm90_fp8_cl(const ml_cuda_gemm_opts *opts, int *cl) {
-  *cl = 1;
-  if (opts == NULL || opts->cluster != 2)
-    return MOELINK_SUCCESS;
-  int room = 0;
-  ML_TRY((ml_sm90_cluster_room<DT, MODE, OUT_F32, 1>(&room)));
-  if (room > 0)
-    *cl = 2;
-  return MOELINK_SUCCESS;
-}
-
 /* See cuda.h. */
 extern "C" moelink_status_t ml_cuda_gemm_swiglu_fp8_quantizes(int n, int k, int *yes) {
   *yes = 0;
@@ -685,9 +679,9 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                     out_scale != NULL ? 128 : cols, max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   q.out_scale = out_scale;
-  int cl = 1;
+  int cl = 1; /* (the quantizing epilogue never runs in clusters) */
   if (out_scale == NULL)
-    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1>(opts, &cl)));
+    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(opts, &cl)));
   /* clusters: a CTA's box is the gate or the up half of the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b_box(&map, MOELINK_DTYPE_F32, b, k, n, 2,
@@ -695,9 +689,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_scale != NULL)
     return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
-  if (cl > 1)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1, 2>(&map, &q, grid, stream);
-  return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(&map, &q, grid, stream);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(cl, &map, &q, grid, stream);
 }
 
 extern "C" moelink_status_t
@@ -731,24 +723,19 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   int cl = 1;
   if (out_f32)
-    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1>(opts, &cl)));
+    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(opts, &cl)));
   else if (out_dt == MOELINK_DTYPE_BF16)
-    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0>(opts, &cl)));
+    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(opts, &cl)));
   else
-    ML_TRY((ml_sm90_fp8_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0>(opts, &cl)));
+    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(opts, &cl)));
   /* clusters: a CTA's box is half the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_f32)
-    return cl > 1
-               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1, 2>(&map, &q, grid, stream)
-               : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(&map, &q, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(cl, &map, &q, grid, stream);
   if (out_dt == MOELINK_DTYPE_BF16)
-    return cl > 1
-               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1, 2>(&map, &q, grid, stream)
-               : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
-  return cl > 1 ? ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1, 2>(&map, &q, grid, stream)
-                : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(&map, &q, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(cl, &map, &q, grid, stream);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(cl, &map, &q, grid, stream);
 }
