@@ -33,6 +33,9 @@ export NCCL_NVLS_ENABLE=0
 BUILD=${BUILD:-build-gpu}
 JOBS=$(nproc)
 log() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+# Nsight Compute and Systems, where the machine has them (empty: the parts that need them skip)
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
+NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
 
 log "host: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -4 | tr '\n' ';')"
 # The device copy of the tree has no .git: the caller passes MOELINK_COMMIT.
@@ -116,7 +119,6 @@ if want fp8 || want bench; then
   done
   # FP8_NCU=1: each FP8 layer's kernels at 8192 tokens under Nsight Compute (speed of light:
   # time, SM clock, L2 use), default and each FP8_AB word, into fp8_ncu.log
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ] && [ -n "${FP8_NCU:-}" ]; then
     for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
       for v in "" ${FP8_AB:-}; do
@@ -201,7 +203,6 @@ if case "$PARTS" in *" tpprobe "*) true;; *) false;; esac; then
     log "gemm_ar probe, $v"
     env ${v//,/ } ./"$BUILD"/gemm_ar_probe 2>&1 | tee -a "$OUT/tpprobe.log" || rc=1
   done
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ] && [ -x "$BUILD/gemm_ar_probe" ]; then
     # the 128-row kernel and cuBLAS at 128 rows, and the 16-row kernel (which streams at
     # cuBLAS's rate) at 16 rows; warp stall reasons included (--print-details all)
@@ -250,7 +251,6 @@ if case "$PARTS" in *" prefill "*) true;; *) false;; esac; then
         tee -a "$OUT/prefill.log" || rc=1
     done
   done
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   if [ -n "$NCU" ] && [ -n "${PREFILL_FP8:-}" ]; then
     # PREFILL_FP8=1: the FP8 experts' gate/up GEMM of one mixtral-8x7b call at 8192 tokens,
     # every warp stall reason (where its time goes), pipe use and the memory tables (shared
@@ -306,8 +306,8 @@ fi
 # loads, 2 no promotion, 3 neither, 4 no proxy fence, 8 promotion before the next block's
 # wgmma, 16 uniform wgmma descriptors, 24 both; PROBES picks some), into fp8probe.log. Not in all.
 if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
-  for b in moelink ${PROBES:-moelink_probe1 moelink_probe2 moelink_probe3 moelink_probe4 moelink_probe8 moelink_probe16 moelink_probe24}; do
+  [ -n "$NCU" ] || { log "fp8probe: no Nsight Compute on this machine"; rc=1; }
+  [ -n "$NCU" ] && for b in moelink ${PROBES:-moelink_probe1 moelink_probe2 moelink_probe3 moelink_probe4 moelink_probe8 moelink_probe16 moelink_probe24}; do
     [ -x "$BUILD/$b" ] || { log "fp8probe: $b not built"; rc=1; continue; }
     for p in ${PROBE_PRESETS:-mixtral-8x7b}; do
       log "fp8probe $b $p"
@@ -328,8 +328,6 @@ fi
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel
 # run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases.
 if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
-  NSYS=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
-  NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute*/ncu 2>/dev/null | head -1)
   log "profile: nsys=${NSYS:-none} ncu=${NCU:-none}"
   mkdir -p "$OUT/json/prof"
   for p in ${PROFILE_PRESETS:-qwen3-30b-a3b mixtral-8x7b deepseek-v3}; do
