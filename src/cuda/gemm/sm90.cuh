@@ -105,11 +105,7 @@
  * of the first items: over never-written shared memory the FP8 wgmma ran
  * faster than its nominal rate on H200, so such bytes give no floor); bit
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
- * consumers skip the proxy fence before their wgmma; bit 8 (a correct
- * variant) the FP8 consumers promote a k block's sums before they wait for
- * the next stage and issue its wgmma, one block in flight at a time; bit 16
- * (correct) the FP8 consumers' stage address taken from lane 0, so ptxas
- * builds the wgmma descriptors in uniform registers. What is left of the
+ * consumers skip the proxy fence before their wgmma. What is left of the
  * time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
@@ -1017,15 +1013,16 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
 /* The FP8 consumer's two steps of a k block. Issue: its stage's wgmma
  * into blk (the stage's full barrier already waited on), committed as one
  * group. Finish: read the stage's A and B scales (the producer copied them
- * with the stage), then, once at most WAIT groups are still in flight (the
- * block's own done), give the stage back and add blk x A scale of the row x
- * B scale of the column to the total d. */
+ * with the stage), then, once the block's wgmma are done, give the stage
+ * back and add blk x A scale of the row x B scale of the column to the
+ * total d. */
 template <class C>
 static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
                                                          int cw) {
   uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
-  if (ML_SM90_PROBE & 16) /* the stage address from lane 0: warp-uniform to ptxas */
-    a_s = __shfl_sync(0xffffffffu, a_s, 0);
+  /* the stage address from lane 0: warp-uniform to ptxas, which then builds
+   * the descriptors in uniform registers (fewer instructions a block) */
+  a_s = __shfl_sync(0xffffffffu, a_s, 0);
   const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
   const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
   /* A came through cp.async (generic proxy); wgmma reads through the async
@@ -1054,10 +1051,10 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
   return s;
 }
 
-template <class C, int WAIT, int CL>
+template <class C, int CL>
 static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
-                                                          uint32_t bars, int stage, int cw,
-                                                          int rl, int kt, int g, int *gslot) {
+                                                          uint32_t bars, int stage, int cw, int rl,
+                                                          int kt, int g, int *gslot) {
   /* the scales first: the stage is full, and their loads overlap the wait
    * (A scales from the slot of the block's scale group, see ml_sm90_cfg<1>) */
   float as[2], bs[2];
@@ -1075,7 +1072,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
     asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
   }
-  ml_wgmma_wait<WAIT>();
+  ml_wgmma_wait<0>();
   ml_acc_fence<64>(blk);
   ml_sm90_release<C, CL>(bars, stage);
   if (ML_SM90_PROBE & 2)
@@ -1138,9 +1135,9 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
   }
 }
 
-/* The FP8 consumer: each k block's sum in a block accumulator of its own
- * (b0 for even blocks, b1 for odd), so block kt + 1's wgmma run on the
- * tensor cores while block kt is scaled into the total d. C::SUBS = 2: an
+/* The FP8 consumer: each k block's sum in the block accumulator blk, scaled
+ * into the total d (the per-block promotion that keeps the sum's precision
+ * out of the tensor cores' accumulation). C::SUBS = 2: an
  * item is two sub-items, the first one's SwiGLU values kept in the stash
  * (value i of consumer thread t at stash + 4 (256 i + t): no bank
  * conflicts) until the second's are quantized with them. */
@@ -1156,7 +1153,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
   const int g = p->as_group;
   int stage = 0;
   uint32_t phase = 0;
-  float d[64], b0[64], b1[64];
+  float d[64], blk[64];
   int gslot = -1; /* the A-scale slot of the current scale group (ml_sm90_fp8_finish) */
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
@@ -1184,38 +1181,21 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
 #pragma unroll
       for (int i = 0; i < 64; ++i)
         d[i] = 0.0f;
-      /* s0, s1: the stages of the blocks in flight in b0, b1 (the item's
-       * first stage's full barrier was waited on for the header) */
-      int s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0), s1 = s0;
-      /* each pass starts with block kt in flight in b0 and leaves with block
-       * kt + 2 there, or ends with nothing in flight (the same wgmma state at
-       * every join, so the compiler need not serialize them) */
-      for (int kt = 0;; kt += 2) {
-        if (kt + 1 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
-          break;
-        }
-        if (ML_SM90_PROBE & 8) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
-          s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-        } else {
-          s1 = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-          ml_sm90_fp8_finish<C, 1, CL>(d, b0, scales, bars, s0, cw, rl, kt, g, &gslot);
-        }
+      /* one block in flight: its sum is scaled into d before the next
+       * stage is waited on and its wgmma issued (the other consumer
+       * warpgroup's wgmma keep the tensor cores busy meanwhile; two blocks
+       * in flight, in two accumulators, measured no faster and cost 64
+       * registers a thread). The item's first stage's full barrier was
+       * waited on for the header. */
+      int s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, sub > 0);
+      for (int kt = 0;; ++kt) {
+        ml_sm90_fp8_finish<C, CL>(d, blk, scales, bars, s, cw, rl, kt, g, &gslot);
         /* the row scales, once their indices have had a step to arrive */
         if (MODE == ML_SM90_SCALED && kt == 0)
           ml_sm90_scale_load(p, sx, sc);
-        if (kt + 2 >= ktiles) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
+        if (kt + 1 >= ktiles)
           break;
-        }
-        if (ML_SM90_PROBE & 8) {
-          ml_sm90_fp8_finish<C, 0, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
-          s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-        } else {
-          s0 = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-          ml_sm90_fp8_finish<C, 1, CL>(d, b1, scales, bars, s1, cw, rl, kt + 1, g, &gslot);
-        }
+        s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, 1);
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
@@ -1238,8 +1218,6 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
         }
       }
     }
-    if (MODE == ML_SM90_SCALED && ktiles == 1)
-      ml_sm90_scale_load(p, sx, sc);
     if constexpr (C::SUBS == 1)
       ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
