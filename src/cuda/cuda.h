@@ -73,6 +73,10 @@ typedef struct ml_cuda_gemm_opts {
    * at all, where experts have two units (256 rows) or more: a lone unit
    * leaves its partner CTA idle. */
   int cluster;
+  /* FP8 GEMMs: 256 the 128 x 256 tile, 128 the 128 x 128 one (the one that
+   * runs in clusters and quantizes its output); 0: MOELINK_GEMM_FP8_TILE
+   * (default 256). The two give the same bits. */
+  int fp8_tile;
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over

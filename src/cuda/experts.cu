@@ -106,11 +106,12 @@ enum {
   ML_K_SCALED_BF16_F32,
   ML_K_SCALED_F16,
   ML_K_SCALED_F16_F32,
-  ML_K_SM90,                        /* 6 sm_90a kernels from here: see ml_sm90_which */
-  ML_K_SM90_FP8 = ML_K_SM90 + 6,    /* 5 FP8 ones: see ml_sm90_which */
-  ML_K_SM90_CL = ML_K_SM90_FP8 + 5, /* 6 in clusters of two: see ml_sm90_which */
-  ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6, /* 4 FP8 ones in clusters of two */
-  ML_K_COUNT = ML_K_SM90_FP8_CL + 4
+  ML_K_SM90,                                 /* 6 sm_90a kernels from here: see ml_sm90_which */
+  ML_K_SM90_FP8 = ML_K_SM90 + 6,             /* 5 FP8 ones: see ml_sm90_which */
+  ML_K_SM90_CL = ML_K_SM90_FP8 + 5,          /* 6 in clusters of two: see ml_sm90_which */
+  ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6,       /* 4 FP8 ones in clusters of two */
+  ML_K_SM90_FP8_WIDE = ML_K_SM90_FP8_CL + 4, /* 4 with the wide FP8 tile */
+  ML_K_COUNT = ML_K_SM90_FP8_WIDE + 4
 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
@@ -294,15 +295,19 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
 }
 
 /* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
- * output (FP8 = 1) or an e4m3 one (FP8 = 2); the scaled GEMM bf16, f16 or
- * fp32. CL 2: the cluster ones (the cluster slots, ML_K_SM90_CL on, are also
- * ml_sm90_cluster_room's). */
+ * output (FP8 = 1, 3) or an e4m3 one (FP8 = 2); the scaled GEMM bf16, f16 or
+ * fp32. CL 2: the cluster ones (the cluster slots, ML_K_SM90_CL up to
+ * ML_K_SM90_FP8_WIDE, are also ml_sm90_cluster_room's). */
 template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
   if (FP8 == 2)
     return ML_K_SM90_FP8 + 4; /* SwiGLU, e4m3 output */
   if (FP8)
-    return (CL > 1 ? ML_K_SM90_FP8_CL : ML_K_SM90_FP8) +
-           (MODE == ML_SM90_SWIGLU ? 0 : OUT_F32 ? 3 : 1 + (DT == MOELINK_DTYPE_F16));
+    return (FP8 == 3 ? ML_K_SM90_FP8_WIDE
+            : CL > 1 ? ML_K_SM90_FP8_CL
+                     : ML_K_SM90_FP8) +
+           (MODE == ML_SM90_SWIGLU ? 0
+            : OUT_F32              ? 3
+                                   : 1 + (DT == MOELINK_DTYPE_F16));
   return (CL > 1 ? ML_K_SM90_CL : ML_K_SM90) +
          (MODE == ML_SM90_SWIGLU ? 0
           : OUT_F32              ? 4
@@ -312,7 +317,7 @@ template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90
 
 /* Clusters of two of a cluster kernel the device holds at once (0: it cannot
  * run them), cached per device and kernel as value + 1. */
-static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][ML_K_COUNT - ML_K_SM90_CL];
+static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][ML_K_SM90_FP8_WIDE - ML_K_SM90_CL];
 
 template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t ml_sm90_cluster_room(int *room) {
@@ -372,15 +377,17 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
                                        cudaStream_t stream) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
   const char *name = MODE == ML_SM90_SWIGLU
-                         ? (FP8 == 2            ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
-                            : FP8 && CL > 1     ? "ml_sm90_kernel (fp8, swiglu, clusters of 2)"
-                            : FP8               ? "ml_sm90_kernel (fp8, swiglu)"
-                            : CL > 1            ? "ml_sm90_kernel (swiglu, clusters of 2)"
-                                                : "ml_sm90_kernel (swiglu)")
-                         : (FP8 && CL > 1 ? "ml_sm90_kernel (fp8, scaled, clusters of 2)"
-                            : FP8         ? "ml_sm90_kernel (fp8, scaled)"
-                            : CL > 1      ? "ml_sm90_kernel (scaled, clusters of 2)"
-                                          : "ml_sm90_kernel (scaled)");
+                         ? (FP8 == 2        ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
+                            : FP8 == 3      ? "ml_sm90_kernel (fp8 wide, swiglu)"
+                            : FP8 && CL > 1 ? "ml_sm90_kernel (fp8, swiglu, clusters of 2)"
+                            : FP8           ? "ml_sm90_kernel (fp8, swiglu)"
+                            : CL > 1        ? "ml_sm90_kernel (swiglu, clusters of 2)"
+                                            : "ml_sm90_kernel (swiglu)")
+                         : (FP8 == 3        ? "ml_sm90_kernel (fp8 wide, scaled)"
+                            : FP8 && CL > 1 ? "ml_sm90_kernel (fp8, scaled, clusters of 2)"
+                            : FP8           ? "ml_sm90_kernel (fp8, scaled)"
+                            : CL > 1        ? "ml_sm90_kernel (scaled, clusters of 2)"
+                                            : "ml_sm90_kernel (scaled)");
   ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>,
                             ml_sm90_which<DT, MODE, OUT_F32, FP8, CL>(), smem));
   if constexpr (CL > 1) {
@@ -429,11 +436,21 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 /* See cuda.h. */
 MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 0)
 MOELINK_PARAM(GEMM_FP8_CLUSTER_ROWS, 0)
+MOELINK_PARAM(GEMM_FP8_TILE, 256)
+
+/* The FP8 kernel's tile width for these options: 256 (ml_sm90_cfg<3>) or
+ * 128 (ml_sm90_cfg<1>, also the one that runs in clusters). */
+static int ml_sm90_fp8_tile(const ml_cuda_gemm_opts *opts) {
+  const int t =
+      opts != NULL && opts->fp8_tile != 0 ? opts->fp8_tile : (int)ml_param_GEMM_FP8_TILE();
+  return t == 128 ? 128 : 256;
+}
 
 extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts,
                                                    int fp8) {
   ml_cuda_gemm_opts o;
   o.counter = counter;
+  o.fp8_tile = 0;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
@@ -671,17 +688,21 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
     ml_engine_last = ML_GEMM_ENGINE_TILE;
     return MOELINK_SUCCESS;
   }
-  /* B rows of a tile: 64 gate/up column pairs; output columns of a work item:
-   * as many, or 128 (one quantization block) with the e4m3 output */
-  const int cols = ml_sm90_cfg<1>::BN / 2;
+  int cl = 1; /* (the quantizing epilogue never runs in clusters) */
+  if (out_scale == NULL)
+    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(opts, &cl)));
+  /* the wide tile (n is a multiple of 128: one gate and one up block) where
+   * neither clusters nor the quantizing epilogue run */
+  const int wide = out_scale == NULL && cl == 1 && ml_sm90_fp8_tile(opts) == 256;
+  /* B rows of a tile: 64 (wide: 128) gate/up column pairs; output columns of
+   * a work item: as many, or 128 (one quantization block) with the e4m3
+   * output */
+  const int cols = wide ? ml_sm90_cfg<3>::BN / 2 : ml_sm90_cfg<1>::BN / 2;
   ml_sm90_args q;
   ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n,
                     out_scale != NULL ? 128 : cols, max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   q.out_scale = out_scale;
-  int cl = 1; /* (the quantizing epilogue never runs in clusters) */
-  if (out_scale == NULL)
-    ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(opts, &cl)));
   /* clusters: a CTA's box is the gate or the up half of the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b_box(&map, MOELINK_DTYPE_F32, b, k, n, 2,
@@ -689,6 +710,8 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_scale != NULL)
     return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
+  if (wide)
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 3>(&map, &q, grid, stream);
   return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(cl, &map, &q, grid, stream);
 }
 
@@ -716,11 +739,6 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
     ml_engine_last = ML_GEMM_ENGINE_TILE;
     return MOELINK_SUCCESS;
   }
-  const int cols = ml_sm90_cfg<1>::BN; /* output columns of a work item */
-  ml_sm90_args q;
-  ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
-                    max_tiles, tiles != NULL ? 0 : rows, opts);
-  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   int cl = 1;
   if (out_f32)
     ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(opts, &cl)));
@@ -728,11 +746,25 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
     ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(opts, &cl)));
   else
     ML_TRY((ml_sm90_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(opts, &cl)));
+  /* the wide tile where there are 256 columns for it and no clusters run */
+  const int wide = cl == 1 && n >= ml_sm90_cfg<3>::BN && ml_sm90_fp8_tile(opts) == 256;
+  /* output columns of a work item */
+  const int cols = wide ? ml_sm90_cfg<3>::BN : ml_sm90_cfg<1>::BN;
+  ml_sm90_args q;
+  ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
+                    max_tiles, tiles != NULL ? 0 : rows, opts);
+  ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   /* clusters: a CTA's box is half the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
                        tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  if (wide)
+    return out_f32
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 3>(&map, &q, grid, stream)
+           : out_dt == MOELINK_DTYPE_BF16
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 3>(&map, &q, grid, stream)
+               : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 3>(&map, &q, grid, stream);
   if (out_f32)
     return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(cl, &map, &q, grid, stream);
   if (out_dt == MOELINK_DTYPE_BF16)

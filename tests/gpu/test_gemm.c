@@ -432,7 +432,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1}, {d_sched, 1}, {d_sched, 2}};
+  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0}, {d_sched, 1, 0}, {d_sched, 2, 0}};
   static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
   const float *rs = c->scale_mode ? d_scale : NULL;

@@ -348,6 +348,9 @@ static const char *engine_name(int e) {
   return e == ML_GEMM_ENGINE_SM90 ? "sm90" : e == ML_GEMM_ENGINE_TILE ? "tile" : "none";
 }
 
+/* Runs of each GEMM in run_case_engine: schedules, clusters, tiles. */
+#define RUNS 5
+
 /* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const fcase *c, const problem *p, int engine, const dev_ops *d,
                             const double *ref1, const double *tol1, const double *ref2,
@@ -366,20 +369,25 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   unsigned char *got = xmalloc(most), *first = xmalloc(most);
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  /* run 0 of each GEMM on the static schedule, run 1 on the dynamic one
-   * (a work counter), run 2 on the dynamic one in clusters of two CTAs
-   * (where the device runs them; the quantizing epilogue runs one CTA
-   * regardless): the same bits, and the counter left at zero */
+  /* run 0 of each GEMM on the static schedule (default tile), run 1 on the
+   * dynamic one (a work counter), run 2 on the dynamic one in clusters of
+   * two CTAs (where the device runs them; the 128-column tile; the
+   * quantizing epilogue runs one CTA regardless), runs 3 and 4 with the
+   * 128- and the 256-column tile: the same bits, and the counter left at
+   * zero */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1}, {d_sched, 1}, {d_sched, 2}};
-  static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
+  const ml_cuda_gemm_opts run_opts[RUNS] = {
+      {NULL, 1, 0}, {d_sched, 1, 0}, {d_sched, 2, 0}, {d_sched, 1, 128}, {d_sched, 1, 256}};
+  static const char *const run_name[RUNS] = {"static", "dynamic", "dynamic, clusters of 2",
+                                             "dynamic, 128-column tile",
+                                             "dynamic, 256-column tile"};
   const ml_cuda_gemm_opts dyn = run_opts[2];
   const int32_t *ai = c->top_k ? d->index : NULL;
   const float *rs = c->scale_mode ? d->row_scale : NULL;
   const int32_t *si = c->scale_mode == 2 ? d->index : NULL;
 
-  /* swiglu (fp32 out): three runs, bitwise equal */
-  for (int rep = 0; rep < 3; ++rep) {
+  /* swiglu (fp32 out): RUNS runs, bitwise equal */
+  for (int rep = 0; rep < RUNS; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d", c->name, en, rep);
     CHECK_OK(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k, d->tiles,
@@ -488,7 +496,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
   /* scaled: the dtype out, then fp32 out */
   for (int f32 = 0; f32 < 2; ++f32) {
     const size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
-    for (int rep = 0; rep < 3; ++rep) {
+    for (int rep = 0; rep < RUNS; ++rep) {
       CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, bytes, stream));
       snprintf(label, sizeof label, "%s [%s] scaled%s run %d", c->name, en, f32 ? " f32" : "",
                rep);

@@ -194,18 +194,37 @@ template <> struct ml_sm90_cfg<2> : ml_sm90_cfg<1> {
   static constexpr int STASH_BYTES = 2 * 128 * 32 * 4;
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, STASH_BYTES);
 };
+/* The FP8 wide tile: 128 x 256, so a stage brings 48 KiB for twice the MMA
+ * work of ml_sm90_cfg<1>'s 32 KiB (the FP8 kernel is held by the bytes an SM
+ * takes in, docs/PERF.md). Each consumer runs a k block as two 64 x 128
+ * halves through one block accumulator (64 fp32 a thread) beside its 64 x
+ * 256 total (128): the first half's wgmma, its promotion, then the second
+ * half's over the same registers. B box {128, 128, 2, 1} for SwiGLU (the
+ * halves are the gate and the up rows, each one B-scale block), {128, 256,
+ * 1, 1} plain (two B-scale blocks); accumulators as ml_sm90_cfg<0>'s. Four
+ * stages, as the bf16 kernel. */
+template <> struct ml_sm90_cfg<3> : ml_sm90_cfg<1> {
+  static constexpr int BN = 256, STAGES = 4;
+  static constexpr int B_BYTES = BN * 128;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
+  /* the consumers hold the 64 x 256 total and one 64 x 128 block */
+  static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
+};
 /* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
  * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
 template <class C> constexpr bool ml_sm90_regs_fit() {
   return C::PRODUCER_REGS * 128 + 2 * C::CONSUMER_REGS * 128 <= 168 * 384;
 }
 static_assert(ml_sm90_regs_fit<ml_sm90_cfg<0>>() && ml_sm90_regs_fit<ml_sm90_cfg<1>>() &&
-                  ml_sm90_regs_fit<ml_sm90_cfg<2>>(),
+                  ml_sm90_regs_fit<ml_sm90_cfg<2>>() && ml_sm90_regs_fit<ml_sm90_cfg<3>>(),
               "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
 static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
               "FP8 stages and stash exceed shared memory");
-static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0, "FP8 stages must stay 1024-byte aligned");
+static_assert(ml_sm90_cfg<3>::SMEM_BYTES <= 227 * 1024, "FP8 wide stages exceed shared memory");
+static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0 && ml_sm90_cfg<3>::STAGE_BYTES % 1024 == 0,
+              "FP8 stages must stay 1024-byte aligned");
 
 typedef struct ml_sm90_args {
   const char *a;            /* A, rows lda elements apart */
@@ -788,13 +807,19 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         }
         if ((unsigned)(tid - 32) < 2u) {
           /* and the tile's two B scales of this k block (SwiGLU: the gate
-           * rows' block and the up rows'; plain: its one block twice), one
+           * rows' block and the up rows'; plain: its one block twice, the
+           * wide tile's two blocks), one
            * each, by two threads of a warp that issues no TMA */
-          const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU ? (p->n_out + nbs * cols) / 128
-                                                             : nbs * cols / 128;
+          const int rb = (tid & 1) && MODE == ML_SM90_SWIGLU
+                             ? (p->n_out + nbs * cols) / 128
+                             : nbs * cols / 128 + ((tid & 1) && cols > 128);
+          /* (a wide tile's second block may lie past B: a zero scale for
+           * the zero rows TMA brings, columns that are never stored) */
+          const int ok = rb < p->b_rblocks;
           const size_t eb = (size_t)it.expert * (size_t)p->b_rblocks;
           ml_cp_async4(sc + (uint32_t)(ML_SM90_BM * C::A_SCALE_ROW + 4 * (tid & 1)),
-                       p->b_scale + (eb + (size_t)rb) * (size_t)p->kblocks + kt, 4);
+                       ok ? p->b_scale + (eb + (size_t)rb) * (size_t)p->kblocks + kt : p->b_scale,
+                       ok ? 4 : 0);
         }
       }
       ml_cp_async_arrive(full);
@@ -1010,21 +1035,19 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
   }
 }
 
-/* The FP8 consumer's two steps of a k block. Issue: its stage's wgmma
- * into blk (the stage's full barrier already waited on), committed as one
- * group. Finish: read the stage's A and B scales (the producer copied them
- * with the stage), then, once the block's wgmma are done, give the stage
- * back and add blk x A scale of the row x B scale of the column to the
- * total d. */
+/* The FP8 consumer's steps of a k block. Issue: wgmma of its stage's A
+ * rows and the half-th 128 B rows (ml_sm90_cfg<3> has two halves, the
+ * others one) into blk, committed as one group (the stage's full barrier
+ * already waited on). */
 template <class C>
 static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t base, int stage,
-                                                         int cw) {
+                                                         int cw, int half) {
   uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
   /* the stage address from lane 0: warp-uniform to ptxas, which then builds
    * the descriptors in uniform registers (fewer instructions a block) */
   a_s = __shfl_sync(0xffffffffu, a_s, 0);
   const uint64_t da = ml_wgmma_desc(a_s + (uint32_t)(cw * 64 * 128));
-  const uint64_t db = ml_wgmma_desc(a_s + C::A_BYTES);
+  const uint64_t db = ml_wgmma_desc(a_s + (uint32_t)(C::A_BYTES + half * 128 * 128));
   /* A came through cp.async (generic proxy); wgmma reads through the async
    * proxy */
   if (!(ML_SM90_PROBE & 4))
@@ -1038,7 +1061,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t ba
 }
 
 /* Waits for the next stage to fill (unless the caller has), issues its
- * wgmma into blk and moves the ring on; returns the stage. */
+ * first half's wgmma into blk and moves the ring on; returns the stage. */
 template <class C>
 static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base, uint32_t bars,
                                                        int *stage, uint32_t *phase, int cw,
@@ -1046,42 +1069,52 @@ static __device__ __forceinline__ int ml_sm90_fp8_take(float *blk, uint32_t base
   const int s = *stage;
   if (wait)
     ml_mbar_wait(ml_sm90_full(bars, s), *phase);
-  ml_sm90_fp8_issue<C>(blk, base, s, cw);
+  ml_sm90_fp8_issue<C>(blk, base, s, cw, 0);
   ml_sm90_next_stage<C>(stage, phase);
   return s;
 }
 
+/* The k block's scales (the producer copied them with the stage): as[h] the
+ * A scale of row rl + 8 h (from the slot of the block's scale group, see
+ * ml_sm90_cfg<1>), bs[i] the stage's two B scales. Steps the group slot:
+ * once a block. */
+template <class C>
+static __device__ __forceinline__ void ml_sm90_fp8_scales(float as[2], float bs[2], uint32_t scales,
+                                                          int stage, int cw, int rl, int kt, int g,
+                                                          int *gslot) {
+  const int j = ml_sm90_scale_group<C>(kt, g, gslot);
+  const uint32_t a0 = scales + (uint32_t)(*gslot * C::SCALE_BYTES) +
+                      (uint32_t)((cw * 64 + rl) * C::A_SCALE_ROW + 4 * j);
+  const uint32_t b0 =
+      scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)(ML_SM90_BM * C::A_SCALE_ROW);
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
+  asm volatile("ld.shared.f32 %0, [%1];\n"
+               : "=f"(as[1])
+               : "r"(a0 + (uint32_t)(8 * C::A_SCALE_ROW))
+               : "memory");
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
+}
+
+/* Finish: once the wgmma in flight (blk's) are done, give the stage back
+ * (unless more of its wgmma are to come: release 0) and add blk x A scale
+ * of the row x B scale of the column to the 64 totals d. bsel: the B scale
+ * of every column (0 or 1), or -1 for ml_sm90_cfg<1>'s tile, whose columns
+ * c < 64 (i < 32) take bs[0], the others bs[1]. */
 template <class C, int CL>
-static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, uint32_t scales,
-                                                          uint32_t bars, int stage, int cw, int rl,
-                                                          int kt, int g, int *gslot) {
-  /* the scales first: the stage is full, and their loads overlap the wait
-   * (A scales from the slot of the block's scale group, see ml_sm90_cfg<1>) */
-  float as[2], bs[2];
-  {
-    const int j = ml_sm90_scale_group<C>(kt, g, gslot);
-    const uint32_t a0 = scales + (uint32_t)(*gslot * C::SCALE_BYTES) +
-                        (uint32_t)((cw * 64 + rl) * C::A_SCALE_ROW + 4 * j);
-    const uint32_t b0 =
-        scales + (uint32_t)(stage * C::SCALE_BYTES) + (uint32_t)(ML_SM90_BM * C::A_SCALE_ROW);
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(as[0]) : "r"(a0) : "memory");
-    asm volatile("ld.shared.f32 %0, [%1];\n"
-                 : "=f"(as[1])
-                 : "r"(a0 + (uint32_t)(8 * C::A_SCALE_ROW))
-                 : "memory");
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[0]) : "r"(b0) : "memory");
-    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(bs[1]) : "r"(b0 + 4u) : "memory");
-  }
+static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, const float as[2],
+                                                          const float bs[2], int bsel,
+                                                          uint32_t bars, int stage, int release) {
   ml_wgmma_wait<0>();
   ml_acc_fence<64>(blk);
-  ml_sm90_release<C, CL>(bars, stage);
+  if (release)
+    ml_sm90_release<C, CL>(bars, stage);
   if (ML_SM90_PROBE & 2)
     return;
 #pragma unroll
   for (int i = 0; i < 64; ++i) {
-    /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ...: SwiGLU's gate
-     * columns are i < 32 */
-    const float f = as[(i >> 1) & 1] * bs[i < 32 ? 0 : 1];
+    /* d[i]: row rl + 8 ((i / 2) % 2), column 8 (i / 4) + ... */
+    const float f = as[(i >> 1) & 1] * bs[bsel >= 0 ? bsel : i < 32 ? 0 : 1];
     d[i] = fmaf(blk[i], f, d[i]);
   }
 }
@@ -1135,7 +1168,7 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
   }
 }
 
-/* The FP8 consumer: each k block's sum in the block accumulator blk, scaled
+/* The FP8 consumer: each k block's sum in a block accumulator (b0, b1), scaled
  * into the total d (the per-block promotion that keeps the sum's precision
  * out of the tensor cores' accumulation). C::SUBS = 2: an
  * item is two sub-items, the first one's SwiGLU values kept in the stash
@@ -1153,8 +1186,9 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
   const int g = p->as_group;
   int stage = 0;
   uint32_t phase = 0;
-  float d[64], blk[64];
-  int gslot = -1; /* the A-scale slot of the current scale group (ml_sm90_fp8_finish) */
+  constexpr int NH = C::BN / 128; /* 128-column halves of the tile */
+  float d[64 * NH], b0[64], b1[NH == 1 ? 64 : 1];
+  int gslot = -1; /* the A-scale slot of the current scale group (ml_sm90_fp8_scales) */
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
     const int *hd = headers + stage * ML_SM90_HEADER_INTS;
@@ -1179,23 +1213,51 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
     }
     for (int sub = 0; sub < C::SUBS; ++sub) {
 #pragma unroll
-      for (int i = 0; i < 64; ++i)
+      for (int i = 0; i < 64 * NH; ++i)
         d[i] = 0.0f;
-      /* one block in flight: its sum is scaled into d before the next
-       * stage is waited on and its wgmma issued (the other consumer
-       * warpgroup's wgmma keep the tensor cores busy meanwhile; two blocks
-       * in flight, in two accumulators, measured no faster and cost 64
-       * registers a thread). The item's first stage's full barrier was
-       * waited on for the header. */
-      int s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, sub > 0);
-      for (int kt = 0;; ++kt) {
-        ml_sm90_fp8_finish<C, CL>(d, blk, scales, bars, s, cw, rl, kt, g, &gslot);
-        /* the row scales, once their indices have had a step to arrive */
-        if (MODE == ML_SM90_SCALED && kt == 0)
-          ml_sm90_scale_load(p, sx, sc);
-        if (kt + 1 >= ktiles)
-          break;
-        s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, 1);
+      if constexpr (NH == 2) {
+        /* the wide tile: per k block the first half's wgmma into b0, its
+         * promotion into d[0..63], the second half's wgmma into b0 again,
+         * the stage back, its promotion into d[64..127]; the other consumer
+         * warpgroup's wgmma run while this one promotes */
+        int s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0);
+        for (int kt = 0;; ++kt) {
+          float as[2], bs[2];
+          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt, g, &gslot);
+          ml_sm90_fp8_finish<C, CL>(d, b0, as, bs, 0, bars, s, 0);
+          ml_sm90_fp8_issue<C>(b0, base, s, cw, 1);
+          ml_sm90_fp8_finish<C, CL>(d + 64, b0, as, bs, 1, bars, s, 1);
+          if (MODE == ML_SM90_SCALED && kt == 0)
+            ml_sm90_scale_load(p, sx, sc);
+          if (kt + 1 >= ktiles)
+            break;
+          s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+        }
+      } else {
+        /* one block in flight: its sum is scaled into d before the next
+         * stage is waited on and its wgmma issued (the other consumer
+         * warpgroup's wgmma keep the tensor cores busy meanwhile). The
+         * blocks alternate between two accumulators, b0 and b1: a wgmma
+         * into the registers the promotion has just read waits at its fence
+         * for those reads (one accumulator measured 2-6% slower). The
+         * item's first stage's full barrier was waited on for the header. */
+        int s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0);
+        for (int kt = 0;; kt += 2) {
+          float as[2], bs[2];
+          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt, g, &gslot);
+          ml_sm90_fp8_finish<C, CL>(d, b0, as, bs, -1, bars, s, 1);
+          /* the row scales, once their indices have had a step to arrive */
+          if (MODE == ML_SM90_SCALED && kt == 0)
+            ml_sm90_scale_load(p, sx, sc);
+          if (kt + 1 >= ktiles)
+            break;
+          s = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
+          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt + 1, g, &gslot);
+          ml_sm90_fp8_finish<C, CL>(d, b1, as, bs, -1, bars, s, 1);
+          if (kt + 2 >= ktiles)
+            break;
+          s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+        }
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
@@ -1228,15 +1290,17 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
 /* The kernel. Built for sm_90a only: in any other device pass (the compute_90
  * PTX fallback) its body is empty and the host never launches it there.
  * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype; FP8 = 2
- * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>). */
+ * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>);
+ * FP8 = 3 the wide e4m3 tile (ml_sm90_cfg<3>, one CTA). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
-  static_assert(CL == 1 || (CL == 2 && FP8 != 2),
-                "clusters of two: not with the quantizing epilogue (its sub-items)");
+  static_assert(CL == 1 || (CL == 2 && FP8 != 2 && FP8 != 3),
+                "clusters of two: not with the quantizing epilogue (its sub-items) nor the "
+                "wide FP8 tile");
   extern __shared__ __align__(1024) char ml_sm90_smem[];
   const uint32_t raw = ml_smem_u32(ml_sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
