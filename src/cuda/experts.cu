@@ -110,8 +110,8 @@ enum {
   ML_K_SM90_FP8 = ML_K_SM90 + 6,             /* 5 FP8 ones: see ml_sm90_which */
   ML_K_SM90_CL = ML_K_SM90_FP8 + 5,          /* 6 in clusters of two: see ml_sm90_which */
   ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6,       /* 4 FP8 ones in clusters of two */
-  ML_K_SM90_FP8_WIDE = ML_K_SM90_FP8_CL + 4, /* 4 with the wide FP8 tile */
-  ML_K_COUNT = ML_K_SM90_FP8_WIDE + 4
+  ML_K_SM90_FP8_WIDE = ML_K_SM90_FP8_CL + 4, /* 5 with the wide FP8 tile */
+  ML_K_COUNT = ML_K_SM90_FP8_WIDE + 5
 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
@@ -295,12 +295,12 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
 }
 
 /* Slot of an sm_90a kernel in ml_gemm_smem_ready. FP8: SwiGLU has an fp32
- * output (FP8 = 1, 3) or an e4m3 one (FP8 = 2); the scaled GEMM bf16, f16 or
+ * output (FP8 = 1, 3) or an e4m3 one (FP8 = 2, 4); the scaled GEMM bf16, f16 or
  * fp32. CL 2: the cluster ones (the cluster slots, ML_K_SM90_CL up to
  * ML_K_SM90_FP8_WIDE, are also ml_sm90_cluster_room's). */
 template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
-  if (FP8 == 2)
-    return ML_K_SM90_FP8 + 4; /* SwiGLU, e4m3 output */
+  if (FP8 == 2 || FP8 == 4) /* SwiGLU, e4m3 output */
+    return FP8 == 2 ? ML_K_SM90_FP8 + 4 : ML_K_SM90_FP8_WIDE + 4;
   if (FP8)
     return (FP8 == 3 ? ML_K_SM90_FP8_WIDE
             : CL > 1 ? ML_K_SM90_FP8_CL
@@ -379,6 +379,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
   const char *name = MODE == ML_SM90_SWIGLU
                          ? (FP8 == 2        ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
                             : FP8 == 3      ? "ml_sm90_kernel (fp8 wide, swiglu)"
+                            : FP8 == 4      ? "ml_sm90_kernel (fp8 wide, swiglu, fp8 out)"
                             : FP8 && CL > 1 ? "ml_sm90_kernel (fp8, swiglu, clusters of 2)"
                             : FP8           ? "ml_sm90_kernel (fp8, swiglu)"
                             : CL > 1        ? "ml_sm90_kernel (swiglu, clusters of 2)"
@@ -691,9 +692,9 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   int cl = 1; /* (the quantizing epilogue never runs in clusters) */
   if (out_scale == NULL)
     ML_TRY((ml_sm90_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(opts, &cl)));
-  /* the wide tile (n is a multiple of 128: one gate and one up block) where
-   * neither clusters nor the quantizing epilogue run */
-  const int wide = out_scale == NULL && cl == 1 && ml_sm90_fp8_tile(opts) == 256;
+  /* the wide tile (n is a multiple of 128: one gate and one up block) unless
+   * clusters run */
+  const int wide = cl == 1 && ml_sm90_fp8_tile(opts) == 256;
   /* B rows of a tile: 64 (wide: 128) gate/up column pairs; output columns of
    * a work item: as many, or 128 (one quantization block) with the e4m3
    * output */
@@ -709,7 +710,8 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                            tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, cl > 1 ? 1 : 2, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_scale != NULL)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
+    return wide ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 4>(&map, &q, grid, stream)
+                : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
   if (wide)
     return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 3>(&map, &q, grid, stream);
   return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(cl, &map, &q, grid, stream);

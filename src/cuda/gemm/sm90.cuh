@@ -75,10 +75,12 @@
  * fp32 scale per 128 k, e4m3 B with an fp32 scale per 128 x 128 block. The
  * same 128-byte swizzled rows now hold 128 k, so a stage is one k block of
  * the scale grid. The tile is 128 x 128 (B box {128, 64, 2, 1} for SwiGLU,
- * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps two k
- * blocks' sums (64 fp32 each, wgmma m64n128k32 e4m3) beside its running
- * total (64 more); while one block's wgmma run it adds the other's sum x
- * (row's A scale) x (column's B scale) to the total. The producer's threads
+ * {128, 128, 1, 1} plain) in six 32 KiB stages: each consumer keeps a k
+ * block's sum (64 fp32, wgmma m64n128k32 e4m3) beside its running total (64
+ * more) and adds sum x (row's A scale) x (column's B scale) to the total
+ * before it issues the next block's wgmma; the other consumer's wgmma run
+ * meanwhile. ml_sm90_cfg<3> is the same at 128 x 256 (the default: fewer
+ * bytes a FLOP, see there). The producer's threads
  * that copy A rows also copy the rows' scales, one row each, up to four k
  * blocks' worth in one copy at the first stage of each group of k blocks
  * (scattered 4-byte copies every stage cost the load pipe as much as the A
@@ -164,6 +166,7 @@ template <> struct ml_sm90_cfg<0> {
   /* registers a thread: producer, consumers (one 64 x 256 accumulator) */
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;
   static constexpr int SUBS = 1, STASH_BYTES = 0; /* see ml_sm90_cfg<2> */
+  static constexpr int QOUT = 0;                  /* 1: e4m3 output rows and scales */
 };
 template <> struct ml_sm90_cfg<1> {
   static constexpr int ES = 1, BK = 128, BN = 128, STAGES = 6;
@@ -181,7 +184,7 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
   /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
-  static constexpr int SUBS = 1, STASH_BYTES = 0;
+  static constexpr int SUBS = 1, STASH_BYTES = 0, QOUT = 0;
 };
 /* FP8 SwiGLU with the output quantized in the epilogue (moelink_quantize's
  * FP8 rows: e4m3 and an fp32 scale per 128 columns). A work item covers 128
@@ -190,7 +193,7 @@ template <> struct ml_sm90_cfg<1> {
  * sub-item's SwiGLU values in a shared-memory stash (32 fp32 a thread) until
  * the second's are done, then quantize both. The stash costs a stage. */
 template <> struct ml_sm90_cfg<2> : ml_sm90_cfg<1> {
-  static constexpr int STAGES = 5, SUBS = 2;
+  static constexpr int STAGES = 5, SUBS = 2, QOUT = 1;
   static constexpr int STASH_BYTES = 2 * 128 * 32 * 4;
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, STASH_BYTES);
 };
@@ -211,13 +214,18 @@ template <> struct ml_sm90_cfg<3> : ml_sm90_cfg<1> {
   /* the consumers hold the 64 x 256 total and one 64 x 128 block */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
 };
+/* The wide tile with ml_sm90_cfg<2>'s e4m3 output: a work item's 128
+ * output columns are one quantization block already (no sub-items, no
+ * stash). */
+template <> struct ml_sm90_cfg<4> : ml_sm90_cfg<3> { static constexpr int QOUT = 1; };
 /* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
  * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
 template <class C> constexpr bool ml_sm90_regs_fit() {
   return C::PRODUCER_REGS * 128 + 2 * C::CONSUMER_REGS * 128 <= 168 * 384;
 }
 static_assert(ml_sm90_regs_fit<ml_sm90_cfg<0>>() && ml_sm90_regs_fit<ml_sm90_cfg<1>>() &&
-                  ml_sm90_regs_fit<ml_sm90_cfg<2>>() && ml_sm90_regs_fit<ml_sm90_cfg<3>>(),
+                  ml_sm90_regs_fit<ml_sm90_cfg<2>>() && ml_sm90_regs_fit<ml_sm90_cfg<3>>() &&
+                  ml_sm90_regs_fit<ml_sm90_cfg<4>>(),
               "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
 static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
@@ -1119,8 +1127,12 @@ static __device__ __forceinline__ void ml_sm90_fp8_finish(float *d, float *blk, 
   }
 }
 
-/* SwiGLU of the consumer's accumulators (ml_sm90_store's values):
- * v[16 h + 2 j + e] is row rl + 8 h, output column 8 j + cq + e of the tile. */
+/* SwiGLU of 64 of the consumer's output columns (ml_sm90_store's values):
+ * v[16 h + 2 j + e] is row rl + 8 h, output column 8 (J0 + j) + cq + e of
+ * the tile, its gate accumulators d[4 (J0 + j) + ...] and up accumulators
+ * UP n8 blocks further (ml_sm90_cfg<1>: J0 0, UP 8; the wide tile: J0 0 or
+ * 8, UP 16). */
+template <int J0, int UP>
 static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)
@@ -1128,13 +1140,14 @@ static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float g = d[4 * j + 2 * h + e], u = d[4 * (j + 8) + 2 * h + e];
+        const float g = d[4 * (J0 + j) + 2 * h + e], u = d[4 * (J0 + j + UP) + 2 * h + e];
         v[16 * h + 2 * j + e] = ml_sm90_silu_mul(g, u);
       }
 }
 
-/* ml_sm90_cfg<2>'s epilogue: the SwiGLU values of the item's two sub-items
- * (v0 from the stash, v1 just made) quantized per row over the 128 columns,
+/* ml_sm90_cfg<2>'s and <4>'s epilogue: the SwiGLU values of an item's 128
+ * output columns (cfg<2>: v0 its first sub-item's, from the stash, v1 the
+ * second's; cfg<4>: columns 0-63, 64-127) quantized per row,
  * as moelink_quantize's FP8 does it (quant.cuh): the row's largest |value|
  * over the four threads that hold it, its scale, the e4m3 bytes. */
 static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, const float *v0,
@@ -1168,7 +1181,7 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
   }
 }
 
-/* The FP8 consumer: each k block's sum in a block accumulator (b0, b1), scaled
+/* The FP8 consumer: each k block's sum in the block accumulator blk, scaled
  * into the total d (the per-block promotion that keeps the sum's precision
  * out of the tensor cores' accumulation). C::SUBS = 2: an
  * item is two sub-items, the first one's SwiGLU values kept in the stash
@@ -1187,7 +1200,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
   int stage = 0;
   uint32_t phase = 0;
   constexpr int NH = C::BN / 128; /* 128-column halves of the tile */
-  float d[64 * NH], b0[64], b1[NH == 1 ? 64 : 1];
+  float d[64 * NH], blk[64];
   int gslot = -1; /* the A-scale slot of the current scale group (ml_sm90_fp8_scales) */
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
@@ -1215,53 +1228,35 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
 #pragma unroll
       for (int i = 0; i < 64 * NH; ++i)
         d[i] = 0.0f;
-      if constexpr (NH == 2) {
-        /* the wide tile: per k block the first half's wgmma into b0, its
-         * promotion into d[0..63], the second half's wgmma into b0 again,
-         * the stage back, its promotion into d[64..127]; the other consumer
-         * warpgroup's wgmma run while this one promotes */
-        int s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0);
-        for (int kt = 0;; ++kt) {
-          float as[2], bs[2];
-          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt, g, &gslot);
-          ml_sm90_fp8_finish<C, CL>(d, b0, as, bs, 0, bars, s, 0);
-          ml_sm90_fp8_issue<C>(b0, base, s, cw, 1);
-          ml_sm90_fp8_finish<C, CL>(d + 64, b0, as, bs, 1, bars, s, 1);
-          if (MODE == ML_SM90_SCALED && kt == 0)
-            ml_sm90_scale_load(p, sx, sc);
-          if (kt + 1 >= ktiles)
-            break;
-          s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
+      /* per k block: the stage's wgmma of each 128-column half (one, or
+       * two for the wide tile) into blk, then its promotion into d, the
+       * stage given back after the last half's wgmma; the other consumer
+       * warpgroup's wgmma keep the tensor cores busy while this one
+       * promotes. (A second block accumulator, to issue the next wgmma
+       * before the promotion, measured no faster: ptxas gives both the same
+       * registers once their lives do not overlap.) The item's first
+       * stage's full barrier was waited on for the header. */
+      int s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, sub > 0);
+      for (int kt = 0;; ++kt) {
+        float as[2], bs[2];
+        ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt, g, &gslot);
+#pragma unroll
+        for (int h = 0; h < NH; ++h) {
+          if (h > 0)
+            ml_sm90_fp8_issue<C>(blk, base, s, cw, h);
+          ml_sm90_fp8_finish<C, CL>(d + 64 * h, blk, as, bs, NH == 1 ? -1 : h, bars, s,
+                                    h == NH - 1);
         }
-      } else {
-        /* one block in flight: its sum is scaled into d before the next
-         * stage is waited on and its wgmma issued (the other consumer
-         * warpgroup's wgmma keep the tensor cores busy meanwhile). The
-         * blocks alternate between two accumulators, b0 and b1: a wgmma
-         * into the registers the promotion has just read waits at its fence
-         * for those reads (one accumulator measured 2-6% slower). The
-         * item's first stage's full barrier was waited on for the header. */
-        int s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, sub > 0);
-        for (int kt = 0;; kt += 2) {
-          float as[2], bs[2];
-          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt, g, &gslot);
-          ml_sm90_fp8_finish<C, CL>(d, b0, as, bs, -1, bars, s, 1);
-          /* the row scales, once their indices have had a step to arrive */
-          if (MODE == ML_SM90_SCALED && kt == 0)
-            ml_sm90_scale_load(p, sx, sc);
-          if (kt + 1 >= ktiles)
-            break;
-          s = ml_sm90_fp8_take<C>(b1, base, bars, &stage, &phase, cw, 1);
-          ml_sm90_fp8_scales<C>(as, bs, scales, s, cw, rl, kt + 1, g, &gslot);
-          ml_sm90_fp8_finish<C, CL>(d, b1, as, bs, -1, bars, s, 1);
-          if (kt + 2 >= ktiles)
-            break;
-          s = ml_sm90_fp8_take<C>(b0, base, bars, &stage, &phase, cw, 1);
-        }
+        /* the row scales, once their indices have had a step to arrive */
+        if (MODE == ML_SM90_SCALED && kt == 0)
+          ml_sm90_scale_load(p, sx, sc);
+        if (kt + 1 >= ktiles)
+          break;
+        s = ml_sm90_fp8_take<C>(blk, base, bars, &stage, &phase, cw, 1);
       }
       if constexpr (C::SUBS > 1) {
         float v[32];
-        ml_sm90_swiglu32(d, v);
+        ml_sm90_swiglu32<0, 8>(d, v);
         if (sub == 0) {
 #pragma unroll
           for (int i = 0; i < 32; ++i)
@@ -1280,8 +1275,15 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
         }
       }
     }
-    if constexpr (C::SUBS == 1)
+    if constexpr (C::SUBS == 1 && C::QOUT) {
+      /* the wide tile's 128 output columns, quantized */
+      float v0[32], v1[32];
+      ml_sm90_swiglu32<0, 16>(d, v0);
+      ml_sm90_swiglu32<8, 16>(d, v1);
+      ml_sm90_store_q(p, v0, v1, nb, row0, rows, rl, cq);
+    } else if constexpr (C::SUBS == 1) {
       ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+    }
   }
 }
 
@@ -1291,14 +1293,15 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
  * PTX fallback) its body is empty and the host never launches it there.
  * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype; FP8 = 2
  * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>);
- * FP8 = 3 the wide e4m3 tile (ml_sm90_cfg<3>, one CTA). */
+ * FP8 = 3 the wide e4m3 tile (ml_sm90_cfg<3>, one CTA), FP8 = 4 the same
+ * with e4m3 output (ml_sm90_cfg<4>). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
-  static_assert(CL == 1 || (CL == 2 && FP8 != 2 && FP8 != 3),
+  static_assert(CL == 1 || (CL == 2 && FP8 == 1) || (CL == 2 && FP8 == 0),
                 "clusters of two: not with the quantizing epilogue (its sub-items) nor the "
                 "wide FP8 tile");
   extern __shared__ __align__(1024) char ml_sm90_smem[];
