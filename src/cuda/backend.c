@@ -397,10 +397,9 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
 
 /* 1: an FP8 layer's h is quantized in the sm_90a gate/up GEMM's epilogue
  * (ml_cuda_gemm_swiglu_fp8 with out_scale) instead of by a kernel of its own
- * after the GEMM writes it in fp32; the same bytes either way. On: with the
- * 128 x 256 tile a work item's columns are one quantization block
- * (docs/PERF.md, FP8 section). */
-MOELINK_PARAM(GEMM_FP8_QUANT, 1)
+ * after the GEMM writes it in fp32; the same bytes either way. Off: no
+ * faster, with either tile (docs/PERF.md, FP8 section). */
+MOELINK_PARAM(GEMM_FP8_QUANT, 0)
 
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
  * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
