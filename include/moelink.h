@@ -175,11 +175,20 @@ typedef struct moelink_moe_config {
                              the fly (moelink_quantize's FP8) and the products
                              summed in fp32. Router, shared expert, activations
                              and outputs stay in dtype. 0: experts in dtype */
+  int fp8_shared;         /* 1: the shared expert's weights are FP8 in the same
+                             format (shared_gate_up_scale, shared_down_scale;
+                             hidden and shared_inter multiples of 128), its
+                             inputs quantized the same way; needs shared_inter
+                             > 0. Independent of fp8_experts. Not supported by
+                             the expert-parallel layer (moelink_ep_*). 0: the
+                             shared expert in dtype */
 } moelink_moe_config_t;
 
-#define MOELINK_MOE_CONFIG_INIT                                                \
-  { sizeof(moelink_moe_config_t), 0, 0, 0, 0, MOELINK_ROUTER_SOFTMAX_TOPK, 1,  \
-    1, 1, 1.0f, 0, 0, 0, MOELINK_DTYPE_BF16, 1024, 0 }
+#define MOELINK_MOE_CONFIG_INIT                                                                    \
+  {                                                                                                \
+    sizeof(moelink_moe_config_t), 0, 0, 0, 0, MOELINK_ROUTER_SOFTMAX_TOPK, 1, 1, 1, 1.0f, 0, 0, 0, \
+        MOELINK_DTYPE_BF16, 1024, 0, 0                                                             \
+  }
 
 /* Number of named presets. */
 MOELINK_API int moelink_preset_count(void);
@@ -217,17 +226,23 @@ typedef struct moelink_moe_weights {
   const float *correction_bias;  /* [E] fp32; required iff cfg.correction_bias */
   const void *gate_up;           /* [E, 2*I, H] dtype (fp8_experts: e4m3 bytes) */
   const void *down;              /* [E, H, I] dtype (fp8_experts: e4m3 bytes) */
-  const void *shared_gate_up;    /* [2*Is, H] dtype; iff cfg.shared_inter > 0 */
-  const void *shared_down;       /* [H, Is] dtype; iff cfg.shared_inter > 0 */
+  const void *shared_gate_up;    /* [2*Is, H] dtype; iff cfg.shared_inter > 0
+                                    (fp8_shared: e4m3 bytes) */
+  const void *shared_down;       /* [H, Is] dtype; iff cfg.shared_inter > 0
+                                    (fp8_shared: e4m3 bytes) */
   const void *shared_gate;       /* [H] dtype; iff cfg.shared_gate */
   const float *gate_up_scale;    /* [E, 2*I/128, H/128] fp32; iff cfg.fp8_experts:
                                     weight [n, k] = e4m3 value * scale[n/128][k/128] */
   const float *down_scale;       /* [E, H/128, I/128] fp32; iff cfg.fp8_experts */
+  const float *shared_gate_up_scale; /* [2*Is/128, H/128] fp32; iff cfg.fp8_shared */
+  const float *shared_down_scale;    /* [H/128, Is/128] fp32; iff cfg.fp8_shared */
 } moelink_moe_weights_t;
 
-#define MOELINK_MOE_WEIGHTS_INIT                                               \
-  { sizeof(moelink_moe_weights_t), MOELINK_DTYPE_BF16, NULL, NULL, NULL, NULL, NULL, NULL, \
-    NULL, NULL, NULL }
+#define MOELINK_MOE_WEIGHTS_INIT                                                                   \
+  {                                                                                                \
+    sizeof(moelink_moe_weights_t), MOELINK_DTYPE_BF16, NULL, NULL, NULL, NULL, NULL, NULL, NULL,   \
+        NULL, NULL, NULL, NULL                                                                     \
+  }
 
 /* Bytes of workspace a layer with this config allocates at create (host for
  * CPU, device for CUDA). Grows with max_tokens * top_k * (H + I). */

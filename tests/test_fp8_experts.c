@@ -1,4 +1,5 @@
-/* FP8 routed experts (cfg.fp8_experts) on the CPU backend: the layer against
+/* FP8 routed experts (cfg.fp8_experts) and shared expert (cfg.fp8_shared,
+ * with and without FP8 routed experts) on the CPU backend: the layer against
  * the naive reference (tests/ref, its own e4m3 codec and activation
  * quantizer) for reduced mixtral-, deepseek- and qwen3-like layers, f32 and
  * bf16, T in {0, 1, 7, 130} (130 also in chunks of 64), and the pieces
@@ -38,13 +39,19 @@ static double tol_all(moelink_dtype_t dt) { return dt == MOELINK_DTYPE_F32 ? 1e-
 
 typedef struct {
   const char *preset;
-  int H, I, Is; /* H, I multiples of 128; Is (shared, stays in dtype) any */
+  int H, I, Is; /* H, I multiples of 128; Is any (a multiple of 128 with FP8_SHARED) */
+  int fp8;      /* FP8_EXPERTS | FP8_SHARED */
 } reduced;
+enum { FP8_EXPERTS = 1, FP8_SHARED = 2 };
 
 static const reduced presets[] = {
-    {"mixtral-8x7b", 256, 128, 0},   /* softmax, k = 2 */
-    {"deepseek-v3", 256, 128, 72},   /* sigmoid + bias + groups, shared expert */
-    {"qwen3-30b-a3b", 128, 256, 0},  /* softmax, k = 8 of 128 */
+    {"mixtral-8x7b", 256, 128, 0, FP8_EXPERTS},  /* softmax, k = 2 */
+    {"deepseek-v3", 256, 128, 72, FP8_EXPERTS},  /* sigmoid + bias + groups, shared expert */
+    {"qwen3-30b-a3b", 128, 256, 0, FP8_EXPERTS}, /* softmax, k = 8 of 128 */
+    /* the shared expert in FP8 too (its weights from the reference generator,
+     * quantized by ref_fp8_quantize), and alone */
+    {"deepseek-v3", 256, 128, 128, FP8_EXPERTS | FP8_SHARED},
+    {"deepseek-v3", 128, 128, 256, FP8_SHARED},
 };
 
 /* FP8 expert weights: bytes and block scales for [E, rows, cols] matrices. */
@@ -331,19 +338,25 @@ static void run_preset(const reduced *rp, moelink_dtype_t dt, uint64_t seed) {
     CHECK(0, "preset %s: %s", rp->preset, moelink_last_error());
     return;
   }
+  cfg.fp8_shared = (rp->fp8 & FP8_SHARED) != 0;
+  const int experts = (rp->fp8 & FP8_EXPERTS) != 0;
   ref_layer L;
   fp8_w f;
   memset(&f, 0, sizeof f);
-  if (ref_layer_make(&L, &cfg, seed, 0.0) != 0 || make_fp8(&cfg, seed, &f) != 0) {
+  if (ref_layer_make(&L, &cfg, seed, 0.0) != 0 || (experts && make_fp8(&cfg, seed, &f) != 0)) {
     CHECK(0, "%s: test data", rp->preset);
     free_fp8(&f);
     return;
   }
-  L.cfg.fp8_experts = 1;
-  L.w.gate_up = f.gu;
-  L.w.down = f.dn;
-  L.w.gate_up_scale = f.gu_s;
-  L.w.down_scale = f.dn_s;
+  CHECK(!cfg.fp8_shared || (L.w.shared_gate_up_scale && L.w.shared_down_scale),
+        "%s: the reference generator made FP8 shared weights", rp->preset);
+  if (experts) {
+    L.cfg.fp8_experts = 1;
+    L.w.gate_up = f.gu;
+    L.w.down = f.dn;
+    L.w.gate_up_scale = f.gu_s;
+    L.w.down_scale = f.dn_s;
+  }
 
   moelink_moe_t m = make_moe(ctx, &L.cfg, &L.w, 1024);
   moelink_moe_t chunked = make_moe(ctx, &L.cfg, &L.w, 64);
@@ -354,7 +367,8 @@ static void run_preset(const reduced *rp, moelink_dtype_t dt, uint64_t seed) {
   for (size_t ti = 0; m && chunked && ti < sizeof Ts / sizeof Ts[0]; ++ti) {
     const int T = Ts[ti];
     char what[128];
-    snprintf(what, sizeof what, "%s %s T=%d", rp->preset, moelink_dtype_name(dt), T);
+    snprintf(what, sizeof what, "%s%s%s %s T=%d", rp->preset, experts ? "" : " (dtype experts)",
+             cfg.fp8_shared ? " fp8 shared" : "", moelink_dtype_name(dt), T);
     void *x = malloc((size_t)(T ? T : 1) * cfg.hidden * es);
     ref_fill_x(&L, x, T, seed + 7 + (uint64_t)T);
     unsigned char *out = forward(what, m, &L.cfg, x, T);
@@ -368,7 +382,8 @@ static void run_preset(const reduced *rp, moelink_dtype_t dt, uint64_t seed) {
         if (oc) compare(w2, &L.cfg, &L.w, x, oc, T);
         free(oc);
         check_determinism(what, &L.cfg, &L.w, x, T, out);
-        check_activation_quant(what, &L, &f, x, T, out);
+        if (experts)
+          check_activation_quant(what, &L, &f, x, T, out);
       }
     }
     free(out);
@@ -458,6 +473,62 @@ static void check_errors(void) {
   ref_layer_free(&L);
 }
 
+/* The checks of fp8_shared in create and set_weights. */
+static void check_shared_errors(void) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  moelink_moe_preset("deepseek-v3", &c);
+  c.hidden = 256;
+  c.inter = 128;
+  c.num_experts = 16;
+  c.n_group = 4;
+  c.topk_group = 2;
+  c.shared_inter = 128;
+  c.dtype = MOELINK_DTYPE_F32;
+  c.max_tokens = 16;
+  c.fp8_shared = 1;
+  moelink_moe_t m = NULL;
+  moelink_moe_config_t bad = c;
+  bad.shared_inter = 0;
+  CHECK_STATUS(moelink_moe_config_check(&bad), MOELINK_ERR_INVALID_ARGUMENT,
+               "fp8_shared without a shared expert");
+  CHECK(strstr(moelink_last_error(), "fp8_shared") != NULL, "the message names fp8_shared");
+  bad = c;
+  bad.shared_inter = 192;
+  CHECK_STATUS(moelink_moe_create(ctx, &bad, &m), MOELINK_ERR_INVALID_ARGUMENT,
+               "fp8_shared with shared_inter 192");
+  CHECK(m == NULL, "no layer made for shared_inter 192");
+  bad = c;
+  bad.fp8_shared = 2;
+  CHECK_STATUS(moelink_moe_config_check(&bad), MOELINK_ERR_INVALID_ARGUMENT, "fp8_shared 2");
+
+  ref_layer L;
+  if (ref_layer_make(&L, &c, 98, 0.0) != 0) {
+    CHECK(0, "fp8_shared error-path test data");
+    return;
+  }
+  CHECK_OK(moelink_moe_create(ctx, &c, &m), "fp8_shared layer");
+  if (m) {
+    moelink_moe_weights_t ww = L.w;
+    ww.shared_down_scale = NULL;
+    CHECK_STATUS(moelink_moe_set_weights(m, &ww), MOELINK_ERR_INVALID_ARGUMENT,
+                 "fp8_shared with shared_down_scale NULL");
+    CHECK(strstr(moelink_last_error(), "shared_down_scale") != NULL,
+          "the message names shared_down_scale");
+    CHECK_OK(moelink_moe_set_weights(m, &L.w), "fp8_shared weights with both scales");
+    moelink_moe_destroy(m);
+    m = NULL;
+  }
+  moelink_moe_config_t c0 = c;
+  c0.fp8_shared = 0;
+  CHECK_OK(moelink_moe_create(ctx, &c0, &m), "the same layer without fp8_shared");
+  if (m) {
+    CHECK_STATUS(moelink_moe_set_weights(m, &L.w), MOELINK_ERR_INVALID_ARGUMENT,
+                 "shared scales given without fp8_shared");
+    moelink_moe_destroy(m);
+  }
+  ref_layer_free(&L);
+}
+
 int main(void) {
   if (moelink_context_create(NULL, &ctx) != MOELINK_SUCCESS) {
     CHECK(0, "CPU context: %s", moelink_last_error());
@@ -467,6 +538,7 @@ int main(void) {
   static const moelink_dtype_t dts[] = {MOELINK_DTYPE_F32, MOELINK_DTYPE_BF16};
   for (size_t p = 0; p < sizeof presets / sizeof presets[0]; ++p)
     for (size_t d = 0; d < 2; ++d) run_preset(&presets[p], dts[d], 1000 + 17 * p + d);
+  check_shared_errors();
   moelink_context_destroy(ctx);
   return ml_test_done();
 }

@@ -176,11 +176,19 @@ const char *cli_option_value(int argc, char **argv, int *i, const char *name, co
   return argv[++*i];
 }
 
+/* " (experts fp8)" and the like for the data line. */
+static const char *cli_fp8_note(const moelink_moe_config_t *c) {
+  return c->fp8_experts && c->fp8_shared ? " (experts and shared expert fp8)"
+         : c->fp8_experts                ? " (experts fp8)"
+         : c->fp8_shared                 ? " (shared expert fp8)"
+                                         : "";
+}
+
 void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   const char *cmd = bench ? "bench" : "run";
   cli_shape sh = {-1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1.0};
   moelink_dtype_t dtype = MOELINK_DTYPE_BF16;
-  int fp8_experts = 0;
+  int fp8_experts = 0, fp8_shared = 0;
   moelink_moe_config_t init = MOELINK_MOE_CONFIG_INIT;
 
   memset(o, 0, sizeof *o);
@@ -212,6 +220,12 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
     if (IS("--fp8-experts")) {
       if (val) cli_usage_error("%s: takes no value, got '%s'", name, val);
       fp8_experts = 1;
+      continue;
+    }
+    if (IS("--fp8-shared")) {
+      if (val)
+        cli_usage_error("%s: takes no value, got '%s'", name, val);
+      fp8_shared = 1;
       continue;
     }
     if (IS("--no-renorm") || IS("--bias") || IS("--shared-gate") ||
@@ -304,6 +318,9 @@ void cli_parse(int argc, char **argv, int bench, cli_opts *o) {
   if (sh.shared_gate >= 0) c->shared_gate = sh.shared_gate;
   c->dtype = dtype;
   c->fp8_experts = fp8_experts;
+  c->fp8_shared = fp8_shared && c->shared_inter > 0;
+  if (fp8_shared && c->shared_inter == 0)
+    cli_usage_error("--fp8-shared: the layer has no shared expert (--shared-inter)");
 
   if (bench) {
     if (o->ntokens == 0) {
@@ -366,10 +383,9 @@ void cli_print_config(const cli_opts *o, int tokens) {
          o->backend == MOELINK_BACKEND_CPU ? ")" : "");
   if (tokens > 0)
     printf("data       %s%s  tokens %d  max_tokens %d  seed %llu  skew %s\n",
-           moelink_dtype_name(c->dtype), c->fp8_experts ? " (experts fp8)" : "", tokens,
-           c->max_tokens, (unsigned long long)o->seed, skew);
+           moelink_dtype_name(c->dtype), cli_fp8_note(c), tokens, c->max_tokens,
+           (unsigned long long)o->seed, skew);
   else
     printf("data       %s%s  max_tokens %d  seed %llu  skew %s\n", moelink_dtype_name(c->dtype),
-           c->fp8_experts ? " (experts fp8)" : "", c->max_tokens, (unsigned long long)o->seed,
-           skew);
+           cli_fp8_note(c), c->max_tokens, (unsigned long long)o->seed, skew);
 }

@@ -65,9 +65,10 @@ static void write_json(const char *path, const cli_opts *o, const char *device, 
   cli_json_num(f, c->routed_scaling);
   fprintf(f,
           ", \"correction_bias\": %d, \"shared_inter\": %d, \"shared_gate\": %d, \"dtype\": "
-          "\"%s\", \"fp8_experts\": %d, \"max_tokens\": %d, \"seed\": %llu, \"skew\": \"%s\"},\n",
+          "\"%s\", \"fp8_experts\": %d, \"fp8_shared\": %d, \"max_tokens\": %d, \"seed\": "
+          "%llu, \"skew\": \"%s\"},\n",
           c->correction_bias, c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype),
-          c->fp8_experts, c->max_tokens, (unsigned long long)o->seed, skew);
+          c->fp8_experts, c->fp8_shared, c->max_tokens, (unsigned long long)o->seed, skew);
   fprintf(f, "  \"iters\": %d,\n  \"warmup\": %d,\n", o->iters, o->warmup);
   if (cuda) {
     fprintf(f, "  \"floors\": {\"read_GBps\": ");
@@ -251,13 +252,12 @@ int cli_cmd_bench(int argc, char **argv) {
     r->flops = moelink_moe_flops(c, T);
     if (cuda) {
       r->touched = count_touched(moe, c, dx, T, d_ids, d_w, stream);
-      /* Routed experts as stored (FP8: a byte a weight plus the block
-       * scales); router and shared expert in the dtype. */
-      r->bytes = (double)r->touched * cli_expert_bytes(c) +
-                 (double)ds * ((double)c->num_experts * (double)H +
-                               3.0 * (double)c->shared_inter * (double)H +
-                               (c->shared_gate ? (double)H : 0.0)) +
-                 (c->correction_bias ? 4.0 * c->num_experts : 0.0);
+      /* Routed and shared experts as stored (FP8: a byte a weight plus
+       * the block scales); router and shared gate in the dtype. */
+      r->bytes =
+          (double)r->touched * cli_expert_bytes(c) + cli_shared_bytes(c) +
+          (double)ds * ((double)c->num_experts * (double)H + (c->shared_gate ? (double)H : 0.0)) +
+          (c->correction_bias ? 4.0 * c->num_experts : 0.0);
     }
     void *graph = NULL;
     if (cuda && o.graph) {
@@ -334,9 +334,12 @@ int cli_cmd_bench(int argc, char **argv) {
     }
     printf("\nfloor = max(weight bytes touched / read bandwidth, FLOPs / matmul rate); "
            "%% floor = floor / time\n");
-    if (c->fp8_experts)
-      printf("fp8 experts: 1 byte per weight + an fp32 scale per 128x128 block; the matmul "
-             "rate is still cuBLAS bf16's\n");
+    if (c->fp8_experts || c->fp8_shared)
+      printf("fp8 %s: 1 byte per weight + an fp32 scale per 128x128 block; the matmul "
+             "rate is still cuBLAS bf16's\n",
+             c->fp8_experts && c->fp8_shared ? "experts and shared expert"
+             : c->fp8_experts                ? "experts"
+                                             : "shared expert");
   } else {
     printf("%7s %11s %11s %11s %9s %15s %12s\n", "T", "median ms", "min ms", "tokens/s",
            "GFLOP/s", "sgemm GFLOP/s", "% of sgemm");

@@ -103,7 +103,8 @@ typedef struct cli_layer {
                             experts are FP8 (made here, then copied) */
   int have_host;
   void *dev[REF_T_X];    /* CUDA device buffers, indexed by REF_T_* */
-  void *dev_scale[2];    /* CUDA, fp8_experts: gate_up and down block scales */
+  void *dev_scale[4];    /* CUDA, FP8 block scales: gate_up, down (fp8_experts),
+                            shared gate_up, shared down (fp8_shared) */
   moelink_moe_weights_t w; /* what set_weights gets (host or device) */
   double weight_bytes;
 } cli_layer;
@@ -120,6 +121,8 @@ void cli_layer_free(cli_layer *L);
 /* Bytes of one routed expert's gate_up and down as stored: dtype elements, or
  * FP8 bytes plus their fp32 block scales. */
 double cli_expert_bytes(const moelink_moe_config_t *c);
+/* Bytes of the shared expert's gate_up and down as stored (0: none). */
+double cli_shared_bytes(const moelink_moe_config_t *c);
 /* x [T, H] in the layer's dtype on the host. */
 void cli_make_x(const cli_layer *L, void *x, int num_tokens);
 

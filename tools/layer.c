@@ -1,6 +1,6 @@
 /* The layer the CLI runs: deterministic weights from the reference's
  * generator (host) or the same values made on the GPU with
- * moelink_fill_random (FP8 experts: made on the host and copied), inputs from
+ * moelink_fill_random (FP8 weights: made on the host and copied), inputs from
  * ref_fill_x, and verification of an output against ref_forward_token. */
 #include "cli.h"
 #include "gpu.h"
@@ -38,16 +38,45 @@ static size_t cli_tensor_elems(const moelink_moe_config_t *c, int t) {
   }
 }
 
+/* Whether tensor t is FP8 bytes (with fp32 block scales). */
+static int cli_tensor_fp8(const moelink_moe_config_t *c, int t) {
+  return (c->fp8_experts && (t == REF_T_GATE_UP || t == REF_T_DOWN)) ||
+         (c->fp8_shared && (t == REF_T_SH_GATE_UP || t == REF_T_SH_DOWN));
+}
+
 static size_t cli_tensor_esize(const moelink_moe_config_t *c, int t) {
-  if (c->fp8_experts && (t == REF_T_GATE_UP || t == REF_T_DOWN)) return 1; /* + scales */
+  if (cli_tensor_fp8(c, t))
+    return 1; /* + scales */
   return t == REF_T_BIAS ? sizeof(float) : moelink_dtype_size(c->dtype);
 }
 
-/* fp32 block scales of gate_up (t = REF_T_GATE_UP) or down: one per 128 x 128
- * block with fp8_experts, none otherwise. */
+/* fp32 block scales of tensor t: one per 128 x 128 block of an FP8 one. */
 static size_t cli_scale_count(const moelink_moe_config_t *c, int t) {
-  if (!c->fp8_experts || (t != REF_T_GATE_UP && t != REF_T_DOWN)) return 0;
-  return cli_tensor_elems(c, t) / (128 * 128);
+  return cli_tensor_fp8(c, t) ? cli_tensor_elems(c, t) / (128 * 128) : 0;
+}
+
+/* Slot of an FP8 tensor's scales in cli_layer.dev_scale (-1: none). */
+static int cli_scale_slot(int t) {
+  switch (t) {
+  case REF_T_GATE_UP:
+    return 0;
+  case REF_T_DOWN:
+    return 1;
+  case REF_T_SH_GATE_UP:
+    return 2;
+  case REF_T_SH_DOWN:
+    return 3;
+  default:
+    return -1;
+  }
+}
+
+double cli_shared_bytes(const moelink_moe_config_t *c) {
+  double b = 0.0;
+  for (int t = REF_T_SH_GATE_UP; t <= REF_T_SH_DOWN; ++t)
+    b += (double)cli_tensor_elems(c, t) * (double)cli_tensor_esize(c, t) +
+         (double)cli_scale_count(c, t) * sizeof(float);
+  return b;
 }
 
 double cli_expert_bytes(const moelink_moe_config_t *c) {
@@ -123,7 +152,7 @@ static void cli_host_make(cli_layer *L) {
   if (note) fprintf(stderr, "weights: done in %.1f s\n", cli_now() - t0);
 }
 
-/* FP8 experts cannot be made by moelink_fill_random: the whole layer comes
+/* FP8 weights cannot be made by moelink_fill_random: the whole layer comes
  * from the host generator (the values the CPU backend and --verify use) and
  * is copied, the block scales too. The host copy stays for verification. */
 static void cli_device_from_host(cli_layer *L) {
@@ -144,12 +173,14 @@ static void cli_device_from_host(cli_layer *L) {
         gpu_h2d(L->dev[t], cli_host_tensor(&L->host, t), n * esz) != 0)
       cli_fail("%s", gpu_error());
   }
-  const float *hs[2] = {L->host.gate_up_scale, L->host.down_scale};
-  for (int m = 0; m < 2; ++m) {
-    size_t n = cli_scale_count(cfg, REF_T_GATE_UP + m);
-    if (n == 0) continue;
-    if (gpu_malloc(&L->dev_scale[m], n * sizeof(float),
-                   m ? "down scales" : "gate_up scales") != 0 ||
+  const float *hs[4] = {L->host.gate_up_scale, L->host.down_scale, L->host.shared_gate_up_scale,
+                        L->host.shared_down_scale};
+  for (int t = REF_T_ROUTER; t < REF_T_X; ++t) {
+    const int m = cli_scale_slot(t);
+    size_t n = cli_scale_count(cfg, t);
+    if (n == 0 || m < 0)
+      continue;
+    if (gpu_malloc(&L->dev_scale[m], n * sizeof(float), cli_tensor_names[t]) != 0 ||
         gpu_h2d(L->dev_scale[m], hs[m], n * sizeof(float)) != 0)
       cli_fail("%s", gpu_error());
   }
@@ -211,7 +242,7 @@ void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_confi
     L->w = L->host.w;
     return;
   }
-  if (cfg->fp8_experts)
+  if (cfg->fp8_experts || cfg->fp8_shared)
     cli_device_from_host(L);
   else
     cli_device_make(L, ctx, stream);
@@ -226,6 +257,8 @@ void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_confi
   w.shared_gate = L->dev[REF_T_SH_GATE];
   w.gate_up_scale = (const float *)L->dev_scale[0];
   w.down_scale = (const float *)L->dev_scale[1];
+  w.shared_gate_up_scale = (const float *)L->dev_scale[2];
+  w.shared_down_scale = (const float *)L->dev_scale[3];
   L->w = w;
 }
 
@@ -257,7 +290,7 @@ void cli_layer_free(cli_layer *L) {
     gpu_free(L->dev[t]);
     L->dev[t] = NULL;
   }
-  for (int m = 0; m < 2; ++m) {
+  for (int m = 0; m < 4; ++m) {
     gpu_free(L->dev_scale[m]);
     L->dev_scale[m] = NULL;
   }

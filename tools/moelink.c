@@ -37,6 +37,7 @@ static const char cli_shape_text[] =
     "  --fp8-experts          routed experts' weights in FP8 (e4m3, a scale per 128x128\n"
     "                         block; their inputs quantized per 128 on the fly); on cuda\n"
     "                         the weights are generated on the host and copied\n"
+    "  --fp8-shared           the shared expert's weights in FP8 likewise\n"
     "  --seed S               weights and inputs generator seed (default 1)\n"
     "  --skew uniform|zipf:A  routing skew: expert e's logit gets log((e+1)^-A)\n"
     "  --max-tokens N         layer workspace size in tokens (default: the largest T)\n"

@@ -44,9 +44,9 @@ int cli_cmd_run(int argc, char **argv) {
   CLI_CALL("moelink_moe_set_weights", moelink_moe_set_weights(moe, &L.w));
   char wb[32];
   cli_fmt_bytes(L.weight_bytes, wb, sizeof wb);
-  /* FP8 experts on the GPU are generated on the host and copied. */
+  /* FP8 weights on the GPU are generated on the host and copied. */
   printf("weights    %s (generated in %.2f s on the %s)\n", wb, gen_s,
-         cuda && !c->fp8_experts ? "GPU" : "host");
+         cuda && !c->fp8_experts && !c->fp8_shared ? "GPU" : "host");
 
   void *x = cli_malloc(act_bytes, "x");
   void *out = cli_malloc(act_bytes, "out");

@@ -36,8 +36,8 @@ void ml_cpu_blocks_for(const moelink_moe_config_t *c, ml_cpu_blocks *b) {
     b->sgu_cols = ml_cols_for(ML_CPU_CONV_TARGET / 2, H, 8, Is);
     b->sdown_cols = ml_cols_for(ML_CPU_CONV_TARGET, Is, 16, H);
   }
-  /* FP8 experts are dequantized into the same buffer, whatever the dtype. */
-  if (c->dtype != MOELINK_DTYPE_F32 || c->fp8_experts) {
+  /* FP8 experts and shared expert are dequantized into the same buffer, whatever the dtype. */
+  if (c->dtype != MOELINK_DTYPE_F32 || c->fp8_experts || c->fp8_shared) {
     size_t conv = (size_t)b->router_rows * (size_t)H;
     conv = ml_max_sz(conv, 2 * (size_t)b->gu_cols * (size_t)H);
     conv = ml_max_sz(conv, (size_t)b->down_cols * (size_t)I);
@@ -104,6 +104,8 @@ static size_t ml_cpu_layout(const moelink_moe_config_t *c, int nthreads, ml_cpu_
     m->sh_out = (float *)ml_take(&cv, T * H, 4);
     m->sh_gate = (float *)ml_take(&cv, T, 4);
     m->sh_gw = (float *)ml_take(&cv, H, 4);
+    if (c->fp8_shared)
+      m->sh_xq = (float *)ml_take(&cv, T * H, 4);
   }
   m->per_thread = ml_cpu_round16(m->blk.conv_floats) + ml_cpu_round16(m->blk.tmp_floats) +
                   ml_cpu_round16(m->blk.misc_floats);

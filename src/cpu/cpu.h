@@ -62,6 +62,7 @@ typedef struct ml_cpu_moe {
   float *sh_out;     /* [T, H] shared expert output, gated */
   float *sh_gate;    /* [T] sigmoid(x . w_g) */
   float *sh_gw;      /* [H] shared gate weights in fp32 */
+  float *sh_xq;      /* [T, H] fp8_shared: x rows quantize-dequantized per 128 */
   float *thread_buf; /* nthreads * per_thread floats */
   size_t per_thread; /* floats, a multiple of 16 */
 } ml_cpu_moe;

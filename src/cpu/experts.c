@@ -184,6 +184,14 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
 #pragma omp for schedule(static)
       for (int t = 0; t < T; ++t) ml_cpu_shared_gate_token(moe, job->x32, t);
     }
+    if (shared && c->fp8_shared) {
+      /* the FP8 shared expert's input rows, as the routed experts' */
+#pragma omp for schedule(static)
+      for (int t = 0; t < T; ++t) {
+        memcpy(ws->sh_xq + (size_t)t * H, job->x32 + (size_t)t * H, (size_t)H * sizeof(float));
+        ml_cpu_qdq_f32(MOELINK_QUANT_FP8, ws->sh_xq + (size_t)t * H, (size_t)H);
+      }
+    }
 
     /* Shared items first: they have all T rows, the biggest items of all. */
 #pragma omp for schedule(dynamic, 1)
@@ -227,6 +235,12 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
 #pragma omp for schedule(static)
       for (int r = 0; r < R; ++r)
         ml_cpu_qdq_f32(MOELINK_QUANT_FP8, hbuf + (size_t)r * inter, (size_t)inter);
+    }
+    if (shared && c->fp8_shared) {
+#pragma omp for schedule(static)
+      for (int t = 0; t < T; ++t)
+        ml_cpu_qdq_f32(MOELINK_QUANT_FP8, ws->sh_h + (size_t)t * c->shared_inter,
+                       (size_t)c->shared_inter);
     }
 
 #pragma omp for schedule(dynamic, 1)

@@ -84,6 +84,10 @@ static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep
     snprintf(why, sizeof why, "%s", moelink_last_error());
     return ml_fail(s, "ep: config.moe: %s", why);
   }
+  if (cfg->moe.fp8_shared)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep: config.moe.fp8_shared is not supported by the expert-parallel layer "
+                   "(its shared expert runs in dtype: fp8_shared 0)");
   const int n = comm->nranks, E = cfg->moe.num_experts;
   if (E % n != 0)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,

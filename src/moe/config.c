@@ -111,6 +111,15 @@ moelink_status_t moelink_moe_config_check(const moelink_moe_config_t *c) {
                    "fp8_experts needs hidden (%d) and inter (%d) to be multiples of 128 "
                    "(one weight scale per 128 x 128 block)",
                    c->hidden, c->inter);
+  if (c->fp8_shared != 0 && c->fp8_shared != 1)
+    return ml_fail(bad, "fp8_shared %d must be 0 or 1", c->fp8_shared);
+  if (c->fp8_shared && c->shared_inter == 0)
+    return ml_fail(bad, "fp8_shared set but shared_inter is 0 (no shared expert)");
+  if (c->fp8_shared && (c->hidden % 128 != 0 || c->shared_inter % 128 != 0))
+    return ml_fail(bad,
+                   "fp8_shared needs hidden (%d) and shared_inter (%d) to be multiples of 128 "
+                   "(one weight scale per 128 x 128 block)",
+                   c->hidden, c->shared_inter);
   /* Indices into [T*k] and [T*k, max(H, I)] arrays are int32 in plans. */
   if ((int64_t)c->max_tokens * c->top_k > INT32_MAX / 4)
     return ml_fail(bad, "max_tokens %d * top_k %d is too large", c->max_tokens, c->top_k);

@@ -92,6 +92,11 @@ moelink_status_t moelink_moe_set_weights(moelink_moe_t moe, const moelink_moe_we
                    !w->gate_up_scale ? "gate_up_scale" : "down_scale");
   if (!c->fp8_experts && (w->gate_up_scale || w->down_scale))
     return ml_fail(ML_BAD, "weight scales given but config.fp8_experts is 0");
+  if (c->fp8_shared && (!w->shared_gate_up_scale || !w->shared_down_scale))
+    return ml_fail(ML_BAD, "weights.%s is NULL but config.fp8_shared is 1",
+                   !w->shared_gate_up_scale ? "shared_gate_up_scale" : "shared_down_scale");
+  if (!c->fp8_shared && (w->shared_gate_up_scale || w->shared_down_scale))
+    return ml_fail(ML_BAD, "shared expert weight scales given but config.fp8_shared is 0");
   moe->w = *w;
   moe->has_weights = 1;
   return MOELINK_SUCCESS;

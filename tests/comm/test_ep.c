@@ -514,6 +514,13 @@ static void test_errors(void) {
   e = ecfg;
   e.moe.dtype = MOELINK_DTYPE_FP8_E4M3;
   CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_UNSUPPORTED, "fp8");
+  e = ecfg;
+  e.moe.hidden = 128;
+  e.moe.shared_inter = 128;
+  e.moe.fp8_shared = 1;
+  CHECK_STATUS(moelink_ep_create(comm, &e, &ep), MOELINK_ERR_UNSUPPORTED, "moe.fp8_shared");
+  CHECK(strstr(moelink_last_error(), "fp8_shared") != NULL, "the message names fp8_shared: %s",
+        moelink_last_error());
   if (nranks > 1) {
     e = ecfg;
     e.moe.num_experts = 4 * nranks + 1;

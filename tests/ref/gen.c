@@ -73,6 +73,8 @@ void ref_layer_free(ref_layer *L) {
   free(L->bias);
   free(L->gate_up_scale);
   free(L->down_scale);
+  free(L->shared_gate_up_scale);
+  free(L->shared_down_scale);
   memset(L, 0, sizeof *L);
 }
 
@@ -108,6 +110,9 @@ int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed
       cfg->dtype != MOELINK_DTYPE_F16)
     return -1;
   if (cfg->fp8_experts && (cfg->hidden % REF_GEN_BLOCK || cfg->inter % REF_GEN_BLOCK)) return -1;
+  if (cfg->fp8_shared &&
+      (cfg->shared_inter <= 0 || cfg->hidden % REF_GEN_BLOCK || cfg->shared_inter % REF_GEN_BLOCK))
+    return -1;
   L->cfg = *cfg;
   L->seed = seed;
   L->zipf_alpha = zipf_alpha;
@@ -130,10 +135,19 @@ int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed
     L->down_scale = malloc(sizeof(float) * (n_down / blk));
     if (!L->gate_up_scale || !L->down_scale) goto fail;
   }
+  /* FP8 shared expert: bytes and scales here, the dtype values in a
+   * scratch tensor while they are quantized */
+  const size_t ses = cfg->fp8_shared ? 1 : es;
   if (Is > 0) {
-    L->shared_gate_up = malloc(n_sh_gate_up * es);
-    L->shared_down = malloc(n_sh_down * es);
+    L->shared_gate_up = malloc(n_sh_gate_up * ses);
+    L->shared_down = malloc(n_sh_down * ses);
     if (!L->shared_gate_up || !L->shared_down) goto fail;
+  }
+  if (cfg->fp8_shared) {
+    L->shared_gate_up_scale = malloc(sizeof(float) * (n_sh_gate_up / blk));
+    L->shared_down_scale = malloc(sizeof(float) * (n_sh_down / blk));
+    if (!L->shared_gate_up_scale || !L->shared_down_scale)
+      goto fail;
   }
   if (cfg->shared_gate) {
     L->shared_gate = malloc(H * es);
@@ -155,11 +169,24 @@ int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed
     bad |= ref_fill(ctx, dt, L->down, n_down, ref_tensor_seed(seed, REF_T_DOWN),
                     ref_tensor_scale(cfg, REF_T_DOWN));
   }
-  if (Is > 0) {
+  if (Is > 0 && !cfg->fp8_shared) {
     bad |= ref_fill(ctx, dt, L->shared_gate_up, n_sh_gate_up,
                     ref_tensor_seed(seed, REF_T_SH_GATE_UP), ref_tensor_scale(cfg, REF_T_SH_GATE_UP));
     bad |= ref_fill(ctx, dt, L->shared_down, n_sh_down, ref_tensor_seed(seed, REF_T_SH_DOWN),
                     ref_tensor_scale(cfg, REF_T_SH_DOWN));
+  } else if (Is > 0) {
+    /* the bytes and scales of quantizing the dtype tensors ref_fill makes */
+    void *v = malloc((n_sh_gate_up > n_sh_down ? n_sh_gate_up : n_sh_down) * es);
+    bad |= v == NULL;
+    for (int m = 0; m < 2 && v; ++m) {
+      const int t = m ? REF_T_SH_DOWN : REF_T_SH_GATE_UP;
+      const int rows = m ? (int)H : (int)(2 * Is), cols = m ? (int)Is : (int)H;
+      bad |= ref_fill(ctx, dt, v, (size_t)rows * (size_t)cols, ref_tensor_seed(seed, t),
+                      ref_tensor_scale(cfg, t));
+      ref_fp8_quantize(dt, v, rows, cols, (uint8_t *)(m ? L->shared_down : L->shared_gate_up),
+                       m ? L->shared_down_scale : L->shared_gate_up_scale);
+    }
+    free(v);
   }
   if (cfg->shared_gate)
     bad |= ref_fill(ctx, dt, L->shared_gate, H, ref_tensor_seed(seed, REF_T_SH_GATE),
@@ -183,6 +210,8 @@ int ref_layer_begin(ref_layer *L, const moelink_moe_config_t *cfg, uint64_t seed
   w.shared_gate = L->shared_gate;
   w.gate_up_scale = L->gate_up_scale;
   w.down_scale = L->down_scale;
+  w.shared_gate_up_scale = L->shared_gate_up_scale;
+  w.shared_down_scale = L->shared_down_scale;
   L->w = w;
   if (pieces && cfg->fp8_experts) *pieces = E * ref_gen_pieces_per_expert(cfg);
   return 0;

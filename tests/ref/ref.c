@@ -501,7 +501,11 @@ void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
     return;
   }
   ref_load_row(cfg->dtype, x_row, 0, (size_t)H, x);
-  ref_mlp(cfg->dtype, H, Is, x, w->shared_gate_up, 0, w->shared_down, 0, out);
+  if (cfg->fp8_shared)
+    ref_mlp_fp8(H, Is, x, (const uint8_t *)w->shared_gate_up, w->shared_gate_up_scale,
+                (const uint8_t *)w->shared_down, w->shared_down_scale, out);
+  else
+    ref_mlp(cfg->dtype, H, Is, x, w->shared_gate_up, 0, w->shared_down, 0, out);
   if (cfg->shared_gate) {
     double g = 0.0;
     for (int h = 0; h < H; ++h) g += x[h] * ref_load(cfg->dtype, w->shared_gate, (size_t)h);

@@ -32,7 +32,8 @@ void ref_expert_token(const moelink_moe_config_t *cfg, const moelink_moe_weights
                       const void *x_row, double *out);
 
 /* The shared expert (with its sigmoid gate if cfg->shared_gate) on one
- * token: out[H]; zeros when cfg->shared_inter == 0. */
+ * token: out[H]; zeros when cfg->shared_inter == 0. With cfg->fp8_shared its
+ * weights are FP8 as ref_expert_token's (the gate reads x itself). */
 void ref_shared_token(const moelink_moe_config_t *cfg, const moelink_moe_weights_t *w,
                       const void *x_row, double *out);
 
@@ -83,6 +84,9 @@ typedef struct ref_layer {
   void *router, *gate_up, *down, *shared_gate_up, *shared_down, *shared_gate;
   float *bias;
   float *gate_up_scale, *down_scale; /* cfg.fp8_experts: gate_up/down hold e4m3 bytes */
+  /* cfg.fp8_shared: shared_gate_up/shared_down hold e4m3 bytes (the dtype
+   * tensor's, quantized by ref_fp8_quantize) */
+  float *shared_gate_up_scale, *shared_down_scale;
   uint64_t seed;
   double zipf_alpha;
 } ref_layer;
