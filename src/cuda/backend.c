@@ -32,6 +32,7 @@ typedef struct ml_cu_layout {
   size_t ids, wts, plan, keys_in, keys_out, vals_in, vals_out, sort_tmp, h, y, sh_h, sh_out,
       partials, tickets;
   size_t xq, xs, hq, hs; /* fp8_experts: the experts' inputs quantized (e4m3 + scales) */
+  size_t shq, shs;       /* fp8_shared: the shared expert's SwiGLU rows likewise */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
@@ -54,7 +55,9 @@ typedef struct ml_cu_moe {
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
   float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
   uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
-  float *xs, *hs;        /* in e4m3, with their scales per 128 */
+  float *xs, *hs;        /* in e4m3, with their scales per 128 (xq, xs also fp8_shared's) */
+  uint8_t *shq;          /* fp8_shared: the shared expert's SwiGLU rows [T, Is] in e4m3 */
+  float *shs;            /* and their scales */
 } ml_cu_moe;
 
 static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx->impl; }
@@ -211,7 +214,8 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
    * definition and the CPU backend do) */
   L->h = ml_cu_take(&cur, P * I * (cfg->fp8_experts ? sizeof(float) : ds));
   L->y = ml_cu_take(&cur, P * H * ds);
-  L->sh_h = ml_cu_take(&cur, Is > 0 ? T * Is * ds : 0);
+  /* fp8_shared: the shared expert's h fp32 too, until quantized */
+  L->sh_h = ml_cu_take(&cur, Is > 0 ? T * Is * (cfg->fp8_shared ? sizeof(float) : ds) : 0);
   L->sh_out = ml_cu_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
   L->partials = ml_cu_take(&cur, ml_cuda_router_partial_floats(cfg->num_experts, c->sm_count) *
                                      sizeof(float));
@@ -225,11 +229,17 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
   L->logits = ml_cu_take(&cur, L->logits_floats * sizeof(float));
-  if (cfg->fp8_experts) {
+  if (cfg->fp8_experts || cfg->fp8_shared) {
     L->xq = ml_cu_take(&cur, T * H);
     L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
+  }
+  if (cfg->fp8_experts) {
     L->hq = ml_cu_take(&cur, P * I);
     L->hs = ml_cu_take(&cur, P * (I / ML_FP8_BLOCK) * sizeof(float));
+  }
+  if (cfg->fp8_shared) {
+    L->shq = ml_cu_take(&cur, T * Is);
+    L->shs = ml_cu_take(&cur, T * (Is / ML_FP8_BLOCK) * sizeof(float));
   }
   L->total = (cur + 255) & ~(size_t)255;
   return MOELINK_SUCCESS;
@@ -298,11 +308,17 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
   m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
-  if (cfg->fp8_experts) {
+  if (cfg->fp8_experts || cfg->fp8_shared) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
+  }
+  if (cfg->fp8_experts) {
     m->hq = (uint8_t *)(m->base + L->hq);
     m->hs = (float *)(m->base + L->hs);
+  }
+  if (cfg->fp8_shared) {
+    m->shq = (uint8_t *)(m->base + L->shq);
+    m->shs = (float *)(m->base + L->shs);
   }
   /* The router's tickets must start at zero; every launch leaves them so. The
    * wait is at create, never on the hot path, and makes the zeros visible to
@@ -401,22 +417,34 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
  * faster, with either tile (docs/PERF.md, FP8 section). */
 MOELINK_PARAM(GEMM_FP8_QUANT, 0)
 
-/* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows and then
- * the fp32 SwiGLU rows are quantized per 128 (moelink_quantize's FP8) and
- * both GEMMs read e4m3 operands: the decode kernels while the experts have
- * few rows each (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
+/* The token rows x [T, H] in e4m3 with their scales per 128 (m->xq, m->xs),
+ * what the FP8 GEMMs of the routed and the shared experts read. */
+static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (ml_cu_misaligned(x))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "x %p must be 16-byte aligned on the CUDA backend (fp8 weights)", x);
+  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs,
+                          ml_cu_ctx_of(moe->ctx)->sm_count, st));
+  return ml_cu_step(st, "quantize x (fp8)");
+}
+
+/* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows (unless
+ * x_ready: this call quantized them already) and then the fp32 SwiGLU rows
+ * are quantized per 128 (moelink_quantize's FP8) and both GEMMs read e4m3
+ * operands: the decode kernels while the experts have few rows each
+ * (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
-                                         const moelink_plan_t *plan, const float *weights,
-                                         void *y, cudaStream_t st) {
+                                         const moelink_plan_t *plan, const float *weights, void *y,
+                                         int x_ready, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
   const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
   if (pairs == 0) return MOELINK_SUCCESS;
-  if (ml_cu_misaligned(x))
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "x %p must be 16-byte aligned on the CUDA backend (fp8 experts)", x);
-  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs, sms, st));
+  if (!x_ready)
+    ML_TRY(ml_cu_quantize_x(moe, x, T, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 1);
     /* h quantized in the gate/up GEMM's epilogue when asked for and the
@@ -461,13 +489,15 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   return ml_cu_step(st, "routed down GEMM (fp8)");
 }
 
-/* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h Wd^T. */
+/* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h
+ * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
-                                     const float *weights, void *y, cudaStream_t st) {
+                                     const float *weights, void *y, int x_ready, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
-  if (cfg->fp8_experts) return ml_cu_routed_fp8(moe, x, plan, weights, y, st);
+  if (cfg->fp8_experts)
+    return ml_cu_routed_fp8(moe, x, plan, weights, y, x_ready, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
@@ -507,7 +537,7 @@ static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int
   if (weights && ((uintptr_t)weights & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
                    (const void *)weights);
-  return ml_cu_routed(moe, x, &plan, weights, y, st);
+  return ml_cu_routed(moe, x, &plan, weights, y, 0, st);
 }
 
 static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
@@ -522,11 +552,18 @@ static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int
 }
 
 /* The shared expert of a small batch on the decode GEMMs (dense rows):
- * gate/up into sh_h, then down into sh_out (fp32). */
+ * gate/up into sh_h, then down into sh_out (fp32). fp8_shared: gate/up reads
+ * the quantized token rows (m->xq, made by the caller), writes sh_h in fp32,
+ * which is quantized (m->shq) before the down GEMM. */
 static moelink_status_t ml_cu_shared_gate_up_decode(moelink_moe_t moe, const void *x, int T,
                                                     const ml_decode_opts *o, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (cfg->fp8_shared)
+    return ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, NULL, 1,
+                              (const uint8_t *)moe->w.shared_gate_up, moe->w.shared_gate_up_scale,
+                              cfg->shared_inter, cfg->hidden, NULL, NULL,
+                              ml_cuda_decode_passes(T, 1), T, m->sh_h, o, st);
   return ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, moe->w.shared_gate_up,
                                cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, o, st);
 }
@@ -535,9 +572,44 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
                                                  const ml_decode_opts *o, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  if (cfg->fp8_shared) {
+    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->sh_h, T, cfg->shared_inter,
+                            m->shq, m->shs, ml_cu_ctx_of(moe->ctx)->sm_count, st));
+    return ml_cuda_fp8_scaled(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
+                              (const uint8_t *)moe->w.shared_down, moe->w.shared_down_scale,
+                              cfg->hidden, cfg->shared_inter, NULL, NULL,
+                              ml_cuda_decode_passes(T, 1), T, NULL, NULL, m->sh_out, 1, o, st);
+  }
   return ml_cuda_decode_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, moe->w.shared_down,
                                cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
                                m->sh_out, 1, o, st);
+}
+
+/* The shared expert of a large batch on the grouped GEMMs (dense rows), as
+ * above; fp8_shared: the token rows in m->xq already. */
+static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int T,
+                                           cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  const moelink_moe_weights_t *w = &moe->w;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->fp8_shared);
+  if (cfg->fp8_shared) {
+    ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, NULL, 1,
+                                   (const uint8_t *)w->shared_gate_up, w->shared_gate_up_scale,
+                                   cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, NULL,
+                                   &go, st));
+    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->sh_h, T, cfg->shared_inter,
+                            m->shq, m->shs, ml_cu_ctx_of(moe->ctx)->sm_count, st));
+    return ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
+                                   (const uint8_t *)w->shared_down, w->shared_down_scale,
+                                   cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
+                                   m->sh_out, 1, &go, st);
+  }
+  ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
+                             cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &go, st));
+  return ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,
+                             cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1, &go,
+                             st);
 }
 
 static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int T, void *out,
@@ -560,7 +632,14 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   const int shared_first = shared_decode && ml_param_SHARED_FIRST() != 0 &&
                            ml_cuda_pdl_allowed(st);
   const ml_decode_opts so = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+  /* fp8_shared: the token rows are quantized once, before the first FP8
+   * GEMM that reads them (the shared expert's when it goes first) */
+  int x_ready = 0;
   if (shared_first) {
+    if (cfg->fp8_shared) {
+      ML_TRY(ml_cu_quantize_x(moe, x, T, st));
+      x_ready = 1;
+    }
     ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
   }
@@ -577,20 +656,21 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
     ML_TRY(ml_cu_step(st, "plan"));
   }
-  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, st));
+  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, x_ready, st));
+  /* (the routed FP8 GEMMs quantize the token rows when they have not been) */
+  x_ready |= cfg->fp8_experts;
   const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;
-  if (shared_decode && !shared_first) {
-    ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
-    ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
-    ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
-  } else if (cfg->shared_inter > 0 && !shared_decode) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, 0);
-    ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
-                               cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &go, st));
-    ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,
-                               cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1, &go,
-                               st));
-    ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
+  if (cfg->shared_inter > 0 && !shared_first) {
+    if (cfg->fp8_shared && !x_ready)
+      ML_TRY(ml_cu_quantize_x(moe, x, T, st));
+    if (shared_decode) {
+      ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
+      ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
+      ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
+    } else {
+      ML_TRY(ml_cu_shared_gemms(moe, x, T, st));
+      ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
+    }
   }
   ML_TRY(ml_cuda_combine(cfg->dtype, m->y, plan.pair_rows, T, cfg->top_k, cfg->hidden, sh, x,
                          cfg->shared_gate ? w->shared_gate : NULL, out, st));

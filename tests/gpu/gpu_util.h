@@ -154,11 +154,11 @@ GU_FN const char *gu_router_name(moelink_router_t r) {
 
 GU_FN void gu_describe(char *buf, size_t n, const moelink_moe_config_t *c) {
   snprintf(buf, n,
-           "H %d I %d E %d k %d %s renorm %d groups %d/%d scale %g bias %d Is %d gate %d %s%s",
-           c->hidden, c->inter, c->num_experts, c->top_k, gu_router_name(c->router),
-           c->renormalize, c->topk_group, c->n_group, (double)c->routed_scaling,
-           c->correction_bias, c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype),
-           c->fp8_experts ? ", fp8 experts" : "");
+           "H %d I %d E %d k %d %s renorm %d groups %d/%d scale %g bias %d Is %d gate %d %s%s%s",
+           c->hidden, c->inter, c->num_experts, c->top_k, gu_router_name(c->router), c->renormalize,
+           c->topk_group, c->n_group, (double)c->routed_scaling, c->correction_bias,
+           c->shared_inter, c->shared_gate, moelink_dtype_name(c->dtype),
+           c->fp8_experts ? ", fp8 experts" : "", c->fp8_shared ? ", fp8 shared" : "");
 }
 
 /* ---- a layer's weights on the device ------------------------------------------ */
@@ -167,6 +167,7 @@ typedef struct gu_dev_layer {
   void *router, *gate_up, *down, *sh_gate_up, *sh_down, *sh_gate;
   float *bias;
   float *gate_up_scale, *down_scale; /* cfg.fp8_experts only, else NULL */
+  float *sh_gate_up_scale, *sh_down_scale; /* cfg.fp8_shared only, else NULL */
   moelink_moe_weights_t w;
 } gu_dev_layer;
 
@@ -204,6 +205,8 @@ GU_FN void gu_dev_layer_bind(gu_dev_layer *D, moelink_dtype_t dt) {
   w.shared_gate = D->sh_gate;
   w.gate_up_scale = D->gate_up_scale;
   w.down_scale = D->down_scale;
+  w.shared_gate_up_scale = D->sh_gate_up_scale;
+  w.shared_down_scale = D->sh_down_scale;
   D->w = w;
 }
 
@@ -232,10 +235,22 @@ GU_FN void gu_dev_layer_upload(gu_dev_layer *D, const ref_layer *L) {
     gu_h2d(D->down_scale, L->down_scale, nds * sizeof(float));
   }
   if (Is > 0) {
-    D->sh_gate_up = gu_dev(2 * Is * H * es);
-    gu_h2d(D->sh_gate_up, L->shared_gate_up, 2 * Is * H * es);
-    D->sh_down = gu_dev(H * Is * es);
-    gu_h2d(D->sh_down, L->shared_down, H * Is * es);
+    /* fp8_shared: e4m3 bytes and their block scales */
+    const size_t ses = c->fp8_shared ? 1 : es, nb = 128 * 128;
+    D->sh_gate_up = gu_dev(2 * Is * H * ses);
+    gu_h2d(D->sh_gate_up, L->shared_gate_up, 2 * Is * H * ses);
+    D->sh_down = gu_dev(H * Is * ses);
+    gu_h2d(D->sh_down, L->shared_down, H * Is * ses);
+    if (c->fp8_shared) {
+      if (!L->shared_gate_up_scale || !L->shared_down_scale) {
+        CHECK(0, "FP8 shared expert without block scales");
+        gu_bail("FP8 shared expert without block scales");
+      }
+      D->sh_gate_up_scale = (float *)gu_dev(2 * Is * H / nb * sizeof(float));
+      gu_h2d(D->sh_gate_up_scale, L->shared_gate_up_scale, 2 * Is * H / nb * sizeof(float));
+      D->sh_down_scale = (float *)gu_dev(H * Is / nb * sizeof(float));
+      gu_h2d(D->sh_down_scale, L->shared_down_scale, H * Is / nb * sizeof(float));
+    }
   }
   if (c->shared_gate) {
     D->sh_gate = gu_dev(H * es);
@@ -258,6 +273,8 @@ GU_FN void gu_dev_layer_free(gu_dev_layer *D) {
   gu_free(D->bias);
   gu_free(D->gate_up_scale);
   gu_free(D->down_scale);
+  gu_free(D->sh_gate_up_scale);
+  gu_free(D->sh_down_scale);
   memset(D, 0, sizeof *D);
 }
 

@@ -56,7 +56,7 @@ typedef struct layer_tol {
 
 static layer_tol layer_tol_for(const moelink_moe_config_t *c, int tokens) {
   layer_tol t = {GU_TOL, GU_TOL_ROW};
-  if (c->fp8_experts) {
+  if (c->fp8_experts || c->fp8_shared) {
     t.all = tokens >= FP8_MIN_AGG ? GU_TOL : FP8_TOL_ROW;
     t.row = FP8_TOL_ROW;
   }
@@ -176,10 +176,12 @@ static void layer_batch(const char *name, const ref_layer *L, moelink_moe_t gmoe
 
   /* The independent double-precision reference on the first and last token
    * (FP8: on many tokens). */
-  if (cfg->fp8_experts) fp8_ref_check(what, L, hx, T, go, co, tie);
+  const int fp8 = cfg->fp8_experts || cfg->fp8_shared;
+  if (fp8)
+    fp8_ref_check(what, L, hx, T, go, co, tie);
   double *ref = gu_host(H * sizeof(double));
   const int probe[2] = {0, T - 1};
-  for (int i = 0; i < (T > 1 ? 2 : 1) && !cfg->fp8_experts; ++i) {
+  for (int i = 0; i < (T > 1 ? 2 : 1) && !fp8; ++i) {
     const int t = probe[i];
     if (tie[t]) continue;
     if (ref_forward_token(cfg, &L->w, (const char *)hx + (size_t)t * H * es, ref) != 0) {
@@ -329,6 +331,14 @@ static void test_fp8(void) {
   c.top_k = 1;
   c.fp8_experts = 1;
   layer_reduced("one expert fp8", &c, 30.0, 807, 1);
+  /* The shared expert in FP8 too (T 4097: its sm_90a GEMMs; T <= 128: the
+   * decode ones, shared expert first), and alone with bf16 routed experts. */
+  c = reduced("deepseek-v3", MOELINK_DTYPE_BF16);
+  c.fp8_experts = 1;
+  c.fp8_shared = 1;
+  layer_reduced("deepseek-v3 fp8 + fp8 shared", &c, 0.0, 808, 0);
+  c.fp8_experts = 0;
+  layer_reduced("deepseek-v3 fp8 shared only", &c, 0.0, 809, 0);
 
   /* The configuration and weight checks hold on the CUDA backend too. */
   c = reduced("mixtral-8x7b", MOELINK_DTYPE_BF16);
