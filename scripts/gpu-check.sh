@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh [PART...]   (default all)
 # PARTs: gpu (ctest -L gpu), mgpu (ctest -L mgpu, 2+ GPUs), bench (MoE layer benchmarks, fp8
 # included), fp8 (the layer with FP8 experts only: checked against the reference, benchmarked;
-# FP8_TOKENS, FP8_AB env variants, FP8_NCU=1 kernel times),
+# FP8_TOKENS, FP8_AB env variants, FP8_SHARED_PRESETS with the shared expert in FP8 too,
+# FP8_NCU=1 kernel times),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
 # probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
@@ -107,6 +108,11 @@ if want fp8 || want bench; then
     tee -a "$OUT/bench.log" || rc=1
   ./"$BUILD"/moelink run --backend cuda --fp8-experts --preset deepseek-v3 --experts 32 \
     --tokens 64 --verify --verify-tokens 16 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  # the shared expert in FP8 too: decode-size (its decode GEMMs) and prefill-size batches
+  for t in 16 600; do
+    ./"$BUILD"/moelink run --backend cuda --fp8-experts --fp8-shared --preset deepseek-v3 \
+      --experts 32 --tokens $t --verify --verify-tokens 16 2>&1 | tee -a "$OUT/bench.log" || rc=1
+  done
   # FP8_AB="VAR=v[,VAR=v] ...": each preset again under each word (e.g. MOELINK_GEMM_FP8_QUANT=1)
   for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
     for v in "" ${FP8_AB:-}; do
@@ -116,6 +122,13 @@ if want fp8 || want bench; then
         --json "$OUT/json/bench_fp8_$p${v:+_${v//[^A-Za-z0-9]/_}}.json" 2>&1 |
         tee -a "$OUT/bench.log" || rc=1
     done
+  done
+  # FP8_SHARED_PRESETS (default deepseek-v3): those presets again with the shared expert in FP8
+  for p in ${FP8_SHARED_PRESETS-deepseek-v3}; do
+    log "bench $p (fp8 experts and shared expert)"
+    ./"$BUILD"/moelink bench --backend cuda --fp8-experts --fp8-shared --preset "$p" \
+      --tokens "${FP8_TOKENS:-1,16,128,8192}" --json "$OUT/json/bench_fp8_shared_$p.json" 2>&1 |
+      tee -a "$OUT/bench.log" || rc=1
   done
   # FP8_NCU=1: each FP8 layer's kernels at 8192 tokens under Nsight Compute (speed of light:
   # time, SM clock, L2 use), default and each FP8_AB word, into fp8_ncu.log
