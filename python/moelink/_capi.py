@@ -113,13 +113,14 @@ class MoeConfig(ctypes.Structure):
         ("dtype", c_enum),
         ("max_tokens", ctypes.c_int),
         ("fp8_experts", ctypes.c_int),
+        ("fp8_shared", ctypes.c_int),
     ]
 
     @classmethod
     def init(cls):
         """MOELINK_MOE_CONFIG_INIT"""
         return cls(ctypes.sizeof(cls), 0, 0, 0, 0, Router.SOFTMAX_TOPK, 1, 1, 1, 1.0, 0, 0, 0,
-                   Dtype.BF16, 1024, 0)
+                   Dtype.BF16, 1024, 0, 0)
 
 
 class MoeWeights(ctypes.Structure):
@@ -137,6 +138,8 @@ class MoeWeights(ctypes.Structure):
         ("shared_gate", ctypes.c_void_p),
         ("gate_up_scale", ctypes.POINTER(ctypes.c_float)),
         ("down_scale", ctypes.POINTER(ctypes.c_float)),
+        ("shared_gate_up_scale", ctypes.POINTER(ctypes.c_float)),
+        ("shared_down_scale", ctypes.POINTER(ctypes.c_float)),
     ]
 
     @classmethod

@@ -389,7 +389,8 @@ class EP(_OnComm):
     dtype="bf16", max_tokens=1024, recv_capacity=0, dispatch_quant="none",
     call_tokens=0) takes the keywords of
     moelink.MoE (the whole layer: experts counts all ranks' experts, a
-    multiple of the rank count). Rank r owns experts first_expert ..
+    multiple of the rank count; fp8_shared is not supported, the library
+    refuses it with ERR_UNSUPPORTED). Rank r owns experts first_expert ..
     first_expert + local_experts - 1. forward() on every rank gives what
     MoE.forward gives on all ranks' tokens concatenated in rank order.
     dispatch_quant "fp8" or "mxfp8" sends the token rows to the experts'

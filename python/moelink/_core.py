@@ -66,7 +66,7 @@ def _config_dict(c):
         "routed_scaling": float(c.routed_scaling), "correction_bias": bool(c.correction_bias),
         "shared_inter": c.shared_inter, "shared_gate": bool(c.shared_gate),
         "dtype": _DTYPE_CODE.get(c.dtype, int(c.dtype)), "max_tokens": c.max_tokens,
-        "fp8_experts": bool(c.fp8_experts),
+        "fp8_experts": bool(c.fp8_experts), "fp8_shared": bool(c.fp8_shared),
     }
 
 
@@ -355,7 +355,7 @@ def _need_code(b, name, code):
 def moe_config(preset=None, *, hidden=None, inter=None, experts=None, top_k=None, router=None,
                renormalize=None, n_group=None, topk_group=None, routed_scaling=None,
                correction_bias=None, shared_inter=None, shared_gate=None, dtype="bf16",
-               max_tokens=1024, fp8_experts=False):
+               max_tokens=1024, fp8_experts=False, fp8_shared=False):
     """A MoeConfig from a preset (or MOELINK_MOE_CONFIG_INIT) and the keywords
     given; the library checks it when a layer is created from it."""
     c = MoeConfig.init()
@@ -377,21 +377,28 @@ def moe_config(preset=None, *, hidden=None, inter=None, experts=None, top_k=None
     c.dtype = _dtype_enum(dtype)
     c.max_tokens = int(max_tokens)
     c.fp8_experts = int(bool(fp8_experts))
+    c.fp8_shared = int(bool(fp8_shared))
     return c
 
 
 def weights_struct(ctx, shapes, given, correction_bias, num_experts, default_dtype,
-                   fp8_experts=False):
+                   fp8_experts=False, fp8_shared=False):
     """(MoeWeights, {name: array}) for the arrays in `given` (None: not given),
     each checked against ctx's memory, one shared f32/f16/bf16 dtype, the
     shape in `shapes` and C layout; correction_bias is [num_experts] float32.
     With fp8_experts, gate_up and down are uint8 (e4m3 bytes) and
-    gate_up_scale / down_scale float32. Which ones are required is the
-    library's to say."""
+    gate_up_scale / down_scale float32; with fp8_shared, likewise
+    shared_gate_up and shared_down, with shared_gate_up_scale /
+    shared_down_scale. Which ones are required is the library's to say."""
     w = MoeWeights.init()
     keep = {}
     wcode = None
-    for name in ("gate_up_scale", "down_scale"):
+    fp8 = set()
+    if fp8_experts:
+        fp8.update(("gate_up", "down"))
+    if fp8_shared:
+        fp8.update(("shared_gate_up", "shared_down"))
+    for name in ("gate_up_scale", "down_scale", "shared_gate_up_scale", "shared_down_scale"):
         a = given.get(name)
         if a is None:
             continue
@@ -402,7 +409,7 @@ def weights_struct(ctx, shapes, given, correction_bias, num_experts, default_dty
         a = given[name]
         if a is None:
             continue
-        if fp8_experts and name in ("gate_up", "down"):
+        if name in fp8:
             b = check_arg(ctx, a, name, shapes[name], "u8")
             setattr(w, name, b.ptr)
             keep[name] = a
@@ -457,8 +464,11 @@ class MoE(_Closable):
     a preset; any keyword given (hidden, inter, experts, top_k, router,
     renormalize, n_group, topk_group, routed_scaling, correction_bias,
     shared_inter, shared_gate) overrides it. router is 'softmax', 'sigmoid' or
-    'topk_softmax'. Weights are bound with set_weights(); the layer keeps
-    references to them so they stay alive while it may use them.
+    'topk_softmax'. fp8_experts=True takes the routed experts' weights as FP8
+    (e4m3 bytes with fp32 128 x 128 block scales); fp8_shared=True the shared
+    expert's likewise (needs shared_inter > 0; independent of fp8_experts).
+    Weights are bound with set_weights(); the layer keeps references to them
+    so they stay alive while it may use them.
     """
 
     _what = "layer"
@@ -466,7 +476,7 @@ class MoE(_Closable):
     def __init__(self, ctx, preset=None, *, hidden=None, inter=None, experts=None, top_k=None,
                  router=None, renormalize=None, n_group=None, topk_group=None,
                  routed_scaling=None, correction_bias=None, shared_inter=None, shared_gate=None,
-                 dtype="bf16", max_tokens=1024, fp8_experts=False):
+                 dtype="bf16", max_tokens=1024, fp8_experts=False, fp8_shared=False):
         if not isinstance(ctx, Context):
             raise TypeError("ctx must be a moelink.Context, not %s" % type(ctx).__name__)
         ctx._alive()
@@ -479,7 +489,7 @@ class MoE(_Closable):
                        topk_group=topk_group, routed_scaling=routed_scaling,
                        correction_bias=correction_bias, shared_inter=shared_inter,
                        shared_gate=shared_gate, dtype=dtype, max_tokens=max_tokens,
-                       fp8_experts=fp8_experts)
+                       fp8_experts=fp8_experts, fp8_shared=fp8_shared)
         h = ctypes.c_void_p()
         check(self._lib.moelink_moe_create(ctx._h, ctypes.byref(c), ctypes.byref(h)))
         self._h = h
@@ -495,6 +505,7 @@ class MoE(_Closable):
         self.max_tokens = got.max_tokens
         self.dtype = _DTYPE_CODE[got.dtype]
         self.fp8_experts = bool(got.fp8_experts)
+        self.fp8_shared = bool(got.fp8_shared)
         self.tile_rows = self._lib.moelink_moe_tile_rows(h)
         ctx._layers.add(self)
 
@@ -557,29 +568,37 @@ class MoE(_Closable):
     # -- weights ---------------------------------------------------------
 
     def set_weights(self, router, gate_up, down, correction_bias=None, shared_gate_up=None,
-                    shared_down=None, shared_gate=None, gate_up_scale=None, down_scale=None):
+                    shared_down=None, shared_gate=None, gate_up_scale=None, down_scale=None,
+                    shared_gate_up_scale=None, shared_down_scale=None):
         """Binds the weights without copying them. Shapes: router [E, H],
         gate_up [E, 2I, H] (gate rows of each expert first), down [E, H, I],
         correction_bias [E] float32, shared_gate_up [2Is, H], shared_down
-        [H, Is], shared_gate [H]. All but the bias share one dtype, which must
-        be the layer's (the library reports DTYPE_MISMATCH otherwise). With
-        fp8_experts, gate_up and down are uint8 e4m3 bytes and gate_up_scale
-        [E, 2I/128, H/128] / down_scale [E, H/128, I/128] float32 their block
-        scales. The library decides which are required: it rejects a missing
-        one the config needs and one given that the config does not use."""
+        [H, Is], shared_gate [H]. All but the bias, the scales and the FP8
+        weights share one dtype, which must be the layer's (the library
+        reports DTYPE_MISMATCH otherwise). With fp8_experts, gate_up and down
+        are uint8 e4m3 bytes and gate_up_scale [E, 2I/128, H/128] / down_scale
+        [E, H/128, I/128] float32 their block scales. With fp8_shared,
+        shared_gate_up and shared_down are uint8 e4m3 bytes and
+        shared_gate_up_scale [2Is/128, H/128] / shared_down_scale
+        [H/128, Is/128] float32 their block scales. The library decides which
+        are required: it rejects a missing one the config needs and one given
+        that the config does not use."""
         self._alive()
         H, I, E, Is = self.hidden, self.inter, self.num_experts, self.shared_inter
         shapes = {
             "router": (E, H), "gate_up": (E, 2 * I, H), "down": (E, H, I),
             "shared_gate_up": (2 * Is, H), "shared_down": (H, Is), "shared_gate": (H,),
             "gate_up_scale": (E, 2 * I // 128, H // 128), "down_scale": (E, H // 128, I // 128),
+            "shared_gate_up_scale": (2 * Is // 128, H // 128),
+            "shared_down_scale": (H // 128, Is // 128),
         }
         given = {"router": router, "gate_up": gate_up, "down": down,
                  "shared_gate_up": shared_gate_up, "shared_down": shared_down,
                  "shared_gate": shared_gate, "gate_up_scale": gate_up_scale,
-                 "down_scale": down_scale}
+                 "down_scale": down_scale, "shared_gate_up_scale": shared_gate_up_scale,
+                 "shared_down_scale": shared_down_scale}
         w, keep = weights_struct(self.ctx, shapes, given, correction_bias, E, self._cfg.dtype,
-                                 self.fp8_experts)
+                                 self.fp8_experts, self.fp8_shared)
         check(self._lib.moelink_moe_set_weights(self._h, ctypes.byref(w)))
         self._weights = keep
 

@@ -244,7 +244,7 @@ def test_struct_sizes():
         # LP64: what gcc lays out for the header's structs
         assert C(moelink.ContextConfig) == 24, C(moelink.ContextConfig)
         assert C(moelink.MoeConfig) == 72, C(moelink.MoeConfig)
-        assert C(moelink.MoeWeights) == 88, C(moelink.MoeWeights)
+        assert C(moelink.MoeWeights) == 104, C(moelink.MoeWeights)
         assert C(moelink.PlanStruct) == 64, C(moelink.PlanStruct)
     lib = moelink.load()
     # The library checks the size field of each config struct against its own sizeof.
@@ -302,7 +302,7 @@ def test_config_field_order():
     assert d == dict(hidden=7168, inter=2048, num_experts=256, top_k=8, router="sigmoid",
                      renormalize=True, n_group=8, topk_group=4, routed_scaling=2.5,
                      correction_bias=True, shared_inter=2048, shared_gate=False, dtype="bf16",
-                     max_tokens=1024, fp8_experts=False), d
+                     max_tokens=1024, fp8_experts=False, fp8_shared=False), d
     q = moelink.preset_config("qwen2-57b-a14b")
     assert (q["hidden"], q["inter"], q["num_experts"], q["top_k"], q["renormalize"],
             q["shared_inter"], q["shared_gate"]) == (3584, 2560, 64, 8, False, 20480, True), q
@@ -311,7 +311,7 @@ def test_config_field_order():
                   n_group=4, topk_group=2, routed_scaling=1.5, correction_bias=True,
                   shared_inter=16, shared_gate=True)
         moe = moelink.MoE(ctx, dtype="f16", max_tokens=77, **kw)
-        want = dict(kw, dtype="f16", max_tokens=77, fp8_experts=False)
+        want = dict(kw, dtype="f16", max_tokens=77, fp8_experts=False, fp8_shared=False)
         want["num_experts"] = want.pop("experts")
         assert moe.config == want, moe.config
         assert moe.flops(10) > 0
@@ -691,26 +691,49 @@ def test_torch_cpu_tensors():
         assert rel_l2(out.double().numpy()[ok], ref[ok]) <= 1e-2
 
 
-def e4m3_blocks(w):
-    """w [E, N, K] float64 (N, K multiples of 128) as e4m3 bytes and fp32
-    scales per 128 x 128 block, written here from the format: s = amax / 448,
-    each value the nearest e4m3 (ties to the even code) of w / s."""
-    mags = np.array([m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
-                     for e in range(16) for m in range(8)])[:0x7f]  # codes 0x00..0x7e
-    E, N, K = w.shape
-    blocks = w.reshape(E, N // 128, 128, K // 128, 128)
-    amax = np.abs(blocks).max(axis=(2, 4)).astype(np.float32)
-    s = (amax / np.float32(448.0)).astype(np.float32)
-    v = (blocks.astype(np.float32) / s[:, :, None, :, None]).astype(np.float64)
+E4M3_MAGS = np.array([m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+                      for e in range(16) for m in range(8)])[:0x7f]  # codes 0x00..0x7e
+
+
+def e4m3_round(v):
+    """(bytes, values): the nearest e4m3 (ties to the even code, saturating at
+    448) of each element of v (float64 holding fp32 values)."""
+    mags = E4M3_MAGS
     a = np.minimum(np.abs(v), 448.0)
     hi = np.clip(np.searchsorted(mags, a), 1, len(mags) - 1)
     lo = hi - 1
     dlo, dhi = a - mags[lo], mags[hi] - a
     code = np.where(dlo < dhi, lo, np.where(dhi < dlo, hi, np.where(lo % 2 == 0, lo, hi)))
     q = (code | np.where(np.signbit(v), 0x80, 0)).astype(np.uint8)
-    deq = np.where(np.signbit(v), -mags[code], mags[code]) * s[:, :, None, :, None]
+    return q, np.where(np.signbit(v), -mags[code], mags[code])
+
+
+def e4m3_blocks(w):
+    """w [E, N, K] float64 (N, K multiples of 128) as e4m3 bytes and fp32
+    scales per 128 x 128 block, written here from the format: s = amax / 448,
+    each value the nearest e4m3 (ties to the even code) of w / s."""
+    E, N, K = w.shape
+    blocks = w.reshape(E, N // 128, 128, K // 128, 128)
+    amax = np.abs(blocks).max(axis=(2, 4)).astype(np.float32)
+    s = (amax / np.float32(448.0)).astype(np.float32)
+    v = (blocks.astype(np.float32) / s[:, :, None, :, None]).astype(np.float64)
+    q, val = e4m3_round(v)
+    deq = val * s[:, :, None, :, None]
     return (np.ascontiguousarray(q.reshape(E, N, K)), np.ascontiguousarray(s),
             deq.reshape(E, N, K))
+
+
+def e4m3_qdq_rows(x):
+    """x [T, n] (n a multiple of 128) rounded to fp32, then quantized and
+    dequantized per 128 elements as moelink_quantize's FP8 does (s = amax /
+    448 in fp32, q = e4m3(x / s), back as q * s; a zero block stays zero)."""
+    T, n = x.shape
+    b = np.asarray(x, np.float32).reshape(T, n // 128, 128)
+    s = (np.abs(b).max(axis=2) / np.float32(448.0)).astype(np.float32)
+    safe = np.where(s > 0, s, np.float32(1.0))
+    _, val = e4m3_round((b / safe[:, :, None]).astype(np.float64))
+    deq = (val.astype(np.float32) * s[:, :, None]).astype(np.float64)
+    return deq.reshape(T, n)
 
 
 @test
@@ -742,6 +765,116 @@ def test_fp8_experts():
                              router=c["router"], gate_up=gq, down=dq, down_scale=ds)
         expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "multiples of 128", moelink.MoE, ctx,
                              dtype="f32", fp8_experts=True, **dict(cfg, inter=96))
+
+
+@test
+def test_fp8_shared():
+    # An FP8 shared expert (fp8_shared) on the CPU, routed experts in f32.
+    # Two checks: (1) against a float64 numpy reference whose shared expert
+    # uses the dequantized weights (e4m3 value * block scale) and reads its
+    # input rows and its SwiGLU output quantize-dequantized per 128 elements;
+    # (2) against the same layer holding the dequantized shared weights in f32
+    # (no fp8_shared), where only that activation quantization differs.
+    cfg = dict(hidden=256, inter=128, experts=4, top_k=2, shared_inter=256)
+    H, Is = cfg["hidden"], cfg["shared_inter"]
+    rng = np.random.default_rng(11)
+    c, rw = make_weights(cfg, "f32", rng)
+    sgq, sgs, sgdq = (a[0] for a in e4m3_blocks(rw["shared_gate_up"][None]))
+    sdq, sds, sddq = (a[0] for a in e4m3_blocks(rw["shared_down"][None]))
+    assert sgq.dtype == np.uint8 and sgs.shape == (2 * Is // 128, H // 128), sgs.shape
+    assert sds.shape == (H // 128, Is // 128), sds.shape
+    x = rng.standard_normal((9, H)).astype(np.float32)
+    xr = x.astype(np.float64)
+    routed = dict(router=c["router"], gate_up=c["gate_up"], down=c["down"])
+    fp8_w = dict(routed, shared_gate_up=sgq, shared_down=sdq, shared_gate_up_scale=sgs,
+                 shared_down_scale=sds)
+    deq_w = dict(routed, shared_gate_up=sgdq.astype(np.float32),
+                 shared_down=sddq.astype(np.float32))
+
+    # numpy reference
+    ids, w, margin, _ = ref_route(cfg, xr, rw["router"], None)
+    ok = margin > TIE_EPS
+    assert ok.mean() >= 0.8, "too many near-ties (%d of %d)" % ((~ok).sum(), len(ok))
+    routed_ref = ref_experts_out(cfg, xr, rw, ids, w)
+
+    def shared_ref(xin, qdq):
+        gu = (e4m3_qdq_rows(xin) if qdq else xin) @ sgdq.T
+        h = silu(gu[:, :Is]) * gu[:, Is:]
+        return (e4m3_qdq_rows(h) if qdq else h) @ sddq.T
+
+    ref = routed_ref + shared_ref(xr, True)
+    ref_noq = routed_ref + shared_ref(xr, False)  # weights fp8, activations not
+
+    with moelink.Context("cpu") as ctx:
+        fp8 = moelink.MoE(ctx, dtype="f32", max_tokens=16, fp8_shared=True, **cfg)
+        assert fp8.fp8_shared and fp8.config["fp8_shared"], fp8.config
+        assert not fp8.fp8_experts and not fp8.config["fp8_experts"], fp8.config
+        fp8.set_weights(**fp8_w)
+        assert set(fp8.weights) == set(fp8_w), sorted(fp8.weights)
+        a = fp8.forward(x).astype(np.float64)
+        assert np.array_equal(fp8.forward(x).view(np.uint32), a.astype(np.float32).view(np.uint32))
+        sh = ref[ok] - routed_ref[ok]  # the shared expert's part of the reference
+        assert rel_l2(ref_noq[ok], ref[ok]) > 0.005, "the shared expert barely matters"
+        err = np.linalg.norm(a[ok] - ref[ok]) / np.linalg.norm(sh)
+        err_noq = np.linalg.norm(a[ok] - ref_noq[ok]) / np.linalg.norm(sh)
+        # the quantized activations are what the layer computes with: it is
+        # much closer to the reference that quantizes them than to one that doesn't
+        assert err < 2e-3 and err < 0.2 * err_noq, (err, err_noq)
+
+        # the same layer with the dequantized shared weights in f32
+        deq = moelink.MoE(ctx, dtype="f32", max_tokens=16, **cfg)
+        assert not deq.fp8_shared and not deq.config["fp8_shared"]
+        deq.set_weights(**deq_w)
+        b = deq.forward(x).astype(np.float64)
+        none = moelink.MoE(ctx, dtype="f32", max_tokens=16, **dict(cfg, shared_inter=0))
+        none.set_weights(**routed)
+        r = none.forward(x).astype(np.float64)
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b - r)  # relative to the shared part
+        assert 0 < rel < 0.1, rel
+        assert np.linalg.norm(b - r) > 0.05 * np.linalg.norm(b), "the shared expert barely matters"
+
+        # fp8_experts and fp8_shared together: independent, both apply
+        both = moelink.MoE(ctx, dtype="f32", max_tokens=16, fp8_experts=True, fp8_shared=True,
+                           **cfg)
+        assert both.fp8_experts and both.fp8_shared
+        gq, gs, gdq = e4m3_blocks(rw["gate_up"])
+        dq, ds, ddq = e4m3_blocks(rw["down"])
+        both.set_weights(**dict(fp8_w, gate_up=gq, down=dq, gate_up_scale=gs, down_scale=ds))
+        all_deq = moelink.MoE(ctx, dtype="f32", max_tokens=16, **cfg)
+        all_deq.set_weights(**dict(deq_w, gate_up=gdq.astype(np.float32),
+                                   down=ddq.astype(np.float32)))
+        a2, b2 = both.forward(x).astype(np.float64), all_deq.forward(x).astype(np.float64)
+        rel2 = np.linalg.norm(a2 - b2) / np.linalg.norm(b2)
+        assert 0 < rel2 < 0.08, rel2
+
+        # set_weights: the shared weights must be e4m3 bytes, the scales float32
+        # of their shapes, both scales given with fp8_shared and none without
+        e = expect_raises(TypeError, fp8.set_weights, **dict(fp8_w, shared_gate_up=c[
+            "shared_gate_up"]))
+        assert "shared_gate_up" in str(e), e
+        expect_raises(TypeError, fp8.set_weights, **dict(fp8_w, shared_down_scale=sds.astype(
+            np.float64)))
+        expect_raises(ValueError, fp8.set_weights, **dict(fp8_w, shared_down_scale=sgs))
+        for missing in ("shared_gate_up_scale", "shared_down_scale"):
+            kw = dict(fp8_w)
+            del kw[missing]
+            expect_moelink_error(Status.ERR_INVALID_ARGUMENT, missing, fp8.set_weights, **kw)
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "fp8_shared", deq.set_weights,
+                             **dict(deq_w, shared_gate_up_scale=sgs, shared_down_scale=sds))
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "fp8_shared", deq.set_weights,
+                             **dict(deq_w, shared_down_scale=sds))
+        # the failed calls left the last good weights bound
+        assert set(fp8.weights) == set(fp8_w)
+        assert np.array_equal(fp8.forward(x).view(np.uint32), a.astype(np.float32).view(np.uint32))
+
+        # config: fp8_shared needs a shared expert, with hidden and shared_inter
+        # multiples of 128
+        nosh = dict(cfg)
+        del nosh["shared_inter"]
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "shared_inter", moelink.MoE, ctx,
+                             dtype="f32", fp8_shared=True, **nosh)
+        expect_moelink_error(Status.ERR_INVALID_ARGUMENT, "multiples of 128", moelink.MoE, ctx,
+                             dtype="f32", fp8_shared=True, **dict(cfg, shared_inter=192))
 
 def main(argv):
     pick = argv[1:]
