@@ -107,8 +107,9 @@
  * of the first items: over never-written shared memory the FP8 wgmma ran
  * faster than its nominal rate on H200, so such bytes give no floor); bit
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
- * consumers skip the proxy fence before their wgmma. What is left of the
- * time under each says what the removed part costs. */
+ * consumers skip the proxy fence before their wgmma; bits 8 and 16 (correct)
+ * start the second consumer warpgroup late (see the kernel). What is left of
+ * the time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -1341,6 +1342,14 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_producer<C, MODE, CL>(&p, &map_b, base, scales, bars, headers, claim, cbar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
+    /* probe bits 8 / 16: the second consumer starts ~300 / ~600 cycles after
+     * the first, to see whether the two stay out of step (one promoting
+     * while the other's wgmma run) and whether that pays */
+    if ((ML_SM90_PROBE & 24) && wg == 2) {
+      const long long t0 = clock64(), wait = (ML_SM90_PROBE & 8) ? 300 : 600;
+      while (clock64() - t0 < wait) {
+      }
+    }
     if constexpr (FP8)
       ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1);
     else
