@@ -316,8 +316,7 @@ fi
 # What each part of the FP8 GEMM costs (issue 4's FP8 prefill target): the FP8 layer's sm_90a
 # GEMMs (8192 tokens, PROBE_PRESETS, default mixtral-8x7b) under Nsight Compute, built as they are
 # and as the moelink_probeN builds (CMake MOELINK_PROBES; gemm/sm90.cuh ML_SM90_PROBE: 1 no
-# loads, 2 no promotion, 3 neither, 4 no proxy fence, 8 / 16 the second consumer warpgroup
-# started ~300 / ~600 cycles late; PROBES picks some), into fp8probe.log.
+# loads, 2 no promotion, 3 neither, 4 no proxy fence; PROBES picks some), into fp8probe.log.
 # Not in all.
 if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
   [ -n "$NCU" ] || { log "fp8probe: no Nsight Compute on this machine"; rc=1; }

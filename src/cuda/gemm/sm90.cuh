@@ -86,8 +86,8 @@
  * (scattered 4-byte copies every stage cost the load pipe as much as the A
  * rows), and two threads of the second warp the tile's two B scales each
  * stage (cp.async, same full barriers), so the consumers wait on no global
- * load. ml_sm90_cfg<2> (below) also quantizes the SwiGLU output in the
- * epilogue.
+ * load. ml_sm90_cfg<2> and <4> (below) also quantize the SwiGLU output in
+ * the epilogue.
  *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
@@ -107,9 +107,8 @@
  * of the first items: over never-written shared memory the FP8 wgmma ran
  * faster than its nominal rate on H200, so such bytes give no floor); bit
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
- * consumers skip the proxy fence before their wgmma; bits 8 and 16 (correct)
- * start the second consumer warpgroup late (see the kernel). What is left of
- * the time under each says what the removed part costs. */
+ * consumers skip the proxy fence before their wgmma. What is left of the
+ * time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -183,7 +182,7 @@ template <> struct ml_sm90_cfg<1> {
   static constexpr int A_SCALE_ROW = 16;
   static constexpr int SCALE_BYTES = ML_SM90_BM * A_SCALE_ROW + 16;
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
-  /* the consumers hold three 64 x 128 accumulators (total, two blocks) */
+  /* the consumers hold two 64 x 128 accumulators (total, block) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
   static constexpr int SUBS = 1, STASH_BYTES = 0, QOUT = 0;
 };
@@ -199,8 +198,8 @@ template <> struct ml_sm90_cfg<2> : ml_sm90_cfg<1> {
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, STASH_BYTES);
 };
 /* The FP8 wide tile: 128 x 256, so a stage brings 48 KiB for twice the MMA
- * work of ml_sm90_cfg<1>'s 32 KiB (the FP8 kernel is held by the bytes an SM
- * takes in, docs/PERF.md). Each consumer runs a k block as two 64 x 128
+ * work of ml_sm90_cfg<1>'s 32 KiB (the bytes an SM takes in held the 128 x
+ * 128 tile, docs/PERF.md). Each consumer runs a k block as two 64 x 128
  * halves through one block accumulator (64 fp32 a thread) beside its 64 x
  * 256 total (128): the first half's wgmma, its promotion, then the second
  * half's over the same registers. B box {128, 128, 2, 1} for SwiGLU (the
@@ -253,7 +252,7 @@ typedef struct ml_sm90_args {
    * the rows' alignment allows), at the first stage of each group of that
    * many k blocks of an item */
   int as_group;
-  /* ml_sm90_cfg<2> only: the scales of the e4m3 output (out), [rows][n_out / 128] */
+  /* ml_sm90_cfg<2>, <4> only: the e4m3 output's (out) scales, [rows][n_out / 128] */
   float *out_scale;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
   int32_t *sched;
@@ -1302,7 +1301,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
-  static_assert(CL == 1 || (CL == 2 && FP8 == 1) || (CL == 2 && FP8 == 0),
+  static_assert(CL == 1 || (CL == 2 && FP8 <= 1),
                 "clusters of two: not with the quantizing epilogue (its sub-items) nor the "
                 "wide FP8 tile");
   extern __shared__ __align__(1024) char ml_sm90_smem[];
@@ -1342,14 +1341,6 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_producer<C, MODE, CL>(&p, &map_b, base, scales, bars, headers, claim, cbar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
-    /* probe bits 8 / 16: the second consumer starts ~300 / ~600 cycles after
-     * the first, to see whether the two stay out of step (one promoting
-     * while the other's wgmma run) and whether that pays */
-    if ((ML_SM90_PROBE & 24) && wg == 2) {
-      const long long t0 = clock64(), wait = (ML_SM90_PROBE & 8) ? 300 : 600;
-      while (clock64() - t0 < wait) {
-      }
-    }
     if constexpr (FP8)
       ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1);
     else
