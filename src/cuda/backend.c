@@ -551,6 +551,15 @@ static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int
   return ml_cu_step(st, "combine");
 }
 
+/* fp8_shared: the shared expert's fp32 SwiGLU rows sh_h [T, Is] in e4m3 with
+ * their scales (m->shq, m->shs), what its down GEMM reads. */
+static moelink_status_t ml_cu_quantize_sh_h(moelink_moe_t moe, int T, cudaStream_t st) {
+  const moelink_moe_config_t *cfg = &moe->cfg;
+  ml_cu_moe *m = (ml_cu_moe *)moe->impl;
+  return ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->sh_h, T, cfg->shared_inter,
+                          m->shq, m->shs, ml_cu_ctx_of(moe->ctx)->sm_count, st);
+}
+
 /* The shared expert of a small batch on the decode GEMMs (dense rows):
  * gate/up into sh_h, then down into sh_out (fp32). fp8_shared: gate/up reads
  * the quantized token rows (m->xq, made by the caller), writes sh_h in fp32,
@@ -573,8 +582,7 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   if (cfg->fp8_shared) {
-    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->sh_h, T, cfg->shared_inter,
-                            m->shq, m->shs, ml_cu_ctx_of(moe->ctx)->sm_count, st));
+    ML_TRY(ml_cu_quantize_sh_h(moe, T, st));
     return ml_cuda_fp8_scaled(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
                               (const uint8_t *)moe->w.shared_down, moe->w.shared_down_scale,
                               cfg->hidden, cfg->shared_inter, NULL, NULL,
@@ -598,8 +606,7 @@ static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int
                                    (const uint8_t *)w->shared_gate_up, w->shared_gate_up_scale,
                                    cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, NULL,
                                    &go, st));
-    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->sh_h, T, cfg->shared_inter,
-                            m->shq, m->shs, ml_cu_ctx_of(moe->ctx)->sm_count, st));
+    ML_TRY(ml_cu_quantize_sh_h(moe, T, st));
     return ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
                                    (const uint8_t *)w->shared_down, w->shared_down_scale,
                                    cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
