@@ -167,23 +167,19 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
   const int n_gu = s_gu + nact * gu_blk, n_dn = s_dn + nact * dn_blk;
   const char *gate_up = (const char *)moe->w.gate_up, *down = (const char *)moe->w.down;
   float *xg = ws->xg, *hbuf = ws->h, *y32 = job->y32;
+  /* FP8 routed and shared experts reading the same fp32 token rows: the
+   * routed experts' rows are the shared expert's quantized ones (sh_xq),
+   * gathered, not quantized again per pair */
+  const float *xq_rows = fp8 && shared && c->fp8_shared && job->x_dtype == MOELINK_DTYPE_F32 &&
+                                 job->x == (const void *)job->x32
+                             ? ws->sh_xq
+                             : NULL;
 
 #pragma omp parallel num_threads(ws->nthreads)
   {
     const int tid = ml_cpu_team_thread();
     float *conv = ml_cpu_conv(ws, tid), *tmp = ml_cpu_tmp(ws, tid);
 
-#pragma omp for schedule(static)
-    for (int r = 0; r < R; ++r) {
-      const int t = pairs[r] / k;
-      ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes,
-                    xg + (size_t)r * H, (size_t)H);
-      if (fp8) ml_cpu_qdq_f32(MOELINK_QUANT_FP8, xg + (size_t)r * H, (size_t)H);
-    }
-    if (shared && c->shared_gate) {
-#pragma omp for schedule(static)
-      for (int t = 0; t < T; ++t) ml_cpu_shared_gate_token(moe, job->x32, t);
-    }
     if (shared && c->fp8_shared) {
       /* the FP8 shared expert's input rows, as the routed experts' */
 #pragma omp for schedule(static)
@@ -191,6 +187,21 @@ moelink_status_t ml_cpu_run_ffn(moelink_moe_t moe, const ml_cpu_ffn *job) {
         memcpy(ws->sh_xq + (size_t)t * H, job->x32 + (size_t)t * H, (size_t)H * sizeof(float));
         ml_cpu_qdq_f32(MOELINK_QUANT_FP8, ws->sh_xq + (size_t)t * H, (size_t)H);
       }
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < R; ++r) {
+      const int t = pairs[r] / k;
+      if (xq_rows) {
+        memcpy(xg + (size_t)r * H, xq_rows + (size_t)t * H, (size_t)H * sizeof(float));
+        continue;
+      }
+      ml_cpu_to_f32(job->x_dtype, (const char *)job->x + (size_t)t * H * xes,
+                    xg + (size_t)r * H, (size_t)H);
+      if (fp8) ml_cpu_qdq_f32(MOELINK_QUANT_FP8, xg + (size_t)r * H, (size_t)H);
+    }
+    if (shared && c->shared_gate) {
+#pragma omp for schedule(static)
+      for (int t = 0; t < T; ++t) ml_cpu_shared_gate_token(moe, job->x32, t);
     }
 
     /* Shared items first: they have all T rows, the biggest items of all. */
