@@ -71,21 +71,22 @@ static int cli_scale_slot(int t) {
   }
 }
 
-double cli_shared_bytes(const moelink_moe_config_t *c) {
+/* Bytes of tensors t0..t1 as stored, block scales included. */
+static double cli_stored_bytes(const moelink_moe_config_t *c, int t0, int t1) {
   double b = 0.0;
-  for (int t = REF_T_SH_GATE_UP; t <= REF_T_SH_DOWN; ++t)
+  for (int t = t0; t <= t1; ++t)
     b += (double)cli_tensor_elems(c, t) * (double)cli_tensor_esize(c, t) +
          (double)cli_scale_count(c, t) * sizeof(float);
   return b;
 }
 
+double cli_shared_bytes(const moelink_moe_config_t *c) {
+  return cli_stored_bytes(c, REF_T_SH_GATE_UP, REF_T_SH_DOWN);
+}
+
 double cli_expert_bytes(const moelink_moe_config_t *c) {
   const double E = c->num_experts > 0 ? c->num_experts : 1;
-  double b = 0.0;
-  for (int t = REF_T_GATE_UP; t <= REF_T_DOWN; ++t)
-    b += (double)cli_tensor_elems(c, t) * (double)cli_tensor_esize(c, t) +
-         (double)cli_scale_count(c, t) * sizeof(float);
-  return b / E;
+  return cli_stored_bytes(c, REF_T_GATE_UP, REF_T_DOWN) / E;
 }
 
 /* The big tensors are generated where they live; the small ones on the host,
@@ -233,9 +234,7 @@ void cli_layer_make(cli_layer *L, moelink_context_t ctx, const moelink_moe_confi
   L->host.cfg = *cfg;
   L->host.seed = seed;
   L->host.zipf_alpha = zipf;
-  for (int t = REF_T_ROUTER; t < REF_T_X; ++t)
-    L->weight_bytes += (double)cli_tensor_elems(cfg, t) * (double)cli_tensor_esize(cfg, t) +
-                       (double)cli_scale_count(cfg, t) * sizeof(float);
+  L->weight_bytes = cli_stored_bytes(cfg, REF_T_ROUTER, REF_T_X - 1);
 
   if (L->backend == MOELINK_BACKEND_CPU) {
     cli_host_make(L);
