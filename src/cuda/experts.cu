@@ -188,6 +188,10 @@ extern "C" void ml_cuda_gemm_set_engine(int engine) {
 
 extern "C" int ml_cuda_gemm_last_engine(void) { return ml_engine_last; }
 
+static __thread int ml_sm90_last_tile = 0;
+
+extern "C" int ml_cuda_gemm_last_sm90_tile(void) { return ml_sm90_last_tile; }
+
 /* Per device: 0 not yet asked, else 1 + (SM count << 1 | compute capability is 9.0). */
 static int ml_sm90_device_info[ML_GEMM_MAX_DEVICES];
 
@@ -413,6 +417,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     ML_CUDA_LAUNCHED(name);
   }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
+  ml_sm90_last_tile = ml_sm90_cfg<FP8>::BN;
   return MOELINK_SUCCESS;
 }
 

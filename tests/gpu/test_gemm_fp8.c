@@ -351,6 +351,18 @@ static const char *engine_name(int e) {
 /* Runs of each GEMM in run_case_engine: schedules, clusters, tiles. */
 #define RUNS 5
 
+/* A run on the sm_90a engine with an FP8 tile asked for (o->fp8_tile) ran
+ * that tile: 256 columns, or 128 where the GEMM has fewer output columns
+ * than that (the scaled GEMM's n_out; SwiGLU: 0, its n is a multiple of
+ * 128 gate/up pairs, always enough). */
+static void check_tile(const char *what, const ml_cuda_gemm_opts *o, int engine, int n_out) {
+  if (o == NULL || o->fp8_tile == 0 || engine != ML_GEMM_ENGINE_SM90)
+    return;
+  const int want = o->fp8_tile == 256 && n_out < 256 && n_out > 0 ? 128 : o->fp8_tile;
+  CHECK(ml_cuda_gemm_last_sm90_tile() == want, "%s: the %d-column tile ran (%d)", what, want,
+        ml_cuda_gemm_last_sm90_tile());
+}
+
 /* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const fcase *c, const problem *p, int engine, const dev_ops *d,
                             const double *ref1, const double *tol1, const double *ref2,
@@ -396,6 +408,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
              label);
     CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu run %d on the %s engine (%s)",
           c->name, en, rep, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
+    check_tile(label, rep ? &run_opts[rep] : NULL, want1, 0);
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out, out1_bytes, cudaMemcpyDeviceToHost));
     if (rep == 0) {
@@ -450,6 +463,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
                                          d->tiles, d->num, p->max_tiles, R, d_q, d_s, qopts[rep],
                                          stream),
                  label);
+        check_tile(label, qopts[rep], want1, 0);
         CUDA_CHECK(cudaStreamSynchronize(stream));
         CUDA_CHECK(cudaMemcpy(rep ? q1 : q, d_q, qn, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(rep ? sc1 : sc, d_s, sn * sizeof(float), cudaMemcpyDeviceToHost));
@@ -516,6 +530,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
       CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s run %d on the %s engine (%s)",
             c->name, en, f32 ? " f32" : "", rep, engine_name(want2),
             engine_name(ml_cuda_gemm_last_engine()));
+      check_tile(label, rep ? &run_opts[rep] : NULL, want2, k);
       CUDA_CHECK(cudaStreamSynchronize(stream));
       CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out, bytes, cudaMemcpyDeviceToHost));
       if (rep == 0) {

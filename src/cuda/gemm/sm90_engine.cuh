@@ -24,6 +24,11 @@ void ml_cuda_gemm_set_engine(int engine);
  * or AUTO if it has launched none. */
 int ml_cuda_gemm_last_engine(void);
 
+/* Columns of the tile (B rows a work item reads: 256 or 128) of the calling
+ * thread's last sm_90a launch, 0 if it has launched none: which FP8 tile ran
+ * (ml_cuda_gemm_opts.fp8_tile). */
+int ml_cuda_gemm_last_sm90_tile(void);
+
 #ifdef __cplusplus
 }
 #endif
