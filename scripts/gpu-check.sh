@@ -13,8 +13,9 @@
 # own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
 # alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
-# fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), profile (nsys + ncu kernel times at decode sizes; not in all), decode (graph
-# replays at decode sizes, bf16 and fp8, AB_ENV variants; not in all); test = gpu mgpu;
+# fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), profile (nsys + ncu
+# kernel times at decode sizes; not in all), decode (graph replays at decode sizes, bf16 and
+# fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
 # machine) is their rank count, the mgpu tests' too (issue 7: 4 and 8).
