@@ -161,9 +161,16 @@ fi
 if want ep && [ "$RANKS" -ge 2 ]; then
   log "bench ep ($RANKS ranks)"
   # EP_ARGS: options of this run (e.g. --tokens 128,4096 --steps 8); EP_QUANT: the dispatch
-  # formats of the runs after it (default fp8 mxfp8; "" for none).
+  # formats of the runs after it (default fp8 mxfp8; "" for none); EP_AB="VAR=v[,VAR=v] ...":
+  # the first run again under each word (e.g. MOELINK_EP_FUSED_RETURN=0).
   ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink bench ep ${EP_ARGS:-} \
     --json "$OUT/json/bench_ep.json" 2>&1 | tee -a "$OUT/ep.log" || rc=1
+  for v in ${EP_AB:-}; do
+    log "bench ep with $v"
+    env ${v//,/ } ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink \
+      bench ep ${EP_ARGS:-} --json "$OUT/json/bench_ep_${v//[^A-Za-z0-9]/_}.json" 2>&1 |
+      tee -a "$OUT/ep.log" || rc=1
+  done
   for q in ${EP_QUANT-fp8 mxfp8}; do
     log "bench ep, rows dispatched as $q"
     ./"$BUILD"/moelink launch -n "$RANKS" --timeout 600 -- ./"$BUILD"/moelink bench ep \

@@ -708,6 +708,7 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "nccl_combine_GBps", cuda ? cb / (r->nccl_comb_us * 1e-6) / 1e9 : NAN);
     cli_json_field(f, "sequential_us", r->seq_us);
     cli_json_field(f, "experts_us", r->experts_us);
+    cli_json_field(f, "forward_over_max_compute_comm", r->ep_us / fmax(r->experts_us, r->dc_us));
     if (r->step_tokens) {
       fprintf(f, ", \"step_tokens\": %d", r->step_tokens);
       cli_json_field(f, "steps_us", r->steps_us);
@@ -793,13 +794,14 @@ int cli_cmd_bench_ep(int argc, char **argv) {
     /* The exchanges on their own, bandwidth per direction (rows sent by a rank / time). */
     printf("\nthe exchanges (moelink_ep_dispatch / moelink_ep_combine%s), GB/s = token-row "
            "bytes a rank sends / time;\nseq = dispatch, the local experts (experts_us), "
-           "combine\n",
+           "combine; fwd/max = ep_us / max(experts_us, d+c_us)\n(ep_us also routes and runs "
+           "the shared expert, which experts_us leaves out)\n",
            cuda ? " beside NCCL send/recv of the same rows" : "");
     printf("%7s %11s %7s", "T", "dispatch_us", "GB/s");
     if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
     printf(" %11s %7s", "combine_us", "GB/s");
     if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
-    printf(" %9s %11s %11s\n", "d+c_us", "seq_us", "experts_us");
+    printf(" %9s %11s %11s %8s\n", "d+c_us", "seq_us", "experts_us", "fwd/max");
     for (int i = 0; i < o.ntokens; ++i) {
       const be_row *r = &rows[i];
       const double db = r->dispatch_rows * (double)r->drow_bytes;
@@ -808,7 +810,8 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       if (cuda) printf(" %10.1f %7.1f", r->nccl_disp_us, db / r->nccl_disp_us * 1e-3);
       printf(" %11.1f %7.1f", r->comb_us, cb / r->comb_us * 1e-3);
       if (cuda) printf(" %10.1f %7.1f", r->nccl_comb_us, cb / r->nccl_comb_us * 1e-3);
-      printf(" %9.1f %11.1f %11.1f\n", r->dc_us, r->seq_us, r->experts_us);
+      printf(" %9.1f %11.1f %11.1f %8.3f\n", r->dc_us, r->seq_us, r->experts_us,
+             r->ep_us / fmax(r->experts_us, r->dc_us));
     }
     if (o.steps > 1) {
       printf("\nchunked (--steps %d): moelink_ep_forward of T tokens in steps of max_tokens "

@@ -437,7 +437,7 @@ static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T
  * (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
-                                         int x_ready, cudaStream_t st) {
+                                         void *const *out_rows, int x_ready, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
@@ -461,10 +461,12 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     if (!fused)
       ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
                               m->hs, sms, st));
-    ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
-                                   (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
-                                   cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs,
-                                   weights, weights ? plan->sorted_pairs : NULL, y, 0, &go, st));
+    ml_cuda_gemm_opts dgo = go;
+    dgo.out_rows = out_rows;
+    ML_TRY(ml_cuda_gemm_scaled_fp8(
+        cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down, moe->w.down_scale,
+        cfg->hidden, cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs, weights,
+        weights || out_rows ? plan->sorted_pairs : NULL, y, 0, &dgo, st));
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
   /* The plan was complete before the x quantize kernel started (a plain
@@ -482,22 +484,27 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
                           m->hs, sms, st));
   /* the down GEMM likewise streams its weights while h is quantized */
+  o.out_rows = out_rows;
   ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,
                             moe->w.down_scale, cfg->hidden, cfg->inter, plan->tiles,
                             plan->num_tiles, passes, pairs, weights,
-                            weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
+                            weights || out_rows ? plan->sorted_pairs : NULL, y, 0, &o, st));
   return ml_cu_step(st, "routed down GEMM (fp8)");
 }
 
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h
- * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. */
+ * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. out_rows not
+ * NULL: pair p's output row goes to out_rows[p] instead of y (see
+ * ml_cuda_moe_experts_to). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
-                                     const float *weights, void *y, int x_ready, cudaStream_t st) {
+                                     const float *weights, void *y, void *const *out_rows,
+                                     int x_ready, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
+  const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
-    return ml_cu_routed_fp8(moe, x, plan, weights, y, x_ready, st);
+    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, x_ready, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
@@ -511,9 +518,10 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                                  plan->num_tiles, passes, pairs, m->h, &o, st));
     ML_TRY(ml_cu_step(st, "routed gate/up GEMM (decode)"));
     o.flags |= ML_DECODE_PLAN_EARLY;
-    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden,
-                                 cfg->inter, plan->tiles, plan->num_tiles, passes, pairs, weights,
-                                 weights ? plan->sorted_pairs : NULL, y, 0, &o, st));
+    o.out_rows = out_rows;
+    ML_TRY(ml_cuda_decode_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
+                                 plan->tiles, plan->num_tiles, passes, pairs, weights, down_index,
+                                 y, 0, &o, st));
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
   const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 0);
@@ -521,15 +529,17 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
                              plan->max_tiles, 0, m->h, &go, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
+  ml_cuda_gemm_opts dgo = go;
+  dgo.out_rows = out_rows;
   ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
-                             plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights,
-                             weights ? plan->sorted_pairs : NULL, y, 0, &go, st));
+                             plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights, down_index,
+                             y, 0, &dgo, st));
   return ml_cu_step(st, "routed down GEMM");
 }
 
 static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int T,
-                                           const void *plan_buffer, const float *weights,
-                                           void *y, cudaStream_t st) {
+                                           const void *plan_buffer, const float *weights, void *y,
+                                           void *const *out_rows, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   moelink_plan_t plan;
   ML_TRY(moelink_plan_view((void *)plan_buffer, T, cfg->top_k, cfg->num_experts,
@@ -537,7 +547,7 @@ static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int
   if (weights && ((uintptr_t)weights & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
                    (const void *)weights);
-  return ml_cu_routed(moe, x, &plan, weights, y, 0, st);
+  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, st);
 }
 
 static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
@@ -663,7 +673,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
     ML_TRY(ml_cu_step(st, "plan"));
   }
-  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, x_ready, st));
+  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, st));
   /* (the routed FP8 GEMMs quantize the token rows when they have not been) */
   x_ready |= cfg->fp8_experts;
   const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;
@@ -739,8 +749,17 @@ static moelink_status_t ml_cu_plan(moelink_moe_t moe, const int32_t *ids, int T,
 static moelink_status_t ml_cu_experts(moelink_moe_t moe, const void *x, int T,
                                       const void *plan_buffer, const float *weights, void *y,
                                       void *stream) {
-  ML_CU_GUARDED(moe->ctx, ml_cu_experts_impl(moe, x, T, plan_buffer, weights, y,
-                                             (cudaStream_t)stream));
+  ML_CU_GUARDED(moe->ctx,
+                ml_cu_experts_impl(moe, x, T, plan_buffer, weights, y, NULL, (cudaStream_t)stream));
+}
+
+/* See cuda.h. */
+moelink_status_t ml_cuda_moe_experts_to(moelink_moe_t moe, const void *x, int T,
+                                        const void *plan_buffer, const float *weights, void *y,
+                                        void *const *out_rows, cudaStream_t stream) {
+  if (moe->ctx->backend != MOELINK_BACKEND_CUDA)
+    return ml_fail(MOELINK_ERR_INTERNAL, "ml_cuda_moe_experts_to: not a CUDA layer");
+  ML_CU_GUARDED(moe->ctx, ml_cu_experts_impl(moe, x, T, plan_buffer, weights, y, out_rows, stream));
 }
 
 static moelink_status_t ml_cu_combine(moelink_moe_t moe, const void *y, int T,

@@ -36,6 +36,17 @@ extern "C" {
 moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev);
 moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s);
 
+/* moelink_moe_experts of a CUDA layer (arguments as checked by the front
+ * end), except that the down GEMM stores pair p's output row (p = token * k
+ * + slot, times its weight, rounded to the dtype: y's row for p) into the
+ * 16-byte aligned row out_rows[p] instead of y (out_rows NULL: into y, as
+ * moelink_moe_experts). Only pairs with an expert are stored; y is still
+ * required. Used by the expert-parallel layer to put each output straight
+ * into the buffer of the rank that waits for it. */
+moelink_status_t ml_cuda_moe_experts_to(moelink_moe_t moe, const void *x, int T,
+                                        const void *plan_buffer, const float *weights, void *y,
+                                        void *const *out_rows, cudaStream_t stream);
+
 /* Whether the current device runs sm_90a machine code (compute capability
  * 9.0 exactly) and its SM count; cached per device (cuda/experts.cu). */
 moelink_status_t ml_cuda_sm90_device(int *is_sm90, int *sms);
@@ -77,6 +88,12 @@ typedef struct ml_cuda_gemm_opts {
    * runs in clusters and quantizes its output); 0: MOELINK_GEMM_FP8_TILE
    * (default 256). The two give the same bits. */
   int fp8_tile;
+  /* The scaled GEMMs (bf16/f16 output, n % 8 == 0) only, NULL: rows go to
+   * out. Else problem row r goes to the row out_rows[scale_index[r]]
+   * (scale_index NULL: out_rows[r]; 16-byte aligned) instead of out's row r:
+   * e.g. straight into the peer buffer that waits for it (the expert-parallel
+   * layer's return). The SwiGLU GEMMs refuse it. */
+  void *const *out_rows;
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over

@@ -53,6 +53,7 @@ typedef struct ml_scaled_args {
   const int32_t *num_tiles;
   const float *row_scale;
   const int32_t *scale_index;
+  void *const *out_rows; /* see ml_cuda_gemm_opts */
   int lda, n, k, dense_rows;
 } ml_scaled_args;
 
@@ -90,7 +91,7 @@ static __global__ void __launch_bounds__(ml_xs::THREADS)
   ml_gemm_acc<ml_xs> acc;
   ml_gemm_mainloop<ml_xs, DT>(ml_gemm_smem, &a, &b, p.k, &acc);
   ml_gemm_store_scaled<ml_xs, DT, OUT_F32>(&acc, p.out, p.n, row0, rows, n0, p.n, p.row_scale,
-                                           p.scale_index);
+                                           p.scale_index, p.out_rows);
 }
 
 /* ---- host side ----------------------------------------------------------- */
@@ -457,10 +458,31 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   ml_cuda_gemm_opts o;
   o.counter = counter;
   o.fp8_tile = 0;
+  o.out_rows = NULL;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
   return o;
+}
+
+/* opts->out_rows of a scaled GEMM (NULL where none), checked: rows of the
+ * output dtype (not fp32) and n a multiple of 8 (16-byte rows). */
+static moelink_status_t ml_out_rows_of(const char *what, const ml_cuda_gemm_opts *opts, int n,
+                                       int out_f32, void *const **rows) {
+  *rows = opts != NULL ? opts->out_rows : NULL;
+  if (*rows != NULL && (out_f32 || n % 8 != 0))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: output rows by pointer need a bf16/f16 output and n %% 8 == 0 (n %d, %s "
+                   "output)",
+                   what, n, out_f32 ? "fp32" : "dtype");
+  return MOELINK_SUCCESS;
+}
+
+/* The SwiGLU GEMMs have no output rows by pointer. */
+static moelink_status_t ml_no_out_rows(const char *what, const ml_cuda_gemm_opts *opts) {
+  if (opts != NULL && opts->out_rows != NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: out_rows is for the scaled GEMMs only", what);
+  return MOELINK_SUCCESS;
 }
 
 /* The fields of an sm_90a launch every GEMM fills alike (FP8 fields: see
@@ -494,6 +516,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
                     int max_tiles, int dense_rows, void *out, const ml_cuda_gemm_opts *opts,
                     cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu";
+  ML_TRY(ml_no_out_rows(what, opts));
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
                        ML_SWIGLU_COLS, &gx, &gy));
@@ -567,6 +590,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
                        ML_SCALED_COLS, &gx, &gy));
+  void *const *out_rows;
+  ML_TRY(ml_out_rows_of(what, opts, n, out_f32, &out_rows));
   if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
 
   int sm90 = 0, sms = 0;
@@ -585,6 +610,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
+    q.out_rows = out_rows;
+    q.scale_index = row_scale != NULL || out_rows != NULL ? scale_index : NULL;
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, cl, stream)
                    : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, cl, stream);
@@ -597,7 +624,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
   p.tiles = tiles;
   p.num_tiles = num_tiles;
   p.row_scale = row_scale;
-  p.scale_index = row_scale != NULL ? scale_index : NULL;
+  p.scale_index = row_scale != NULL || out_rows != NULL ? scale_index : NULL;
+  p.out_rows = out_rows;
   p.lda = lda;
   p.n = n;
   p.k = k;
@@ -670,6 +698,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                         void *out, float *out_scale, const ml_cuda_gemm_opts *opts,
                         cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
+  ML_TRY(ml_no_out_rows(what, opts));
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
                    what, rows, max_tiles, (const void *)tiles, (const void *)num_tiles);
@@ -736,10 +765,13 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
                    what, rows, max_tiles, (const void *)tiles, (const void *)num_tiles);
   if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
+  void *const *out_rows;
+  ML_TRY(ml_out_rows_of(what, opts, n, out_f32, &out_rows));
   int sm90 = 0, sms = 0;
   ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<1>::BN, &sm90, &sms));
   if (!sm90) {
-    const ml_decode_opts o = ml_fp8_fallback_opts();
+    ml_decode_opts o = ml_fp8_fallback_opts();
+    o.out_rows = out_rows;
     const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);
     ML_TRY(ml_cuda_fp8_scaled(out_dt, a, a_scale, lda, b, b_scale, n, k, tiles, num_tiles,
                               passes, rows, row_scale, scale_index, out, out_f32, &o, stream));
@@ -761,6 +793,8 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
                     max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
+  q.out_rows = out_rows;
+  q.scale_index = row_scale != NULL || out_rows != NULL ? scale_index : NULL;
   /* clusters: a CTA's box is half the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,

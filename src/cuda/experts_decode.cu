@@ -203,6 +203,8 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
                                     mld_args *p, unsigned *grid) {
   *grid = 0;
   if (o == NULL) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: options are NULL", what);
+  if (swiglu && o->out_rows != NULL)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: out_rows is for the scaled GEMMs only", what);
   if (dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16 &&
       !(fp8 && swiglu && dt == MOELINK_DTYPE_F32))
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: dtype %s not supported (bf16 or f16%s)", what,
@@ -267,6 +269,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   p->num_tiles = tiles != NULL ? num_tiles : NULL;
   p->row_scale = NULL;
   p->scale_index = NULL;
+  p->out_rows = NULL;
   p->partials = o->partials;
   p->tickets = o->tickets;
   p->lda = lda;
@@ -310,9 +313,17 @@ static moelink_status_t mld_gather(const char *what, const int32_t *a_index, int
 }
 
 /* The row scale of a scaled launch (NULL: 1; scale_index NULL: by row). */
-static void mld_row_scales(const float *row_scale, const int32_t *scale_index, mld_args *p) {
+/* The scaled launches' row scales and output rows by pointer (o->out_rows). */
+static moelink_status_t mld_row_scales(const char *what, const float *row_scale,
+                                       const int32_t *scale_index, int out_f32,
+                                       const ml_decode_opts *o, mld_args *p) {
+  if (o->out_rows != NULL && out_f32)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: output rows by pointer need a bf16/f16 output",
+                   what);
   p->row_scale = row_scale;
-  p->scale_index = row_scale != NULL ? scale_index : NULL;
+  p->out_rows = o->out_rows;
+  p->scale_index = row_scale != NULL || o->out_rows != NULL ? scale_index : NULL;
+  return MOELINK_SUCCESS;
 }
 
 extern "C" moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void *a, int lda,
@@ -350,7 +361,7 @@ extern "C" moelink_status_t ml_cuda_decode_scaled(moelink_dtype_t dt, const void
   ML_TRY(mld_prepare(what, 0, 0, dt, a, lda, b, n, k, tiles, num_tiles, max_passes, rows, out, o,
                      &p, &grid));
   if (grid == 0) return MOELINK_SUCCESS;
-  mld_row_scales(row_scale, scale_index, &p);
+  ML_TRY(mld_row_scales(what, row_scale, scale_index, out_f32, o, &p));
   const int pdl = mld_pdl(o, stream);
   if (dt == MOELINK_DTYPE_BF16)
     return out_f32 ? mld_launch<MOELINK_DTYPE_BF16, MLD_SCALED, 1>(
@@ -423,7 +434,7 @@ extern "C" moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uin
                      out, o, &p, &grid));
   if (grid == 0) return MOELINK_SUCCESS;
   ML_TRY(mld_fp8_scales(what, a_scale, b_scale, &p));
-  mld_row_scales(row_scale, scale_index, &p);
+  ML_TRY(mld_row_scales(what, row_scale, scale_index, out_f32, o, &p));
   const int pdl = mld_pdl(o, stream);
   /* fp32 output: the output dtype plays no part, one kernel serves both */
   if (out_f32)

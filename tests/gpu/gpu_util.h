@@ -122,6 +122,55 @@ GU_FN void gu_counter_check_zero(const int32_t *d, int n, const char *what) {
   CHECK(bad < 0, "%s: the work counter is left at zero (int %d is not)", what, bad);
 }
 
+/* ---- output rows by pointer (ml_cuda_gemm_opts.out_rows) --------------------- */
+
+/* A device table that sends each owned problem row r (row_expert[r] >= 0) of
+ * R to row R - 1 - r of dst (rows of `row` bytes), indexed as the GEMMs read
+ * it: by index[r] (host copy; NULL: by r). Entries nothing names are NULL. */
+GU_FN void **gu_rows_table(const int *row_expert, const int32_t *index, int R, char *dst,
+                           size_t row) {
+  int nx = R;
+  for (int r = 0; r < R; ++r)
+    if (index && row_expert[r] >= 0 && index[r] + 1 > nx)
+      nx = index[r] + 1;
+  void **t = (void **)calloc((size_t)nx + 1, sizeof(void *));
+  if (!t)
+    exit(2);
+  for (int r = 0; r < R; ++r)
+    if (row_expert[r] >= 0)
+      t[index ? index[r] : r] = dst + (size_t)(R - 1 - r) * row;
+  void **d = (void **)gu_dev(((size_t)nx + 1) * sizeof(void *));
+  GU_CUDA(cudaMemcpy(d, t, ((size_t)nx + 1) * sizeof(void *), cudaMemcpyHostToDevice));
+  free(t);
+  return d;
+}
+
+/* Checks a run through gu_rows_table's table: got (dst, R + 1 rows) holds
+ * each owned row r of want (the plain run's output, rows of `row` bytes) at
+ * row R - 1 - r bit for bit, every other byte of got is still 0xFF, and so
+ * is every byte of out (out_bytes, the GEMM's own output, never written). */
+GU_FN void gu_rows_check(const char *what, const int *row_expert, int R, const unsigned char *got,
+                         const unsigned char *want, size_t row, const unsigned char *out,
+                         size_t out_bytes) {
+  long bad_rows = 0, bad_poison = 0;
+  for (int r = 0; r < R; ++r) {
+    const unsigned char *g = got + (size_t)(R - 1 - r) * row;
+    if (row_expert[r] >= 0)
+      bad_rows += memcmp(g, want + (size_t)r * row, row) != 0;
+    else
+      for (size_t i = 0; i < row; ++i)
+        bad_poison += g[i] != 0xFF;
+  }
+  for (size_t i = (size_t)R * row; i < (size_t)(R + 1) * row; ++i)
+    bad_poison += got[i] != 0xFF;
+  for (size_t i = 0; i < out_bytes; ++i)
+    bad_poison += out[i] != 0xFF;
+  CHECK(bad_rows == 0, "%s: every stored row bitwise equal to the plain run's (%ld differ)", what,
+        bad_rows);
+  CHECK(bad_poison == 0, "%s: no other byte written, out untouched (%ld changed)", what,
+        bad_poison);
+}
+
 /* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
 GU_FN void gu_poison(void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));

@@ -32,6 +32,7 @@
  * docs/PERF.md; this tool keeps the memset so its numbers stay comparable). */
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
+#include "gpu_util.h"
 #include "harness.h"
 #include "moelink.h"
 #include "ref.h"
@@ -412,6 +413,29 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
                f32 ? " f32" : "", moelink_dtype_name(dt), k, n, cfgname);
       check_output(label, p, k, first, dt, f32, ref2, tol2, L2_TOL);
       CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
+      if (f32)
+        continue;
+      /* the same launch with its rows stored through out_rows (row r to row
+       * R - 1 - r of another buffer): the plain run's rows, nothing else */
+      const size_t row = (size_t)k * 2;
+      char *d_dst = gu_dev((size_t)(R + 1) * row);
+      void **d_table = gu_rows_table(p->row_expert, dense ? NULL : p->index, R, d_dst, row);
+      ml_decode_opts orow = oe;
+      orow.out_rows = (void *const *)d_table;
+      CUDA_CHECK(cudaMemsetAsync(d_dst, 0xFF, (size_t)(R + 1) * row, st));
+      CUDA_CHECK(cudaMemsetAsync(d_o2, 0xFF, bytes, st));
+      snprintf(label, sizeof label, "%s scaled into rows by pointer (%s)", c->name, cfgname);
+      CHECK_OK(ml_cuda_decode_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, passes, R, rs, ai,
+                                     d_o2, 0, &orow, st),
+               label);
+      CUDA_CHECK(cudaStreamSynchronize(st));
+      unsigned char *dst = xmalloc((size_t)(R + 1) * row);
+      CUDA_CHECK(cudaMemcpy(dst, d_dst, (size_t)(R + 1) * row, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(got, d_o2, bytes, cudaMemcpyDeviceToHost));
+      gu_rows_check(label, p->row_expert, R, dst, first, row, got, bytes);
+      free(dst);
+      gu_free(d_dst);
+      gu_free(d_table);
     }
 
     if (c->graph && ci == ncfg - 1) {

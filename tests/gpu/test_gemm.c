@@ -405,6 +405,46 @@ static void run_case(const gemm_case *c, const problem *p) {
   free(h), free(hh), free(row_scale), free(ref1), free(ref2);
 }
 
+/* The scaled GEMM (dtype output) with its rows stored through out_rows
+ * (gu_rows_table: row r to row R - 1 - r of another buffer), static and
+ * dynamic schedule, against `want` (the plain run's output) by
+ * gu_rows_check. */
+static void check_out_rows(const gemm_case *c, const problem *p, const char *en, int want_engine,
+                           const void *d_h, const void *d_w2, const int32_t *d_tiles,
+                           const int32_t *d_num, const float *rs, const int32_t *si,
+                           int32_t *d_sched, const unsigned char *want, cudaStream_t stream) {
+  const int n = c->n, k = c->k, R = p->R, lda2 = n + c->lda_pad;
+  const size_t row = (size_t)k * 2, dst_bytes = (size_t)(R + 1) * row;
+  const size_t out_bytes = (size_t)(R + GUARD_ROWS) * row;
+  int32_t *idx = malloc((size_t)(R ? R : 1) * sizeof(int32_t));
+  if (si)
+    CUDA_CHECK(cudaMemcpy(idx, si, (size_t)R * sizeof(int32_t), cudaMemcpyDeviceToHost));
+  char *d_dst = gu_dev(dst_bytes), *d_out = gu_dev(out_bytes);
+  void **d_table = gu_rows_table(p->row_expert, si ? idx : NULL, R, d_dst, row);
+  unsigned char *got = malloc(dst_bytes), *out = malloc(out_bytes);
+  for (int rep = 0; rep < 2; ++rep) {
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)d_table};
+    CUDA_CHECK(cudaMemsetAsync(d_dst, 0xFF, dst_bytes, stream));
+    CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out_bytes, stream));
+    char label[200];
+    snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
+             rep ? "dynamic" : "static");
+    CHECK_OK(ml_cuda_gemm_scaled(c->dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs,
+                                 si, d_out, 0, &o, stream),
+             label);
+    CHECK(ml_cuda_gemm_last_engine() == want_engine, "%s: ran on the %s engine (%s)", label,
+          engine_name(want_engine), engine_name(ml_cuda_gemm_last_engine()));
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaMemcpy(got, d_dst, dst_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
+    gu_rows_check(label, p->row_expert, R, got, want, row, out, out_bytes);
+  }
+  gu_free(d_dst);
+  gu_free(d_out);
+  gu_free(d_table);
+  free(idx), free(got), free(out);
+}
+
 /* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
                             const void *d_w1, const void *d_w2, const void *d_h,
@@ -432,7 +472,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0}, {d_sched, 1, 0}, {d_sched, 2, 0}};
+  const ml_cuda_gemm_opts run_opts[3] = {
+      {NULL, 1, 0, NULL}, {d_sched, 1, 0, NULL}, {d_sched, 2, 0, NULL}};
   static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
   const float *rs = c->scale_mode ? d_scale : NULL;
@@ -513,6 +554,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
              c->name, en, moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2,
              c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
+    if (!f32 && k % 8 == 0)
+      check_out_rows(c, p, en, want2, d_h, d_w2, d_tiles, d_num, rs, si, d_sched, first, stream);
   }
   snprintf(label, sizeof label, "%s [%s]", c->name, en);
   gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
@@ -561,6 +604,15 @@ static void check_rejections(void) {
   CHECK_STATUS(ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, (const int32_t *)b, NULL, 4, 4, NULL, NULL,
                                    b, 0, NULL, 0),
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
+  {
+    /* output rows by pointer: the scaled GEMMs with a dtype output only */
+    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000)};
+    CHECK_STATUS(
+        ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, &ro, 0),
+        MOELINK_ERR_UNSUPPORTED, "scaled f32 out with out_rows");
+    CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &ro, 0),
+                 MOELINK_ERR_INVALID_ARGUMENT, "swiglu with out_rows");
+  }
   /* nothing to do: succeeds without touching out */
   CUDA_CHECK(cudaMemset(b, 0xFF, 4096));
   CUDA_CHECK(cudaMemset(num, 0, sizeof(int32_t)));

@@ -100,6 +100,7 @@ typedef struct mld_args {
   const int32_t *num_tiles;
   const float *row_scale;    /* MLD_SCALED only; NULL: 1 */
   const int32_t *scale_index;
+  void *const *out_rows;     /* MLD_SCALED only: see ml_decode_opts */
   float *partials;           /* [splits][rows][ncols] fp32 (splits > 1) */
   uint32_t *tickets;         /* [passes][mblocks] (splits > 1) */
   int lda, a_div, n, k, rows;
@@ -370,11 +371,17 @@ static __device__ __forceinline__ void mld_store8(void *dst, const float *v) {
   *(uint4 *)dst = w;
 }
 
-/* out[row, col .. col+7] from eight fp32 results (dtype or fp32). */
+/* out[row, col .. col+7] from eight fp32 results (dtype or fp32); with
+ * p.out_rows (dtype output) into the row p.out_rows[scale_index[row]]. */
 template <int DT, int OUT_F32>
-static __device__ __forceinline__ void mld_store_out(void *out, int n, int row, int col,
+static __device__ __forceinline__ void mld_store_out(const mld_args &p, int row, int col,
                                                      const float *v) {
-  if (OUT_F32) {
+  void *out = p.out;
+  const int n = p.n;
+  if (!OUT_F32 && p.out_rows != NULL) {
+    char *d = (char *)p.out_rows[p.scale_index != NULL ? __ldcg(p.scale_index + row) : row];
+    mld_store8<DT>(d + (size_t)col * 2, v);
+  } else if (OUT_F32) {
     float4 *d = (float4 *)((char *)out + ((size_t)row * (size_t)n + (size_t)col) * 4);
     d[0] = make_float4(v[0], v[1], v[2], v[3]);
     d[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -641,7 +648,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
         for (int j = 0; j < 8; ++j) v[j] *= s;
       }
-      mld_store_out<DT, OUT_F32>(p.out, p.n, row0 + tok, col, v);
+      mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
     }
     return;
   }
@@ -691,7 +698,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] *= sc;
     }
-    mld_store_out<DT, OUT_F32>(p.out, p.n, row0 + tok, col, v);
+    mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
   }
 }
 

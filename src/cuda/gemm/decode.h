@@ -47,6 +47,8 @@ typedef struct ml_decode_opts {
   size_t partial_floats; /* capacity of partials */
   uint32_t *tickets;     /* zero-initialized; every launch leaves them zero */
   size_t ticket_count;   /* capacity of tickets */
+  /* scaled launches only (bf16/f16 output): as ml_cuda_gemm_opts.out_rows */
+  void *const *out_rows;
 } ml_decode_opts;
 
 /* Upper bound on the tiles of a plan of `rows` valid rows over `experts`

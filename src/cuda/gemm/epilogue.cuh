@@ -63,12 +63,14 @@ static __device__ __forceinline__ void ml_gemm_store_swiglu(const ml_gemm_acc<S>
 
 /* out[row0 + r, n0 + c] = scale(r) * acc, as DT or (OUT_F32) as fp32. The
  * scale of problem row p is row_scale[scale_index[p]] (scale_index NULL:
- * row_scale[p]); row_scale NULL means 1. */
+ * row_scale[p]); row_scale NULL means 1. out_rows (DT output only) not NULL:
+ * row p goes to the row out_rows[scale_index[p]] (scale_index NULL:
+ * out_rows[p]) instead of out's row p. */
 template <class S, int DT, int OUT_F32>
-static __device__ __forceinline__ void ml_gemm_store_scaled(const ml_gemm_acc<S> *acc, void *out,
-                                                            int ldo, int row0, int rows, int n0,
-                                                            int n, const float *row_scale,
-                                                            const int32_t *scale_index) {
+static __device__ __forceinline__ void
+ml_gemm_store_scaled(const ml_gemm_acc<S> *acc, void *out, int ldo, int row0, int rows, int n0,
+                     int n, const float *row_scale, const int32_t *scale_index,
+                     void *const *out_rows) {
 #pragma unroll
   for (int mi = 0; mi < S::MI; ++mi)
 #pragma unroll
@@ -76,9 +78,13 @@ static __device__ __forceinline__ void ml_gemm_store_scaled(const ml_gemm_acc<S>
       int r = ml_gemm_acc_row<S>(mi, h);
       if (r >= rows) continue;
       int p = row0 + r;
+      const int x = scale_index != NULL ? __ldg(scale_index + p) : p;
       float s = 1.0f;
-      if (row_scale != NULL) s = __ldg(row_scale + (scale_index != NULL ? __ldg(scale_index + p) : p));
-      char *orow = (char *)out + (size_t)p * (size_t)ldo * (OUT_F32 ? 4 : 2);
+      if (row_scale != NULL)
+        s = __ldg(row_scale + x);
+      char *orow = !OUT_F32 && out_rows != NULL
+                       ? (char *)out_rows[x]
+                       : (char *)out + (size_t)p * (size_t)ldo * (OUT_F32 ? 4 : 2);
 #pragma unroll
       for (int ni = 0; ni < S::NI; ++ni) {
         int j = n0 + ml_gemm_acc_col<S>(ni);

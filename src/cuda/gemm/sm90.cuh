@@ -256,6 +256,10 @@ typedef struct ml_sm90_args {
   float *out_scale;
   /* dynamic schedule (see above): two counters, zero at launch; NULL: static */
   int32_t *sched;
+  /* scaled epilogue with a DT output only; NULL: rows go to out. Else problem
+   * row r goes to the row out_rows[scale_index[r]] (scale_index NULL:
+   * out_rows[r]; 16-byte aligned, n_out % 8 == 0), e.g. a peer's buffer */
+  void *const *out_rows;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -930,6 +934,55 @@ static __device__ __forceinline__ void ml_sm90_scale_load(const ml_sm90_args *p,
     sc[h] = sx[h] >= 0 ? __ldg(p->row_scale + sx[h]) : 1.0f;
 }
 
+/* v[i] for a runtime i < 4 without indexing registers. */
+static __device__ __forceinline__ uint32_t ml_sm90_sel4(const uint32_t v[4], int i) {
+  return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
+}
+
+/* The scaled epilogue into rows named by p->out_rows (ml_sm90_args). Such
+ * rows may live in another GPU's memory, where 4-byte stores waste most of
+ * each write, so the four lanes of a quad (one row, 8 columns of each n8
+ * block, two a lane) trade values: for every four n8 blocks lane q gathers
+ * block q's 8 columns and stores them as 16 bytes, 64 contiguous bytes a
+ * quad. Every lane of the warp runs the shuffles; only stores are skipped. */
+template <class C, int DT>
+static __device__ __forceinline__ void ml_sm90_store_rows(const ml_sm90_args *p, const float *d,
+                                                          int nb, int row0, int rows, int rl,
+                                                          int cq, const float sc[2]) {
+  const int q = cq >> 1, quad = ((int)threadIdx.x & 31) & ~3;
+  static_assert(C::BN % 32 == 0, "four n8 blocks at a time");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rl + 8 * h;
+    char *orow = NULL;
+    if (r < rows) {
+      const int pr = row0 + r;
+      orow = (char *)p->out_rows[p->scale_index != NULL ? __ldg(p->scale_index + pr) : pr];
+    }
+    const float s = sc[h];
+#pragma unroll
+    for (int i = 0; i < C::BN / 32; ++i) {
+      uint32_t v[4], got[4], w[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = 4 * i + u;
+        v[u] = ml_pack2<DT>(d[4 * j + 2 * h] * s, d[4 * j + 2 * h + 1] * s);
+      }
+      /* round t: lane q sends its pair of block (q + t) & 3 and receives
+       * lane (q - t) & 3's pair of block q */
+#pragma unroll
+      for (int t = 0; t < 4; ++t)
+        got[t] = __shfl_sync(0xffffffffu, ml_sm90_sel4(v, (q + t) & 3), quad | ((q - t) & 3));
+#pragma unroll
+      for (int m = 0; m < 4; ++m)
+        w[m] = ml_sm90_sel4(got, (q - m) & 3);
+      const int col = nb * C::BN + 8 * (4 * i + q);
+      if (orow != NULL && col < p->n_out)
+        *(uint4 *)(orow + (size_t)col * 2) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
 /* Stores the consumer's accumulators (C::BN / 2 of them a thread): rows rl
  * and rl + 8 of its tile. SwiGLU pairs accumulator column c (gate) with
  * c + BN / 2 (up). OUT_F32: fp32 output instead of DT. */
@@ -959,6 +1012,8 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
           ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
       }
     }
+  } else if (!OUT_F32 && p->out_rows != NULL) {
+    ml_sm90_store_rows<C, DT>(p, d, nb, row0, rows, rl, cq, sc);
   } else {
     const int cb = nb * C::BN + cq;
 #pragma unroll

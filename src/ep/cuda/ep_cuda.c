@@ -33,16 +33,21 @@
  *     as a [cap, kl] id list (-1 for rows without a token of this call and
  *     for empty slots);
  *  4. plan + expert GEMMs of the local layer on the cap rows (empty ones cost
- *     nothing: the plan drops them);
- *  5. push each (row, slot) output into its source's ret at (token, slot);
- *     the last CTA signals every source RETURN and waits for every rank's;
+ *     nothing: the plan drops them); the down GEMM's epilogue stores each
+ *     (row, slot) output straight into its source's ret at (token, slot)
+ *     (the receive kernel wrote each pair's address, dst), so the return
+ *     traffic runs under the GEMM (MOELINK_EP_FUSED_RETURN, default 1; 0:
+ *     the outputs go to y and step 5 pushes them);
+ *  5. (unfused) push each (row, slot) output into its source's ret at
+ *     (token, slot); the last CTA signals every source RETURN and waits for
+ *     every rank's;
  *  6. (this rank's shared expert ran during 2-3) combine out[t] = sum_j
  *     ret[t*k + j] in slot order (+ gated shared expert), fp32, one
  *     rounding: the single-GPU layer's combine kernel.
  * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the
  * received rows left in `rows` and their local ids and weights in the
- * scratch; moelink_ep_combine is steps 5 and 6 without the shared expert, on
- * the caller's expert outputs. An id outside [0, E) is an empty slot: not
+ * scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the shared
+ * expert, on the caller's expert outputs. An id outside [0, E) is an empty slot: not
  * sent, and (slot_rows -1) not added.
  * Reuse is safe without further handshakes: a source writes a destination's
  * rows, meta and ARRIVE cell for call c + 1 only after it saw that
@@ -128,6 +133,7 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
   ML_EPC_TAKE(w->a.plist, int4 *, cap * kl * 16);
   ML_EPC_TAKE(w->a.npairs, int32_t *, 64);
+  ML_EPC_TAKE(w->a.dst, void **, cap * kl * sizeof(void *));
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
   ML_EPC_TAKE(w->a.slot_rows, int32_t *, T * k * 4);
@@ -304,14 +310,15 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   return ml_epc_receive(a, st);
 }
 
-/* Steps 5 and 6: outputs back, then this rank's T tokens summed (with the
- * shared expert when x is given). out NULL: nothing written. */
+/* Steps 5 and 6: outputs back (pushed: they are there already), then this
+ * rank's T tokens summed (with the shared expert when x is given). out NULL:
+ * nothing written. */
 static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const void *y,
-                                             const int32_t *pair_rows, const void *x, int T,
-                                             void *out, cudaStream_t st) {
+                                             const int32_t *pair_rows, int pushed, const void *x,
+                                             int T, void *out, cudaStream_t st) {
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const ml_epc_args *a = &w->a;
-  ML_TRY(ml_epc_return(a, y, pair_rows, st));
+  ML_TRY(ml_epc_return(a, y, pair_rows, pushed, st));
   if (T == 0 || !out) return MOELINK_SUCCESS;
   const int shared = x && c->shared_inter > 0;
   return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, a->slot_rows, T, c->top_k,
@@ -328,17 +335,21 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
   return ml_cuda_route(&r, w->logits, w->sched, st);
 }
 
+MOELINK_PARAM(EP_FUSED_RETURN, 1)
+
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                              void *out, cudaStream_t st) {
   const ml_epc_args *a = &w->a;
   if (T > 0) ML_TRY(ml_epc_route(ep, w, x, T, st));
   ML_TRY(ml_epc_dispatch_inner(ep, w, x, NULL, NULL, w->ids, w->wts, T, 1, st));
   ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
-  ML_TRY(moelink_moe_experts(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
-                             w->y, st));
+  /* fused: the down GEMM stores every output row into its source's ret */
+  const int fused = ml_param_EP_FUSED_RETURN() != 0;
+  ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
+                                w->y, fused ? (void *const *)a->dst : NULL, st));
   moelink_plan_t lp;
   ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
-  return ml_epc_combine_inner(ep, w, w->y, lp.pair_rows, x, T, out, st);
+  return ml_epc_combine_inner(ep, w, w->y, lp.pair_rows, fused, x, T, out, st);
 }
 
 static moelink_status_t ml_epc_aligned(const char *what, const void *p, int rank) {
@@ -403,7 +414,7 @@ static moelink_status_t ml_epc_combine(moelink_ep_t ep, const void *y, const int
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
   moelink_status_t s =
-      ml_epc_combine_inner(ep, w, y, pair_rows, NULL, T, out, (cudaStream_t)stream);
+      ml_epc_combine_inner(ep, w, y, pair_rows, 0, NULL, T, out, (cudaStream_t)stream);
   return ml_cuda_leave(ep->comm->ctx, prev, s);
 }
 

@@ -49,6 +49,9 @@ typedef struct ml_epc_args {
   int4 *plist;       /* [cap * kl] the valid received (row, slot) pairs:
                         {pair r*kl+q, source rank, its return row t*k+j} */
   int32_t *npairs;   /* entries of plist (the send kernel clears it) */
+  void **dst;        /* [cap * kl] of each valid received pair r * kl + q: its
+                        return row in its source's ret (the down GEMM's output
+                        row when the return is fused into it) */
 } ml_epc_args;
 
 /* Call c = epoch + 1 (stored by the kernel's end): pushes the rows of the T
@@ -67,9 +70,11 @@ moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
 
 /* Pushes each valid (row, local slot) output, y row pair_rows[p] (pair_rows
  * NULL: row p; y NULL: zeros), into its source's return rows, signals every
- * source RETURN, and waits until every rank has signalled its RETURN here. */
+ * source RETURN, and waits until every rank has signalled its RETURN here.
+ * pushed: the outputs are there already (the expert GEMM stored them through
+ * dst, in an earlier kernel of the stream): only the signals and the wait. */
 moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y, const int32_t *pair_rows,
-                               cudaStream_t stream);
+                               int pushed, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -210,6 +210,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     int q = 0;
     if ((uint32_t)__ldcg(m + 1) == (uint32_t)e) {
       const int t = __ldcg(m), src = r / a.max_tokens;
+      const size_t row_bytes = (size_t)a.H * (size_t)a.es;
       int slots[ML_EPC_MAX_KL];
       for (int j = 0; j < a.k && q < a.kl; ++j) {
         const int le = __ldcg(m + 2 + j);
@@ -220,8 +221,11 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
         ++q;
       }
       const int at = q ? atomicAdd(a.npairs, q) : 0;
-      for (int u = 0; u < q; ++u)
-        a.plist[at + u] = make_int4(r * a.kl + u, src, t * a.k + slots[u], 0);
+      for (int u = 0; u < q; ++u) {
+        const int ret = t * a.k + slots[u];
+        a.plist[at + u] = make_int4(r * a.kl + u, src, ret, 0);
+        a.dst[(size_t)r * a.kl + u] = a.base[src] + a.off_ret + (size_t)ret * row_bytes;
+      }
     }
     for (; q < a.kl; ++q) {
       a.lids[(size_t)r * a.kl + q] = -1;
@@ -262,16 +266,17 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
  * of the expert output of a received (row, slot) goes back to the source's
  * return row (token, slot). The last CTA signals every source RETURN, then
  * waits for every rank's RETURN to this one (the stream's next kernel, the
- * combine, may then read them). */
+ * combine, may then read them). pushed: the rows are there already (stored by
+ * an earlier kernel of the stream; the release of the signal orders them). */
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_return_kernel(const __grid_constant__ ml_epc_args a, const char *y,
-                         const int32_t *pair_rows) {
+                         const int32_t *pair_rows, int pushed) {
   const uint64_t e = *a.epoch;
   const size_t row_bytes = (size_t)a.H * (size_t)a.es;
   const int nc = ml_epc_chunks(&a);
   const int lane = (int)threadIdx.x & 31, wpb = (int)blockDim.x >> 5;
   const int gw = (int)blockIdx.x * wpb + ((int)threadIdx.x >> 5), nw = (int)gridDim.x * wpb;
-  const long long items = (long long)*a.npairs * nc;
+  const long long items = pushed ? 0 : (long long)*a.npairs * nc;
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc);
     const int4 en = a.plist[i / nc];
@@ -366,12 +371,12 @@ extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t st
 }
 
 extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
-                                          const int32_t *pair_rows, cudaStream_t stream) {
+                                          const int32_t *pair_rows, int pushed,
+                                          cudaStream_t stream) {
   const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
-  const long long pairs = (long long)a->n * a->max_tokens * a->kl;
+  const long long pairs = pushed ? 0 : (long long)a->n * a->max_tokens * a->kl;
   ml_epc_return_kernel<<<ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32), ML_EPC_THREADS, 0,
-                         stream>>>(
-      *a, (const char *)y, pair_rows);
+                         stream>>>(*a, (const char *)y, pair_rows, pushed);
   ML_CUDA_LAUNCHED("ml_epc_return_kernel");
   return MOELINK_SUCCESS;
 }
