@@ -221,6 +221,10 @@ static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep
   return MOELINK_SUCCESS;
 }
 
+/* See docs/ENV.md. */
+MOELINK_PARAM(EP_LL, 1)
+MOELINK_PARAM(EP_FUSED_RETURN, 1)
+
 static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   moelink_comm_t comm = ep->comm;
   const moelink_ep_config_t *cfg = &ep->cfg;
@@ -244,6 +248,12 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->max_tokens = c->max_tokens;
   w->cap = comm->nranks * c->max_tokens;
   ML_TRY(ml_epc_sms(comm, &a->sms));
+  {
+    int prev, fits = 0;
+    ML_TRY(ml_cuda_enter(comm->ctx, &prev));
+    ML_TRY(ml_cuda_leave(comm->ctx, prev, ml_epc_ll_ok(&fits)));
+    a->ll = fits && c->max_tokens <= ML_EPC_LL_MAX_TOKENS && ml_param_EP_LL() != 0;
+  }
 
   const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
   ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));
@@ -290,7 +300,8 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
 }
 
 /* Steps 1 (after routing) to 3: the rows go out; this rank's shared expert
- * (when x is given) runs while the peers' rows come in. */
+ * (when shared) runs while the peers' rows come in. Without it a layer of
+ * few tokens (a->ll) sends and receives in one kernel. */
 static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const void *x,
                                               const uint8_t *xq, const void *xs,
                                               const int32_t *ids, const float *wts, int T,
@@ -298,7 +309,10 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const moelink_moe_weights_t *wt = &ep->w;
   const ml_epc_args *a = &w->a;
-  ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, st));
+  const int ll = a->ll && !shared;
+  ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, ll, st));
+  if (ll)
+    return MOELINK_SUCCESS;
   if (shared && T > 0 && c->shared_inter > 0) {
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, 0);
     ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
@@ -312,15 +326,19 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
 
 /* Steps 5 and 6: outputs back (pushed: they are there already), then this
  * rank's T tokens summed (with the shared expert when x is given). out NULL:
- * nothing written. */
+ * nothing written. Without a shared expert a layer of few tokens (a->ll)
+ * does both in one kernel. */
 static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const void *y,
                                              const int32_t *pair_rows, int pushed, const void *x,
                                              int T, void *out, cudaStream_t st) {
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const ml_epc_args *a = &w->a;
-  ML_TRY(ml_epc_return(a, y, pair_rows, pushed, st));
-  if (T == 0 || !out) return MOELINK_SUCCESS;
   const int shared = x && c->shared_inter > 0;
+  if (a->ll && !shared && out)
+    return ml_epc_return(a, y, pair_rows, pushed, out, T, st);
+  ML_TRY(ml_epc_return(a, y, pair_rows, pushed, NULL, 0, st));
+  if (T == 0 || !out)
+    return MOELINK_SUCCESS;
   return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, a->slot_rows, T, c->top_k,
                          c->hidden, shared ? w->sh_out : NULL, x,
                          shared && c->shared_gate ? ep->w.shared_gate : NULL, out, st);
@@ -334,8 +352,6 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
                               w->wts, w->r_partials, w->r_tickets, w->a.sms);
   return ml_cuda_route(&r, w->logits, w->sched, st);
 }
-
-MOELINK_PARAM(EP_FUSED_RETURN, 1)
 
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                              void *out, cudaStream_t st) {

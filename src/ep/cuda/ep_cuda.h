@@ -17,6 +17,9 @@ extern "C" {
 #define ML_EPC_MAX_RANKS MOELINK_DEVICE_MAX_RANKS
 /* Local slots per received row, at most (the CUDA layer's top_k bound). */
 #define ML_EPC_MAX_KL 16
+/* Layers of at most this many max_tokens run moelink_ep_dispatch and
+ * moelink_ep_combine as one kernel each (the low-latency mode). */
+#define ML_EPC_LL_MAX_TOKENS 256
 
 /* Primitive ids of the waits, for timeout messages. */
 #define ML_EPC_PRIM_ARRIVE 48
@@ -30,6 +33,8 @@ typedef struct ml_epc_args {
   moelink_device_comm_t dc;
   int n, me, k, kl, El, H, es, max_tokens;
   int sms;           /* the device's SMs: grids take at most two CTAs each */
+  int ll;            /* 1: the one-kernel exchanges may run (ml_epc_ll_ok, max_tokens at
+                        most ML_EPC_LL_MAX_TOKENS, MOELINK_EP_LL) */
   int dtype;         /* moe.dtype (bf16 or f16) */
   int quant;         /* dispatch_quant: rows travel as H e4m3 bytes + sbytes of
                         scales in payload rows of qrow bytes (off_qrows) */
@@ -58,9 +63,10 @@ typedef struct ml_epc_args {
  * tokens, and their meta, into every destination that owns one of their
  * experts (an id outside [0, E) is an empty slot), writes slot_rows, then
  * signals each destination ARRIVE = c. The rows are x (quantized on the way
- * when quant is set) or, quantized by the caller, xq + xs. */
-moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq,
-                             const void *xs, const int32_t *ids, const float *weights, int T,
+ * when quant is set) or, quantized by the caller, xq + xs. ll (a->ll only):
+ * the same kernel then does ml_epc_receive's work (one-kernel dispatch). */
+moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq, const void *xs,
+                             const int32_t *ids, const float *weights, int T, int ll,
                              cudaStream_t stream);
 
 /* Waits for every source's ARRIVE, then builds lids / lwts and the return
@@ -72,9 +78,16 @@ moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
  * NULL: row p; y NULL: zeros), into its source's return rows, signals every
  * source RETURN, and waits until every rank has signalled its RETURN here.
  * pushed: the outputs are there already (the expert GEMM stored them through
- * dst, in an earlier kernel of the stream): only the signals and the wait. */
+ * dst, in an earlier kernel of the stream): only the signals and the wait.
+ * out not NULL (a->ll only): the same kernel then sums this rank's T tokens
+ * into out as ml_cuda_combine without a shared expert would (one-kernel
+ * combine). */
 moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y, const int32_t *pair_rows,
-                               int pushed, cudaStream_t stream);
+                               int pushed, void *out, int T, cudaStream_t stream);
+
+/* *ok = 1 when every one-kernel exchange's grid fits on the device at once
+ * (two CTAs an SM). */
+moelink_status_t ml_epc_ll_ok(int *ok);
 
 #ifdef __cplusplus
 }

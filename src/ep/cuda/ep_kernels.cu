@@ -5,6 +5,7 @@
  * return (with the wait for the peers' returns) and the combine. */
 #include "ep/cuda/ep_cuda.h"
 
+#include "core/dtype.cuh"
 #include "cuda/cuda.h"
 #include "cuda/quant.cuh"
 
@@ -91,15 +92,44 @@ static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const in
 }
 
 /* The end of every send kernel: the last CTA stores the call, clears the
- * pair count for the receive kernel and signals every destination ARRIVE. */
+ * pair count for the receive kernel and signals every destination ARRIVE
+ * (the clear ordered before the own ARRIVE: the one-kernel dispatch's CTAs
+ * count pairs as soon as they see it). */
 static __device__ __forceinline__ void ml_epc_send_done(const ml_epc_args *a, uint64_t e) {
   if (!ml_epc_last_cta(a)) return;
   if (threadIdx.x == 0) {
     *a->epoch = e;
     *a->npairs = 0;
   }
+  __syncthreads();
   if ((int)threadIdx.x < a->n)
     moelink_signal_set(ml_epc_cell(a, (int)threadIdx.x, a->off_arrive, a->me), e);
+}
+
+/* Every thread of the CTA returns once each rank s has set this rank's cell
+ * s of the `off` array to e or more (thread s waits for s); 0 if a wait gave
+ * up. In a one-kernel exchange every CTA waits so, which is safe because
+ * the whole grid is resident at once (ml_epc_ll_ok). */
+static __device__ __forceinline__ int ml_epc_wait_all(const ml_epc_args *a, size_t off, uint64_t e,
+                                                      int prim) {
+  const int s = (int)threadIdx.x;
+  int ok = 1;
+  if (s < a->n)
+    ok = moelink_signal_wait(&a->dc, ml_epc_cell(a, a->me, off, s), e, s, prim);
+  return __syncthreads_and(ok);
+}
+
+/* The receive kernel's work after its wait (below). */
+template <int DT, int FMT>
+static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a, uint64_t e);
+
+/* The end of a send kernel: the signals, and in the one-kernel dispatch (LL)
+ * the receive kernel's work right after, in every CTA. */
+template <int DT, int FMT, int LL>
+static __device__ __forceinline__ void ml_epc_send_end(const ml_epc_args &a, uint64_t e) {
+  ml_epc_send_done(&a, e);
+  if (LL && ml_epc_wait_all(&a, a.off_arrive, e, ML_EPC_PRIM_ARRIVE))
+    ml_epc_receive_body<DT, FMT>(a, e);
 }
 
 #define ML_EPC_WARPS                                                                       \
@@ -109,6 +139,7 @@ static __device__ __forceinline__ void ml_epc_send_done(const ml_epc_args *a, ui
 /* Rows as they are: work item (token t, destination d, chunk c), one warp
  * each; the row lands in d's rows. Call c is epoch + 1 while the kernel
  * runs. */
+template <int LL>
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_send_kernel(const __grid_constant__ ml_epc_args a, const char *x, const int32_t *ids,
                        const float *weights, int T) {
@@ -125,17 +156,17 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes,
                       x + (size_t)t * row_bytes, row_bytes, c, lane);
   }
-  ml_epc_send_done(&a, e);
+  ml_epc_send_end<MOELINK_DTYPE_BF16, MOELINK_QUANT_NONE, LL>(a, e);
 }
 
 /* Rows quantized on the way (dispatch_quant FMT): work item (token t, group
  * g of 256 elements), 8 elements a lane, quantized once and stored into the
  * payload row (H e4m3 bytes, then the scales) of every destination that owns
  * one of t's experts. */
-template <int DT, int FMT>
+template <int DT, int FMT, int LL>
 __global__ void __launch_bounds__(ML_EPC_THREADS)
-    ml_epc_send_q_kernel(const __grid_constant__ ml_epc_args a, const char *x,
-                         const int32_t *ids, const float *weights, int T) {
+    ml_epc_send_q_kernel(const __grid_constant__ ml_epc_args a, const char *x, const int32_t *ids,
+                         const float *weights, int T) {
   const uint64_t e = *a.epoch + 1;
   const int ng = (a.H + 255) / 256;
   ML_EPC_WARPS;
@@ -162,12 +193,13 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
       }
     }
   }
-  ml_epc_send_done(&a, e);
+  ml_epc_send_end<DT, FMT, LL>(a, e);
 }
 
 /* Rows quantized by the caller (xq [T][H] bytes, xs [T][sbytes] scales):
  * work item (t, d, chunk c of the H bytes) copies them into d's payload row;
  * chunk 0's warp also copies the scales, a byte a lane. */
+template <int DT, int FMT, int LL>
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_send_pre_kernel(const __grid_constant__ ml_epc_args a, const uint8_t *xq,
                            const uint8_t *xs, const int32_t *ids, const float *weights, int T) {
@@ -184,7 +216,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     if (c == 0)
       for (int b = lane; b < a.sbytes; b += 32) prow[a.H + b] = (char)xs[(size_t)t * a.sbytes + b];
   }
-  ml_epc_send_done(&a, e);
+  ml_epc_send_end<DT, FMT, LL>(a, e);
 }
 
 /* Every CTA waits for all sources (thread s waits for s), then each thread
@@ -194,15 +226,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
  * also goes into the return list (in no particular order: every entry has a
  * return row of its own). */
 template <int DT, int FMT>
-__global__ void __launch_bounds__(ML_EPC_THREADS)
-    ml_epc_receive_kernel(const __grid_constant__ ml_epc_args a) {
-  const uint64_t e = *a.epoch;
-  const int s = (int)threadIdx.x;
-  int ok = 1;
-  if (s < a.n)
-    ok = moelink_signal_wait(&a.dc, ml_epc_cell(&a, a.me, a.off_arrive, s), e, s,
-                             ML_EPC_PRIM_ARRIVE);
-  if (!__syncthreads_and(ok)) return;
+static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a, uint64_t e) {
   const int cap = a.n * a.max_tokens;
   for (int r = (int)(blockIdx.x * blockDim.x + threadIdx.x); r < cap;
        r += (int)(gridDim.x * blockDim.x)) {
@@ -262,15 +286,25 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   }
 }
 
+template <int DT, int FMT>
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_receive_kernel(const __grid_constant__ ml_epc_args a) {
+  const uint64_t e = *a.epoch;
+  if (!ml_epc_wait_all(&a, a.off_arrive, e, ML_EPC_PRIM_ARRIVE))
+    return;
+  ml_epc_receive_body<DT, FMT>(a, e);
+}
+
 /* Work item i = (entry of the return list, chunk c), one warp each: chunk c
  * of the expert output of a received (row, slot) goes back to the source's
  * return row (token, slot). The last CTA signals every source RETURN, then
  * waits for every rank's RETURN to this one (the stream's next kernel, the
  * combine, may then read them). pushed: the rows are there already (stored by
  * an earlier kernel of the stream; the release of the signal orders them). */
+template <int DT, int LL>
 __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_return_kernel(const __grid_constant__ ml_epc_args a, const char *y,
-                         const int32_t *pair_rows, int pushed) {
+                         const int32_t *pair_rows, int pushed, void *out, int T) {
   const uint64_t e = *a.epoch;
   const size_t row_bytes = (size_t)a.H * (size_t)a.es;
   const int nc = ml_epc_chunks(&a);
@@ -285,12 +319,48 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_warp_chunk(a.base[en.y] + a.off_ret + (size_t)en.z * row_bytes,
                       y ? y + (size_t)yr * row_bytes : NULL, row_bytes, c, lane);
   }
-  if (!ml_epc_last_cta(&a)) return;
   const int d = (int)threadIdx.x;
-  if (d < a.n) moelink_signal_set(ml_epc_cell(&a, d, a.off_return, a.me), e);
-  if (d < a.n)
-    (void)moelink_signal_wait(&a.dc, ml_epc_cell(&a, a.me, a.off_return, d), e, d,
-                              ML_EPC_PRIM_RETURN);
+  if (ml_epc_last_cta(&a)) {
+    if (d < a.n)
+      moelink_signal_set(ml_epc_cell(&a, d, a.off_return, a.me), e);
+    if (!LL && d < a.n)
+      (void)moelink_signal_wait(&a.dc, ml_epc_cell(&a, a.me, a.off_return, d), e, d,
+                                ML_EPC_PRIM_RETURN);
+  }
+  if (!LL || !ml_epc_wait_all(&a, a.off_return, e, ML_EPC_PRIM_RETURN))
+    return;
+  /* the one-kernel combine (LL): out[t] = sum of t's return rows in slot
+   * order, fp32, one rounding (ml_cuda_combine without a shared expert, the
+   * same bits); work item (token, 8 columns), a thread each */
+  const int chunks = a.H / 8;
+  const uint4 *ret = (const uint4 *)(a.base[a.me] + a.off_ret);
+  const long long citems = (long long)T * chunks;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < citems;
+       i += (long long)gridDim.x * blockDim.x) {
+    const int t = (int)(i / chunks), q = (int)(i % chunks);
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j0 = 0; j0 < a.k; j0 += 8) {
+      uint4 raw[8];
+      int rows[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        rows[u] = j0 + u < a.k ? __ldg(a.slot_rows + (size_t)t * a.k + j0 + u) : -1;
+        raw[u] =
+            rows[u] >= 0 ? __ldcg(ret + (size_t)rows[u] * chunks + q) : make_uint4(0u, 0u, 0u, 0u);
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        if (rows[u] < 0)
+          continue; /* empty slot: not added */
+        float v[8];
+        ml_dt_unpack16<DT>(raw[u], v);
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          acc[c] += v[c];
+      }
+    }
+    ((uint4 *)out)[(size_t)t * chunks + q] = ml_dt_pack16<DT>(acc);
+  }
 }
 
 /* ---- launchers ------------------------------------------------------------------ */
@@ -307,42 +377,63 @@ static unsigned ml_epc_grid(const ml_epc_args *a, long long items, int per) {
   return ml_epc_grid_n(a, items, per, 2);
 }
 
+/* One send kernel's launch, LL or not. */
+template <int LL>
+static moelink_status_t ml_epc_send_launch(const ml_epc_args *a, const void *x, const uint8_t *xq,
+                                           const void *xs, const int32_t *ids, const float *weights,
+                                           int T, cudaStream_t stream) {
+  const int bf = a->dtype == MOELINK_DTYPE_BF16;
+  const int fp8 = a->quant == MOELINK_QUANT_FP8;
+  if (a->quant == MOELINK_QUANT_NONE) {
+    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    ml_epc_send_kernel<LL><<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
+                             ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights, T);
+  } else if (xq) {
+    const long long nc = ((long long)a->H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    const unsigned grid = ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32);
+    const uint8_t *s = (const uint8_t *)xs;
+    if (fp8 && bf)
+      ml_epc_send_pre_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xq, s, ids, weights, T);
+    else if (fp8)
+      ml_epc_send_pre_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xq, s, ids, weights, T);
+    else if (bf)
+      ml_epc_send_pre_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xq, s, ids, weights, T);
+    else
+      ml_epc_send_pre_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xq, s, ids, weights, T);
+  } else {
+    const unsigned grid =
+        ml_epc_grid_n(a, (long long)T * ((a->H + 255) / 256), ML_EPC_THREADS / 32, LL ? 2 : 8);
+    const char *xc = (const char *)x;
+    if (fp8 && bf)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else if (fp8)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else if (bf)
+      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+    else
+      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8, LL>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
+  }
+  ML_CUDA_LAUNCHED(LL ? "ml_epc_send_kernel (one-kernel dispatch)" : "ml_epc_send_kernel");
+  return MOELINK_SUCCESS;
+}
+
 extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t *xq,
-                                        const void *xs, const int32_t *ids,
-                                        const float *weights, int T, cudaStream_t stream) {
+                                        const void *xs, const int32_t *ids, const float *weights,
+                                        int T, int ll, cudaStream_t stream) {
   if (a->k > 32)
     return ml_fail(MOELINK_ERR_INTERNAL, "ep (cuda): top_k %d > 32 (a lane per slot)", a->k);
   if (a->kl > ML_EPC_MAX_KL)
     return ml_fail(MOELINK_ERR_INTERNAL, "ep (cuda): local top_k %d > %d", a->kl, ML_EPC_MAX_KL);
-  const int bf = a->dtype == MOELINK_DTYPE_BF16;
-  if (a->quant == MOELINK_QUANT_NONE) {
-    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
-    ml_epc_send_kernel<<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
-                         ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights, T);
-  } else if (xq) {
-    const long long nc = ((long long)a->H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
-    ml_epc_send_pre_kernel<<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
-                             ML_EPC_THREADS, 0, stream>>>(*a, xq, (const uint8_t *)xs, ids,
-                                                          weights, T);
-  } else {
-    const unsigned grid = ml_epc_grid_n(a, (long long)T * ((a->H + 255) / 256),
-                                        ML_EPC_THREADS / 32, 8);
-    const char *xc = (const char *)x;
-    if (a->quant == MOELINK_QUANT_FP8 && bf)
-      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8>
-          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
-    else if (a->quant == MOELINK_QUANT_FP8)
-      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8>
-          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
-    else if (bf)
-      ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8>
-          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
-    else
-      ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8>
-          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, xc, ids, weights, T);
-  }
-  ML_CUDA_LAUNCHED("ml_epc_send_kernel");
-  return MOELINK_SUCCESS;
+  return ll ? ml_epc_send_launch<1>(a, x, xq, xs, ids, weights, T, stream)
+            : ml_epc_send_launch<0>(a, x, xq, xs, ids, weights, T, stream);
 }
 
 extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream) {
@@ -371,12 +462,57 @@ extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t st
 }
 
 extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
-                                          const int32_t *pair_rows, int pushed,
+                                          const int32_t *pair_rows, int pushed, void *out, int T,
                                           cudaStream_t stream) {
   const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
   const long long pairs = pushed ? 0 : (long long)a->n * a->max_tokens * a->kl;
-  ml_epc_return_kernel<<<ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32), ML_EPC_THREADS, 0,
-                         stream>>>(*a, (const char *)y, pair_rows, pushed);
-  ML_CUDA_LAUNCHED("ml_epc_return_kernel");
+  unsigned grid = ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32);
+  const char *yc = (const char *)y;
+  if (out != NULL) {
+    /* the one-kernel combine: also enough CTAs for its T * H / 8 items */
+    const unsigned g2 = ml_epc_grid(a, (long long)T * (a->H / 8), ML_EPC_THREADS);
+    if (g2 > grid)
+      grid = g2;
+    if (a->dtype == MOELINK_DTYPE_BF16)
+      ml_epc_return_kernel<MOELINK_DTYPE_BF16, 1>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, yc, pair_rows, pushed, out, T);
+    else
+      ml_epc_return_kernel<MOELINK_DTYPE_F16, 1>
+          <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, yc, pair_rows, pushed, out, T);
+  } else {
+    ml_epc_return_kernel<MOELINK_DTYPE_BF16, 0>
+        <<<grid, ML_EPC_THREADS, 0, stream>>>(*a, yc, pair_rows, pushed, NULL, 0);
+  }
+  ML_CUDA_LAUNCHED(out != NULL ? "ml_epc_return_kernel (one-kernel combine)"
+                               : "ml_epc_return_kernel");
+  return MOELINK_SUCCESS;
+}
+
+/* See ep_cuda.h: every one-kernel exchange's grid (at most two CTAs an SM)
+ * must be resident at once, since its CTAs wait for each other. */
+extern "C" moelink_status_t ml_epc_ll_ok(int *ok) {
+  const void *kernels[] = {
+      (const void *)ml_epc_send_kernel<1>,
+      (const void *)ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8, 1>,
+      (const void *)ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8, 1>,
+      (const void *)ml_epc_send_q_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8, 1>,
+      (const void *)ml_epc_send_q_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8, 1>,
+      (const void *)ml_epc_send_pre_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_FP8, 1>,
+      (const void *)ml_epc_send_pre_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_FP8, 1>,
+      (const void *)ml_epc_send_pre_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_MXFP8, 1>,
+      (const void *)ml_epc_send_pre_kernel<MOELINK_DTYPE_F16, MOELINK_QUANT_MXFP8, 1>,
+      (const void *)ml_epc_return_kernel<MOELINK_DTYPE_BF16, 1>,
+      (const void *)ml_epc_return_kernel<MOELINK_DTYPE_F16, 1>};
+  *ok = 1;
+  for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; ++i) {
+    int per_sm = 0;
+    const cudaError_t e =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernels[i], ML_EPC_THREADS, 0);
+    if (e != cudaSuccess)
+      return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): occupancy of the one-kernel exchanges: %s",
+                     cudaGetErrorString(e));
+    if (per_sm < 2)
+      *ok = 0;
+  }
   return MOELINK_SUCCESS;
 }
