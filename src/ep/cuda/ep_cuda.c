@@ -36,8 +36,9 @@
  *     nothing: the plan drops them); the down GEMM's epilogue stores each
  *     (row, slot) output straight into its source's ret at (token, slot)
  *     (the receive kernel wrote each pair's address, dst), so the return
- *     traffic runs under the GEMM (MOELINK_EP_FUSED_RETURN, default 1; 0:
- *     the outputs go to y and step 5 pushes them);
+ *     traffic runs under the GEMM (from MOELINK_EP_FUSED_RETURN tokens on
+ *     this rank, default 512; fewer, or 0: the outputs go to y and step 5
+ *     pushes them);
  *  5. (unfused) push each (row, slot) output into its source's ret at
  *     (token, slot); the last CTA signals every source RETURN and waits for
  *     every rank's;
@@ -223,7 +224,7 @@ static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep
 
 /* See docs/ENV.md. */
 MOELINK_PARAM(EP_LL, 1)
-MOELINK_PARAM(EP_FUSED_RETURN, 1)
+MOELINK_PARAM(EP_FUSED_RETURN, 512)
 
 static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   moelink_comm_t comm = ep->comm;
@@ -359,8 +360,11 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
   if (T > 0) ML_TRY(ml_epc_route(ep, w, x, T, st));
   ML_TRY(ml_epc_dispatch_inner(ep, w, x, NULL, NULL, w->ids, w->wts, T, 1, st));
   ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
-  /* fused: the down GEMM stores every output row into its source's ret */
-  const int fused = ml_param_EP_FUSED_RETURN() != 0;
+  /* fused: the down GEMM stores every output row into its source's ret;
+   * from MOELINK_EP_FUSED_RETURN tokens on this rank (a step of 128 tokens
+   * measured 1-2% slower fused, 512 and 4096 faster: docs/PERF.md) */
+  const long long from = ml_param_EP_FUSED_RETURN();
+  const int fused = from > 0 && T >= from;
   ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
                                 w->y, fused ? (void *const *)a->dst : NULL, st));
   moelink_plan_t lp;
