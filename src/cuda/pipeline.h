@@ -141,6 +141,14 @@ moelink_status_t ml_cuda_quantize(moelink_quant_t format, moelink_dtype_t dtype,
 moelink_status_t ml_cuda_dequantize(moelink_quant_t format, moelink_dtype_t dtype,
                                     const uint8_t *q, const void *scales, int rows, int cols,
                                     void *x, int sms, cudaStream_t stream);
+/* Tests: n generated (x, s) pairs of FP8 quantization (s a block scale, x of
+ * its block, a quarter near e4m3 rounding midpoints) scaled by the cheap
+ * division of quant.cuh and by x / s; counts the pairs whose e4m3 bytes
+ * differ and those (|x| >= 2^-80) whose fp32 quotients differ. Synchronous,
+ * on the current device. */
+moelink_status_t ml_cuda_q_div_check(uint64_t seed, long long n,
+                                     unsigned long long *byte_mismatches,
+                                     unsigned long long *bit_mismatches);
 
 #ifdef __cplusplus
 }

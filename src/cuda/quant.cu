@@ -107,3 +107,94 @@ extern "C" moelink_status_t ml_cuda_dequantize(moelink_quant_t format, moelink_d
   ML_CUDA_LAUNCHED("ml_dequantize_kernel");
   return MOELINK_SUCCESS;
 }
+
+/* ---- ml_cuda_q_div_check: the cheap FP8 division against x / s ----------------- */
+
+static __device__ __forceinline__ uint64_t ml_qd_mix(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Pair i: a block amax with a random exponent in [-70, 70) and mantissa, its
+ * scale s = amax / 448 (as quantization makes it), and an x of that block:
+ * in a quarter of the pairs the value that lands within a few ulp of the
+ * midpoint between two e4m3 values (the quotients where one ulp changes the
+ * byte), else random bits of magnitude below amax (exponents down to 2^-100
+ * under it, denormals and zeros of both signs included), and now and then
+ * NaN or x = +-amax. Counts (atomically into bad[0..1]) the pairs whose e4m3
+ * bytes differ and those with |x| >= 2^-80 whose fp32 quotients differ. */
+static __global__ void ml_qd_check_kernel(uint64_t seed, long long n, unsigned long long *bad) {
+  unsigned long long b0 = 0, b1 = 0;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (long long)gridDim.x * blockDim.x) {
+    const uint64_t h = ml_qd_mix(seed ^ ml_qd_mix((uint64_t)i)), g = ml_qd_mix(h);
+    const int ea = (int)(h % 140) - 70;
+    const float amax = ldexpf(1.0f + (float)(h >> 40 & 0x7fffff) * 0x1p-23f, ea);
+    const float s = ml_fp8_block_scale(amax);
+    float x;
+    const int kind = (int)(g & 15);
+    if (kind < 4) {
+      /* an e4m3 midpoint m (codes 1..125: between code c and c + 1), times s,
+       * nudged by -3..3 ulp */
+      const int c = 1 + (int)((g >> 8) % 125);
+      const float lo = ml_e4m3_to_f32((uint8_t)c), hi = ml_e4m3_to_f32((uint8_t)(c + 1));
+      float v = (0.5f * (lo + hi)) * s;
+      const int nudge = (int)((g >> 20) % 7) - 3;
+      uint32_t u = __float_as_uint(v);
+      u = (uint32_t)((int)u + nudge);
+      x = __uint_as_float(u);
+      if (g & 0x10000000000ull)
+        x = -x;
+    } else if (kind == 4) {
+      x = (g & 32) ? __uint_as_float(0x7fc00000u | (uint32_t)(g >> 40 & 0xffff)) : amax;
+      if (g & 64)
+        x = -x;
+    } else if (kind == 5) {
+      x = (g & 32) ? 0.0f : __uint_as_float((uint32_t)(g >> 40) & 0x7fffffu); /* denormal */
+      if (g & 64)
+        x = -x;
+    } else {
+      const int ex = (int)((g >> 8) % 101); /* 2^-100 .. 1 times amax */
+      x = ldexpf(1.0f + (float)(g >> 24 & 0x7fffff) * 0x1p-23f, -ex) * amax;
+      if (fabsf(x) > amax)
+        x = amax;
+      if (g & 0x10000000000ull)
+        x = -x;
+    }
+    const float want = ml_q_fp8_scaled(x, s);
+    const float got = ml_q_fp8_scaled_by(x, ml_q_div_of(s));
+    const uint32_t w2 = ml_q_cvt2(want, want), g2 = ml_q_cvt2(got, got);
+    if (w2 != g2)
+      ++b0;
+    if (fabsf(x) >= 0x1p-80f && !isnan(x) && __float_as_uint(want) != __float_as_uint(got))
+      ++b1;
+  }
+  if (b0)
+    atomicAdd(bad, b0);
+  if (b1)
+    atomicAdd(bad + 1, b1);
+}
+
+extern "C" moelink_status_t ml_cuda_q_div_check(uint64_t seed, long long n,
+                                                unsigned long long *byte_mismatches,
+                                                unsigned long long *bit_mismatches) {
+  unsigned long long *d = NULL, h[2] = {0, 0};
+  cudaError_t e = cudaMalloc((void **)&d, sizeof h);
+  if (e == cudaSuccess)
+    e = cudaMemset(d, 0, sizeof h);
+  if (e == cudaSuccess) {
+    ml_qd_check_kernel<<<1024, 256>>>(seed, n, d);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess)
+    e = cudaMemcpy(h, d, sizeof h, cudaMemcpyDeviceToHost);
+  if (d)
+    (void)cudaFree(d);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ml_cuda_q_div_check: %s", cudaGetErrorString(e));
+  *byte_mismatches = h[0];
+  *bit_mismatches = h[1];
+  return MOELINK_SUCCESS;
+}

@@ -52,8 +52,11 @@ static __device__ __forceinline__ float ml_q_block_amax(const float *f, int lane
  * writes it (the hardware drops its sign). */
 static __device__ __forceinline__ uint32_t ml_q_cvt2(float a, float b) {
   uint32_t r = (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-  if (isnan(a)) r = (r & 0xff00u) | ml_e4m3_from_f32(a);
-  if (isnan(b)) r = (r & 0x00ffu) | ((uint32_t)ml_e4m3_from_f32(b) << 8);
+  /* ml_e4m3_from_f32 writes every NaN as 0x7f: a select, not an inline copy
+   * of the software conversion at every call (they bloated the quantizing
+   * GEMM epilogue by ~3,000 instructions) */
+  r = isnan(a) ? (r & 0xff00u) | 0x7fu : r;
+  r = isnan(b) ? (r & 0x00ffu) | 0x7f00u : r;
   return r;
 }
 
@@ -63,6 +66,50 @@ static __device__ __forceinline__ float ml_q_fp8_scaled(float x, float s) {
   return s > 0.0f ? x / s : 0.0f;
 }
 
+/* The same e4m3 bytes for a whole block, cheaper: a block's elements all
+ * divide by one scale, so its reciprocal is taken once (ml_q_div_of) and each
+ * element costs a multiply and four FMAs (ml_q_fp8_scaled_by) instead of an
+ * IEEE division (a reciprocal approximation, its refinement, a range check
+ * and a slow-path call, per element). q0 = x r is within a few ulp of x / s;
+ * two corrections q + (x - q s) r, the residual exact by FMA, give the
+ * correctly rounded quotient (Markstein's theorem: r the rounded reciprocal,
+ * q within one ulp before the last step), the bits of x / s, for s in
+ * [2^-60, 2^60] and |x| >= 2^-80 (the residual stays normal). Smaller |x|
+ * give |x / s| < 2^-20, a signed zero in e4m3 either way; s outside that
+ * range runs the division itself. ml_cuda_q_div_check compares both ways on
+ * the GPU over random and edge-case pairs. */
+typedef struct ml_q_div_t {
+  float s, r;
+  int fast; /* 1: the corrections are exact for this s */
+} ml_q_div_t;
+
+static __device__ __forceinline__ ml_q_div_t ml_q_div_of(float s) {
+  ml_q_div_t d;
+  d.s = s;
+  d.fast = s >= 0x1p-60f && s <= 0x1p60f;
+  d.r = d.fast ? __frcp_rn(s) : 0.0f;
+  return d;
+}
+
+/* ml_q_fp8_scaled out of line: the rare scales outside the fast range,
+ * kept from unrolled loops (an inline IEEE division is ~20 instructions). */
+static __device__ __noinline__ float ml_q_fp8_scaled_slow(float x, float s) {
+  return ml_q_fp8_scaled(x, s);
+}
+
+/* For d.fast only. */
+static __device__ __forceinline__ float ml_q_fp8_scaled_fast(float x, const ml_q_div_t &d) {
+  float q = x * d.r;
+  q = fmaf(fmaf(-q, d.s, x), d.r, q);
+  q = fmaf(fmaf(-q, d.s, x), d.r, q);
+  /* a zero x keeps its sign (the corrections would add +0 to -0) */
+  return copysignf(q, x);
+}
+
+static __device__ __forceinline__ float ml_q_fp8_scaled_by(float x, const ml_q_div_t &d) {
+  return d.fast ? ml_q_fp8_scaled_fast(x, d) : ml_q_fp8_scaled_slow(x, d.s);
+}
+
 /* 8 elements to e4m3 bytes (lowest address in the low byte). FMT is
  * MOELINK_QUANT_FP8 (s: the block's fp32 scale) or MXFP8 (e: its e8m0); the
  * scaled values are those of ml_fp8_quant / ml_mx_quant. */
@@ -70,9 +117,20 @@ template <int FMT>
 static __device__ __forceinline__ uint2 ml_q_pack8(const float *f, float s, uint8_t e) {
   float v[8];
   const float m = FMT == MOELINK_QUANT_FP8 ? 0.0f : ml_fp8_pow2(127 - (int)e);
+  const ml_q_div_t d = ml_q_div_of(FMT == MOELINK_QUANT_FP8 ? s : 1.0f);
+  if (FMT != MOELINK_QUANT_FP8) {
 #pragma unroll
-  for (int i = 0; i < 8; ++i)
-    v[i] = FMT == MOELINK_QUANT_FP8 ? ml_q_fp8_scaled(f[i], s) : f[i] * m;
+    for (int i = 0; i < 8; ++i)
+      v[i] = f[i] * m;
+  } else if (d.fast) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = ml_q_fp8_scaled_fast(f[i], d);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      v[i] = ml_q_fp8_scaled_slow(f[i], s);
+  }
   const uint32_t w0 = ml_q_cvt2(v[0], v[1]) | (ml_q_cvt2(v[2], v[3]) << 16);
   const uint32_t w1 = ml_q_cvt2(v[4], v[5]) | (ml_q_cvt2(v[6], v[7]) << 16);
   return make_uint2(w0, w1);

@@ -871,6 +871,18 @@ int main(void) {
   printf("# compute capability %d.%d, %d SMs: %s\n", major, minor, sms,
          have_sm90 ? "decode fallback and sm_90a FP8 kernel" : "decode fallback only");
   e4m3_table();
+  {
+    /* the cheap per-block division of the FP8 quantization (quant.cuh) gives
+     * x / s's e4m3 bytes on every pair, and its fp32 bits where |x| >= 2^-80 */
+    const long long n = 1LL << 28;
+    unsigned long long bytes = 0, bits = 0;
+    const double t0 = gu_now();
+    CHECK_OK(ml_cuda_q_div_check(0x5eed, n, &bytes, &bits), "ml_cuda_q_div_check");
+    CHECK(bytes == 0 && bits == 0,
+          "FP8 scaling by the reciprocal and two corrections: %lld pairs (a quarter near e4m3 "
+          "midpoints), %llu e4m3 bytes and %llu fp32 quotients differ from x / s (%.2f s)",
+          n, bytes, bits, gu_now() - t0);
+  }
   check_rejections(ML_GEMM_ENGINE_TILE);
   if (have_sm90) check_rejections(ML_GEMM_ENGINE_SM90);
 

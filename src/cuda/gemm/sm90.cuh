@@ -1218,18 +1218,32 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
     a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
     a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
     const float sc = ml_fp8_block_scale(a);
+    const ml_q_div_t dv = ml_q_div_of(sc);
     const int r = rl + 8 * h;
     if (r >= rows)
       continue;
     const size_t row = (size_t)(row0 + r);
     uint8_t *q = (uint8_t *)p->out + row * (size_t)p->n_out + (size_t)nb * 128 + (size_t)cq;
+    /* the scaled values first, the fast division where the row's scale
+     * allows it (nearly always: one branch a row, not one an element) */
+    float z[32];
+    if (dv.fast) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        z[i] = ml_q_fp8_scaled_fast(v0[16 * h + i], dv);
+        z[16 + i] = ml_q_fp8_scaled_fast(v1[16 * h + i], dv);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        z[i] = ml_q_fp8_scaled_slow(v0[16 * h + i], sc);
+        z[16 + i] = ml_q_fp8_scaled_slow(v1[16 * h + i], sc);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float *x0 = v0 + 16 * h + 2 * j, *x1 = v1 + 16 * h + 2 * j;
-      *(uint16_t *)(q + 8 * j) =
-          (uint16_t)ml_q_cvt2(ml_q_fp8_scaled(x0[0], sc), ml_q_fp8_scaled(x0[1], sc));
-      *(uint16_t *)(q + 64 + 8 * j) =
-          (uint16_t)ml_q_cvt2(ml_q_fp8_scaled(x1[0], sc), ml_q_fp8_scaled(x1[1], sc));
+      *(uint16_t *)(q + 8 * j) = (uint16_t)ml_q_cvt2(z[2 * j], z[2 * j + 1]);
+      *(uint16_t *)(q + 64 + 8 * j) = (uint16_t)ml_q_cvt2(z[16 + 2 * j], z[16 + 2 * j + 1]);
     }
     if (cq == 0)
       p->out_scale[row * (size_t)(p->n_out / 128) + (size_t)nb] = sc;
