@@ -413,9 +413,10 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
 
 /* 1: an FP8 layer's h is quantized in the sm_90a gate/up GEMM's epilogue
  * (ml_cuda_gemm_swiglu_fp8 with out_scale) instead of by a kernel of its own
- * after the GEMM writes it in fp32; the same bytes either way. Off: no
- * faster, with either tile (docs/PERF.md, FP8 section). */
-MOELINK_PARAM(GEMM_FP8_QUANT, 0)
+ * after the GEMM writes it in fp32; the same bytes either way. On since its
+ * division became a reciprocal and two corrections: 2.2-2.5% faster layers
+ * at 8192 tokens (docs/PERF.md, FP8 section). */
+MOELINK_PARAM(GEMM_FP8_QUANT, 1)
 
 /* The token rows x [T, H] in e4m3 with their scales per 128 (m->xq, m->xs),
  * what the FP8 GEMMs of the routed and the shared experts read. */
