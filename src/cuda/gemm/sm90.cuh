@@ -107,8 +107,10 @@
  * of the first items: over never-written shared memory the FP8 wgmma ran
  * faster than its nominal rate on H200, so such bytes give no floor); bit
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
- * consumers skip the proxy fence before their wgmma. What is left of the
- * time under each says what the removed part costs. */
+ * consumers skip the proxy fence before their wgmma; bit 8, the consumers
+ * store nothing (every epilogue, bf16 and FP8, ends before its stores: its
+ * arithmetic and global stores are gone, the wgmma stay). What is left of
+ * the time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -990,6 +992,7 @@ template <class C, int DT, int MODE, int OUT_F32>
 static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, const float *d,
                                                      int nb, int row0, int rows, int rl, int cq,
                                                      const float sc[2]) {
+  if (ML_SM90_PROBE & 8) return;
   const size_t es = OUT_F32 ? 4 : 2;
   if (MODE == ML_SM90_SWIGLU) {
     constexpr int HALF = C::BN / 16; /* n8 blocks of gate columns */
@@ -1208,6 +1211,7 @@ static __device__ __forceinline__ void ml_sm90_swiglu32(const float *d, float *v
 static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, const float *v0,
                                                        const float *v1, int nb, int row0, int rows,
                                                        int rl, int cq) {
+  if (ML_SM90_PROBE & 8) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float a = 0.0f;
