@@ -262,9 +262,6 @@ typedef struct ml_sm90_args {
    * row r goes to the row out_rows[scale_index[r]] (scale_index NULL:
    * out_rows[r]; 16-byte aligned, n_out % 8 == 0), e.g. a peer's buffer */
   void *const *out_rows;
-  /* 1: DT output rows 16-byte aligned with n_out % 8 == 0, so every epilogue
-   * storing DT values does so 16 bytes a lane (ml_sm90_quad_store) */
-  int vec16;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -944,39 +941,12 @@ static __device__ __forceinline__ uint32_t ml_sm90_sel4(const uint32_t v[4], int
   return i == 0 ? v[0] : i == 1 ? v[1] : i == 2 ? v[2] : v[3];
 }
 
-/* One row's four n8 blocks 4i .. 4i + 3 (v[u]: this lane's two packed DT
- * values of block 4i + u, columns 2q, 2q + 1 of it) stored 16 bytes a lane:
- * the four lanes of the row's quad trade values so that lane q holds block
- * 4i + q's 8 columns, 64 contiguous bytes a quad (a 4-byte store a value
- * pair wrote each row in 16-byte pieces, four times the store instructions
- * and eight row segments each; over NVLink, mostly wasted packet bytes).
- * Every lane of the warp runs the shuffles; orow NULL (a row past the
- * tile's) and col >= n_out store nothing. col0: block 4i's first column. */
-static __device__ __forceinline__ void ml_sm90_quad_store(char *orow, const uint32_t v[4], int col0,
-                                                          int n_out, int q, int quad) {
-  uint32_t got[4], w[4];
-  /* round t: lane q sends its pair of block (q + t) & 3 and receives lane
-   * (q - t) & 3's pair of block q */
-#pragma unroll
-  for (int t = 0; t < 4; ++t)
-    got[t] = __shfl_sync(0xffffffffu, ml_sm90_sel4(v, (q + t) & 3), quad | ((q - t) & 3));
-#pragma unroll
-  for (int m = 0; m < 4; ++m)
-    w[m] = ml_sm90_sel4(got, (q - m) & 3);
-  const int col = col0 + 8 * q;
-  if (orow != NULL && col < n_out)
-    *(uint4 *)(orow + (size_t)col * 2) = make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-/* The DT output row of problem row pr: out's, or out_rows'. */
-static __device__ __forceinline__ char *ml_sm90_orow(const ml_sm90_args *p, int pr) {
-  if (p->out_rows != NULL)
-    return (char *)p->out_rows[p->scale_index != NULL ? __ldg(p->scale_index + pr) : pr];
-  return (char *)p->out + (size_t)pr * (size_t)p->n_out * 2;
-}
-
-/* The scaled epilogue with a DT output 16 bytes a lane (p->vec16 or
- * p->out_rows: rows possibly in another GPU's memory). */
+/* The scaled epilogue into rows named by p->out_rows (ml_sm90_args). Such
+ * rows may live in another GPU's memory, where 4-byte stores waste most of
+ * each write, so the four lanes of a quad (one row, 8 columns of each n8
+ * block, two a lane) trade values: for every four n8 blocks lane q gathers
+ * block q's 8 columns and stores them as 16 bytes, 64 contiguous bytes a
+ * quad. Every lane of the warp runs the shuffles; only stores are skipped. */
 template <class C, int DT>
 static __device__ __forceinline__ void ml_sm90_store_rows(const ml_sm90_args *p, const float *d,
                                                           int nb, int row0, int rows, int rl,
@@ -986,44 +956,31 @@ static __device__ __forceinline__ void ml_sm90_store_rows(const ml_sm90_args *p,
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = rl + 8 * h;
-    char *orow = r < rows ? ml_sm90_orow(p, row0 + r) : NULL;
+    char *orow = NULL;
+    if (r < rows) {
+      const int pr = row0 + r;
+      orow = (char *)p->out_rows[p->scale_index != NULL ? __ldg(p->scale_index + pr) : pr];
+    }
     const float s = sc[h];
 #pragma unroll
     for (int i = 0; i < C::BN / 32; ++i) {
-      uint32_t v[4];
+      uint32_t v[4], got[4], w[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int j = 4 * i + u;
         v[u] = ml_pack2<DT>(d[4 * j + 2 * h] * s, d[4 * j + 2 * h + 1] * s);
       }
-      ml_sm90_quad_store(orow, v, nb * C::BN + 32 * i, p->n_out, q, quad);
-    }
-  }
-}
-
-/* The SwiGLU epilogue with a DT output 16 bytes a lane (p->vec16). */
-template <class C, int DT>
-static __device__ __forceinline__ void ml_sm90_store_swiglu16(const ml_sm90_args *p, const float *d,
-                                                              int nb, int row0, int rows, int rl,
-                                                              int cq) {
-  constexpr int HALF = C::BN / 16; /* n8 blocks of gate columns */
-  static_assert(HALF % 4 == 0, "four n8 blocks at a time");
-  const int q = cq >> 1, quad = ((int)threadIdx.x & 31) & ~3;
+      /* round t: lane q sends its pair of block (q + t) & 3 and receives
+       * lane (q - t) & 3's pair of block q */
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = rl + 8 * h;
-    char *orow = r < rows ? (char *)p->out + (size_t)(row0 + r) * (size_t)p->n_out * 2 : NULL;
+      for (int t = 0; t < 4; ++t)
+        got[t] = __shfl_sync(0xffffffffu, ml_sm90_sel4(v, (q + t) & 3), quad | ((q - t) & 3));
 #pragma unroll
-    for (int i = 0; i < HALF / 4; ++i) {
-      uint32_t v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int j = 4 * i + u;
-        const float g0 = d[4 * j + 2 * h], g1 = d[4 * j + 2 * h + 1];
-        const float u0 = d[4 * (j + HALF) + 2 * h], u1 = d[4 * (j + HALF) + 2 * h + 1];
-        v[u] = ml_pack2<DT>(ml_sm90_silu_mul(g0, u0), ml_sm90_silu_mul(g1, u1));
-      }
-      ml_sm90_quad_store(orow, v, nb * (C::BN / 2) + 32 * i, p->n_out, q, quad);
+      for (int m = 0; m < 4; ++m)
+        w[m] = ml_sm90_sel4(got, (q - m) & 3);
+      const int col = nb * C::BN + 8 * (4 * i + q);
+      if (orow != NULL && col < p->n_out)
+        *(uint4 *)(orow + (size_t)col * 2) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }
@@ -1037,9 +994,7 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
                                                      const float sc[2]) {
   if (ML_SM90_PROBE & 8) return;
   const size_t es = OUT_F32 ? 4 : 2;
-  if (MODE == ML_SM90_SWIGLU && !OUT_F32 && p->vec16) {
-    ml_sm90_store_swiglu16<C, DT>(p, d, nb, row0, rows, rl, cq);
-  } else if (MODE == ML_SM90_SWIGLU) {
+  if (MODE == ML_SM90_SWIGLU) {
     constexpr int HALF = C::BN / 16; /* n8 blocks of gate columns */
     const int cb = nb * (C::BN / 2) + cq;
 #pragma unroll
@@ -1060,7 +1015,7 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
           ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
       }
     }
-  } else if (!OUT_F32 && (p->out_rows != NULL || p->vec16)) {
+  } else if (!OUT_F32 && p->out_rows != NULL) {
     ml_sm90_store_rows<C, DT>(p, d, nb, row0, rows, rl, cq, sc);
   } else {
     const int cb = nb * C::BN + cq;
