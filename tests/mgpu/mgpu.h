@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MG_FN static __attribute__((unused))
 
@@ -109,6 +110,34 @@ MG_FN void mg_init(mg_world *w) {
         moelink_comm_size(w->comm), w->device, mg_now() - t0);
   w->nccl = ml_comm_cuda_nccl(w->comm);
   if (!w->nccl) mg_bail("no NCCL communicator under the moelink one");
+}
+
+/* The tests of a rank that stops taking part: every rank but 0 ends here,
+ * with no destroy and no goodbye (the process just ends, as a crash
+ * would); what: the call it leaves without. */
+MG_FN void mg_leave_unless_rank0(const mg_world *w, const char *what) {
+  if (w->rank == 0)
+    return;
+  CHECK(1, "rank %d leaves without %s", w->rank, what);
+  const int rc = ml_test_done();
+  fflush(stdout);
+  _exit(rc);
+}
+
+/* Rank 0, after it enqueued (at mg_now() == t0) a call the leavers never
+ * join: moelink_comm_check reports MOELINK_ERR_TIMEOUT after about
+ * MOELINK_COMM_TIMEOUT_MS; returns the message, for the caller's checks of
+ * what it names. */
+MG_FN const char *mg_expect_timeout(const mg_world *w, double t0) {
+  const double limit_s = mg_env_int("MOELINK_COMM_TIMEOUT_MS", 10000) / 1000.0;
+  moelink_status_t s = moelink_comm_check(w->comm, w->stream);
+  const double waited = mg_now() - t0;
+  const char *msg = moelink_last_error();
+  CHECK(s == MOELINK_ERR_TIMEOUT, "check reports %s after %.2f s: %s", moelink_status_string(s),
+        waited, msg);
+  CHECK(waited >= 0.8 * limit_s && waited < limit_s + 15.0,
+        "it gave up after the limit (%.2f s for a limit of %.1f s)", waited, limit_s);
+  return msg;
 }
 
 MG_FN void mg_fini(mg_world *w) {
