@@ -325,7 +325,9 @@ fi
 # GEMMs (8192 tokens, PROBE_PRESETS, default mixtral-8x7b) under Nsight Compute, built as they are
 # and as the moelink_probeN builds (CMake MOELINK_PROBES; gemm/sm90.cuh ML_SM90_PROBE: 1 no
 # loads, 2 no promotion, 3 neither, 4 no proxy fence, 8 no epilogue stores; PROBES picks some),
-# into fp8probe.log; PROBE_DTYPES (default fp8): "fp8 bf16" also the bf16 layers. Not in all.
+# into fp8probe.log; PROBE_DTYPES (default fp8): "fp8 bf16" also the bf16 layers;
+# PROBE_SECTIONS (default SpeedOfLight): the ncu sections, e.g. "SpeedOfLight MemoryWorkloadAnalysis".
+# Not in all.
 if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
   [ -n "$NCU" ] || { log "fp8probe: no Nsight Compute on this machine"; rc=1; }
   [ -n "$NCU" ] && for b in moelink ${PROBES:-moelink_probe1 moelink_probe2 moelink_probe3 moelink_probe4}; do
@@ -334,7 +336,7 @@ if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
       for dt in ${PROBE_DTYPES:-fp8}; do
         log "fp8probe $b $p $dt"
         echo "== $b $p $dt" >>"$OUT/fp8probe.log"
-        "$NCU" --clock-control none --section SpeedOfLight -k 'regex:ml_sm90_kernel' \
+        "$NCU" --clock-control none $(for x in ${PROBE_SECTIONS:-SpeedOfLight}; do echo --section $x; done) -k 'regex:ml_sm90_kernel' \
           ./"$BUILD"/$b bench --backend cuda $([ "$dt" = fp8 ] && echo --fp8-experts) \
           --preset "$p" --tokens 8192 --iters 1 --warmup 0 >>"$OUT/fp8probe.log" 2>&1 || rc=1
       done
