@@ -13,8 +13,11 @@
  *   pieces  moelink_ep_dispatch and moelink_ep_combine on the same routing,
  *           each timed (bandwidth: the token rows a rank sends / time);
  *   seq     dispatch, this rank's experts on the received rows (a local
- *           moelink_moe layer: plan + experts, timed on their own: the
- *           compute-only time), combine.
+ *           moelink_moe layer: plan + experts, timed on their own), combine;
+ *   extra   the forward's other compute on this rank's T tokens: routing
+ *           (the single layer's moelink_moe_route) and the shared expert (a
+ *           one-expert layer holding its weights, moelink_moe_forward); with
+ *           the experts' time, the compute-only time of the forward.
  * Each rank times its own calls with CUDA events (host clock on the CPU
  * backend), each after a 256 MiB L2-evicting write and a 1-element NCCL
  * all-reduce that lines the ranks up; a T's time is the slowest rank's
@@ -57,6 +60,7 @@ typedef struct be_row {
   double disp_us, comb_us, dc_us;         /* pieces: dispatch, combine, both */
   double nccl_disp_us, nccl_comb_us;
   double seq_us, experts_us;              /* dispatch; local experts; combine */
+  double route_us, shared_us;             /* the forward's other compute (extra) */
   double steps_us;        /* --steps: moelink_ep_forward in that many steps */
   int step_tokens;        /* their max_tokens (0: not run) */
   double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
@@ -83,7 +87,9 @@ static const char be_help_text[] =
     "  Then the exchanges alone: moelink_ep_dispatch and moelink_ep_combine, each timed,\n"
     "  with the bandwidth of the token rows a rank sends (beside NCCL's two phases), and\n"
     "  the sequential layer: dispatch, this rank's experts (moelink_moe_plan + _experts\n"
-    "  on the received rows, timed alone), combine. With --steps S > 1, also\n"
+    "  on the received rows, timed alone), combine; and the forward's other compute\n"
+    "  (routing, the shared expert alone): with the experts' time, the compute-only time\n"
+    "  the forward is set against (fwd/comp). With --steps S > 1, also\n"
     "  moelink_ep_forward of a layer with max_tokens ceil(T / S) and call_tokens T: the\n"
     "  same call in S steps, in 1/S of the receive memory (chunked mode).\n"
     "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
@@ -227,15 +233,7 @@ static moelink_moe_config_t be_config(const be_opts *o, int *custom) {
  * dispatch | the local experts (moelink_moe_plan + moelink_moe_experts of a
  * layer with this rank's experts on the received rows) | combine; nccl:
  * dispatch rows | combine rows. "|" marks a split of the timing. */
-enum {
-  BE_V_EP = 0,
-  BE_V_SINGLE,
-  BE_V_PIECES,
-  BE_V_SEQ,
-  BE_V_NCCL,
-  BE_V_STEPS,
-  BE_NV
-};
+enum { BE_V_EP = 0, BE_V_SINGLE, BE_V_PIECES, BE_V_SEQ, BE_V_NCCL, BE_V_STEPS, BE_V_EXTRA, BE_NV };
 #define BE_SEGS 3
 
 typedef struct be_case {
@@ -246,6 +244,8 @@ typedef struct be_case {
   moelink_ep_t ep_steps;  /* --steps: the same layer in steps (NULL: not run) */
   moelink_moe_t single;
   moelink_moe_t local;    /* this rank's experts, max_tokens = the receive capacity */
+  moelink_moe_t shared;   /* the shared expert as a one-expert layer (NULL: none) */
+  void *sh_out;           /* [T, H] its output */
   void *x_all, *out_all;  /* [n*T, H]; this rank's EP x is its slice of x_all */
   void *out;              /* [T, H] */
   int32_t *ids;           /* [T, k] this rank's routing (backend memory) */
@@ -297,6 +297,16 @@ static void be_call(cli_world *w, be_case *c, int variant, be_clock *k) {
     be_dispatch(w, c, &recv);
     be_mark(k);
     CLI_CALL("moelink_ep_combine", moelink_ep_combine(c->ep, c->y, NULL, c->out, w->stream));
+  } else if (variant == BE_V_EXTRA) {
+    CLI_CALL("moelink_moe_route",
+             moelink_moe_route(c->single, (const char *)c->x_all + (size_t)c->me * c->T * c->row,
+                               c->T, c->ids, c->wts, w->stream));
+    be_mark(k);
+    if (c->shared)
+      CLI_CALL("moelink_moe_forward (shared expert)",
+               moelink_moe_forward(c->shared,
+                                   (const char *)c->x_all + (size_t)c->me * c->T * c->row, c->T,
+                                   c->sh_out, w->stream));
   } else if (variant == BE_V_SEQ) {
     be_dispatch(w, c, &recv);
     be_mark(k);
@@ -532,6 +542,25 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
                                                    moelink_moe_tile_rows(c.local)),
                              "local plan");
   }
+  /* The shared expert alone: a layer of one expert with its weights (top-1
+   * of one: weight 1, the expert's output; no shared gate) */
+  if (base->shared_inter > 0) {
+    moelink_moe_config_t sc = MOELINK_MOE_CONFIG_INIT;
+    sc.hidden = base->hidden;
+    sc.inter = base->shared_inter;
+    sc.num_experts = 1;
+    sc.top_k = 1;
+    sc.dtype = base->dtype;
+    sc.max_tokens = T;
+    CLI_CALL("moelink_moe_create (shared expert)", moelink_moe_create(w->ctx, &sc, &c.shared));
+    moelink_moe_weights_t sw = MOELINK_MOE_WEIGHTS_INIT;
+    sw.dtype = base->dtype;
+    sw.router = L->w.router; /* its first row: the one expert's */
+    sw.gate_up = L->w.shared_gate_up;
+    sw.down = L->w.shared_down;
+    CLI_CALL("moelink_moe_set_weights (shared expert)", moelink_moe_set_weights(c.shared, &sw));
+    c.sh_out = cli_world_alloc(w, (size_t)T * c.row, "shared expert out");
+  }
 
   memset(row, 0, sizeof *row);
   row->tokens = T;
@@ -549,6 +578,7 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   be_time(w, &c, BE_V_EP, o, t[BE_V_EP]);
   be_time(w, &c, BE_V_PIECES, o, t[BE_V_PIECES]);
   be_time(w, &c, BE_V_SEQ, o, t[BE_V_SEQ]);
+  be_time(w, &c, BE_V_EXTRA, o, t[BE_V_EXTRA]);
   if (c.ep_steps) be_time(w, &c, BE_V_STEPS, o, t[BE_V_STEPS]);
   CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
   be_time(w, &c, BE_V_SINGLE, o, t[BE_V_SINGLE]);
@@ -594,6 +624,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   row->comb_us = BE_W(BE_V_PIECES, 2);
   row->seq_us = BE_W(BE_V_SEQ, 0);
   row->experts_us = BE_W(BE_V_SEQ, 2);
+  row->route_us = c.shared ? BE_W(BE_V_EXTRA, 1) : BE_W(BE_V_EXTRA, 0);
+  row->shared_us = c.shared ? BE_W(BE_V_EXTRA, 2) : 0.0;
   row->nccl_us = BE_W(BE_V_NCCL, 0);
   row->nccl_disp_us = BE_W(BE_V_NCCL, 1);
   row->nccl_comb_us = BE_W(BE_V_NCCL, 2);
@@ -611,6 +643,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   cli_world_free(w, c.y);
   cli_world_free(w, c.plan);
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.local));
+  CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.shared));
+  cli_world_free(w, c.sh_out);
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep_steps));
@@ -655,19 +689,25 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
   cli_json_str(f, cuda ? cli_l2_flush_name() : NULL);
   fprintf(f, ",\n  \"variants\": ");
   cli_json_str(f, "ep: moelink_ep_forward, tokens random on every rank, the layer created with "
-                 "max_tokens = tokens; single: moelink_moe_forward with all experts on "
-                 "nranks * tokens tokens on each rank's own device (the EP layer's total work "
-                 "on one device, nranks times a rank's share); nccl (cuda only): ncclSend/"
-                 "ncclRecv in two groups, dispatch then combine, of the rows the EP layer "
-                 "moves between ranks for the same tokens (dispatch: a token once to each peer "
-                 "owning one of its experts; combine: one row per (token, slot) whose expert "
-                 "is on the peer, as the CUDA layer returns them), rows only (not the EP "
-                 "layer's per-row routing metadata of (1 + 2k) * 4 bytes), timed per phase; "
-                 "dispatch / combine: moelink_ep_dispatch then moelink_ep_combine on the same "
-                 "routing (expert outputs: an unwritten buffer), timed per call, and "
-                 "dispatch_combine_us both; sequential: moelink_ep_dispatch, then "
-                 "moelink_moe_plan + moelink_moe_experts of a layer with this rank's experts "
-                 "on the received rows (experts_us), then moelink_ep_combine");
+                  "max_tokens = tokens; single: moelink_moe_forward with all experts on "
+                  "nranks * tokens tokens on each rank's own device (the EP layer's total work "
+                  "on one device, nranks times a rank's share); nccl (cuda only): ncclSend/"
+                  "ncclRecv in two groups, dispatch then combine, of the rows the EP layer "
+                  "moves between ranks for the same tokens (dispatch: a token once to each peer "
+                  "owning one of its experts; combine: one row per (token, slot) whose expert "
+                  "is on the peer, as the CUDA layer returns them), rows only (not the EP "
+                  "layer's per-row routing metadata of (1 + 2k) * 4 bytes), timed per phase; "
+                  "dispatch / combine: moelink_ep_dispatch then moelink_ep_combine on the same "
+                  "routing (expert outputs: an unwritten buffer), timed per call, and "
+                  "dispatch_combine_us both; sequential: moelink_ep_dispatch, then "
+                  "moelink_moe_plan + moelink_moe_experts of a layer with this rank's experts "
+                  "on the received rows (experts_us), then moelink_ep_combine; extra: "
+                  "moelink_moe_route of the single layer on this rank's tokens (route_us), then "
+                  "the shared expert as a one-expert layer's moelink_moe_forward "
+                  "(shared_expert_us); compute_us = experts_us + route_us + shared_expert_us, "
+                  "the forward's compute without its exchanges; forward_over_max_compute_comm "
+                  "= ep_us / max(compute_us, dispatch_combine_us), "
+                  "forward_over_max_experts_comm the same with experts_us");
   fprintf(f, ",\n  \"bytes\": ");
   cli_json_str(f, "bytes_sent_per_rank: (dispatch_rows + combine_rows) * hidden * dtype size "
                  "sent by a rank to its peers, the most over ranks; dispatch_rows / "
@@ -708,7 +748,12 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "nccl_combine_GBps", cuda ? cb / (r->nccl_comb_us * 1e-6) / 1e9 : NAN);
     cli_json_field(f, "sequential_us", r->seq_us);
     cli_json_field(f, "experts_us", r->experts_us);
-    cli_json_field(f, "forward_over_max_compute_comm", r->ep_us / fmax(r->experts_us, r->dc_us));
+    cli_json_field(f, "route_us", r->route_us);
+    cli_json_field(f, "shared_expert_us", r->shared_us);
+    cli_json_field(f, "compute_us", r->experts_us + r->route_us + r->shared_us);
+    cli_json_field(f, "forward_over_max_experts_comm", r->ep_us / fmax(r->experts_us, r->dc_us));
+    cli_json_field(f, "forward_over_max_compute_comm",
+                   r->ep_us / fmax(r->experts_us + r->route_us + r->shared_us, r->dc_us));
     if (r->step_tokens) {
       fprintf(f, ", \"step_tokens\": %d", r->step_tokens);
       cli_json_field(f, "steps_us", r->steps_us);
@@ -794,14 +839,16 @@ int cli_cmd_bench_ep(int argc, char **argv) {
     /* The exchanges on their own, bandwidth per direction (rows sent by a rank / time). */
     printf("\nthe exchanges (moelink_ep_dispatch / moelink_ep_combine%s), GB/s = token-row "
            "bytes a rank sends / time;\nseq = dispatch, the local experts (experts_us), "
-           "combine; fwd/max = ep_us / max(experts_us, d+c_us)\n(ep_us also routes and runs "
-           "the shared expert, which experts_us leaves out)\n",
+           "combine; extra = routing + the shared expert alone (the forward's other compute);\n"
+           "fwd/max = ep_us / max(experts_us, d+c_us); fwd/comp = ep_us / max(experts_us + "
+           "extra_us, d+c_us)\n",
            cuda ? " beside NCCL send/recv of the same rows" : "");
     printf("%7s %11s %7s", "T", "dispatch_us", "GB/s");
     if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
     printf(" %11s %7s", "combine_us", "GB/s");
     if (cuda) printf(" %10s %7s", "nccl_us", "GB/s");
-    printf(" %9s %11s %11s %8s\n", "d+c_us", "seq_us", "experts_us", "fwd/max");
+    printf(" %9s %11s %11s %9s %8s %9s\n", "d+c_us", "seq_us", "experts_us", "extra_us", "fwd/max",
+           "fwd/comp");
     for (int i = 0; i < o.ntokens; ++i) {
       const be_row *r = &rows[i];
       const double db = r->dispatch_rows * (double)r->drow_bytes;
@@ -810,8 +857,9 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       if (cuda) printf(" %10.1f %7.1f", r->nccl_disp_us, db / r->nccl_disp_us * 1e-3);
       printf(" %11.1f %7.1f", r->comb_us, cb / r->comb_us * 1e-3);
       if (cuda) printf(" %10.1f %7.1f", r->nccl_comb_us, cb / r->nccl_comb_us * 1e-3);
-      printf(" %9.1f %11.1f %11.1f %8.3f\n", r->dc_us, r->seq_us, r->experts_us,
-             r->ep_us / fmax(r->experts_us, r->dc_us));
+      printf(" %9.1f %11.1f %11.1f %9.1f %8.3f %9.3f\n", r->dc_us, r->seq_us, r->experts_us,
+             r->route_us + r->shared_us, r->ep_us / fmax(r->experts_us, r->dc_us),
+             r->ep_us / fmax(r->experts_us + r->route_us + r->shared_us, r->dc_us));
     }
     if (o.steps > 1) {
       printf("\nchunked (--steps %d): moelink_ep_forward of T tokens in steps of max_tokens "

@@ -49,6 +49,12 @@ for r in d["rows"]:
     assert r["flops_per_rank"] >= 2 * T * k * 3 * H * c["inter"], r
     tf = r["flops_per_rank"] / (r["ep_us"] * 1e-6) / 1e12
     assert abs(tf - r["ep_TFLOPs"]) <= 1e-3 * tf + 1e-12, (r, tf)
+    # the compute-only time: the local experts + routing + the shared expert alone
+    assert r["route_us"] > 0 and r["shared_expert_us"] > 0, r
+    comp = r["experts_us"] + r["route_us"] + r["shared_expert_us"]
+    assert abs(r["compute_us"] - comp) <= 1e-3 * comp, r
+    m = max(comp, r["dispatch_combine_us"])
+    assert abs(r["forward_over_max_compute_comm"] - r["ep_us"] / m) <= 1e-3 * r["ep_us"] / m, r
     # --steps 3: the same call in steps of ceil(T / 3) tokens
     assert r["step_tokens"] == (T + 2) // 3 and r["steps_us"] > 0, r
     assert abs(r["steps_throughput_of_ep"] - r["ep_us"] / r["steps_us"]) <= 1e-3, r
