@@ -21,7 +21,10 @@
  * (partial column blocks and k steps, TMA zero fill), the two tiles of a
  * unit whose rows do not follow each other, an expert's odd last tile alone
  * in its unit, and a many-expert list where every CTA walks past several
- * experts and takes several work items. */
+ * experts and takes several work items. Every scaled case with a dtype output
+ * and k % 8 == 0 runs again with its rows stored through a pointer table
+ * (ml_cuda_gemm_opts.out_rows, the expert-parallel return's hook), rows
+ * reversed: bitwise the plain run's rows, nothing else written. */
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
 #include "gpu_util.h"
