@@ -17,6 +17,7 @@
  * latency hides behind their tail. */
 #include "core/dtype.cuh"
 #include "core/launch.cuh"
+#include "cuda/combine.cuh"
 #include "cuda/pipeline.h"
 
 #include <cuda_bf16.h>
@@ -76,22 +77,7 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int j0 = 0; j0 < p.k; j0 += 8) {
-      uint4 raw[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int r = j0 + u < p.k ? s_rows[j0 + u] : -1;
-        raw[u] = r >= 0 ? __ldg(y + (size_t)r * row_chunks + q) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (j0 + u >= p.k || s_rows[j0 + u] < 0) continue; /* empty slot: not added */
-        float v[8];
-        ml_dt_unpack16<DT>(raw[u], v);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] += v[i];
-      }
-    }
+    ml_combine_slots<DT, 0>(y, s_rows, p.k, row_chunks, q, acc);
     if (p.shared_out != NULL) {
       const float4 *s = (const float4 *)(p.shared_out + (size_t)t * p.H) + 2 * q;
       const float4 a = __ldg(s), b = __ldg(s + 1);

@@ -6,6 +6,7 @@
 #include "ep/cuda/ep_cuda.h"
 
 #include "core/dtype.cuh"
+#include "cuda/combine.cuh"
 #include "cuda/cuda.h"
 #include "cuda/quant.cuh"
 
@@ -339,26 +340,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
        i += (long long)gridDim.x * blockDim.x) {
     const int t = (int)(i / chunks), q = (int)(i % chunks);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < a.k; j0 += 8) {
-      uint4 raw[8];
-      int rows[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        rows[u] = j0 + u < a.k ? __ldg(a.slot_rows + (size_t)t * a.k + j0 + u) : -1;
-        raw[u] =
-            rows[u] >= 0 ? __ldcg(ret + (size_t)rows[u] * chunks + q) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        if (rows[u] < 0)
-          continue; /* empty slot: not added */
-        float v[8];
-        ml_dt_unpack16<DT>(raw[u], v);
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-          acc[c] += v[c];
-      }
-    }
+    ml_combine_slots<DT, 1>(ret, a.slot_rows + (size_t)t * a.k, a.k, (size_t)chunks, q, acc);
     ((uint4 *)out)[(size_t)t * chunks + q] = ml_dt_pack16<DT>(acc);
   }
 }
