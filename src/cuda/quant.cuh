@@ -110,6 +110,23 @@ static __device__ __forceinline__ float ml_q_fp8_scaled_by(float x, const ml_q_d
   return d.fast ? ml_q_fp8_scaled_fast(x, d) : ml_q_fp8_scaled_slow(x, d.s);
 }
 
+/* z[i] = ml_q_fp8_scaled_by(x[i], d) for N values of one block, with one
+ * branch for all of them (unrolled loops with a branch an element keep every
+ * element's slow call site in the hot code). */
+template <int N>
+static __device__ __forceinline__ void ml_q_fp8_scale_n(const float *x, float *z,
+                                                        const ml_q_div_t &d) {
+  if (d.fast) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      z[i] = ml_q_fp8_scaled_fast(x[i], d);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      z[i] = ml_q_fp8_scaled_slow(x[i], d.s);
+  }
+}
+
 /* 8 elements to e4m3 bytes (lowest address in the low byte). FMT is
  * MOELINK_QUANT_FP8 (s: the block's fp32 scale) or MXFP8 (e: its e8m0); the
  * scaled values are those of ml_fp8_quant / ml_mx_quant. */
@@ -117,19 +134,12 @@ template <int FMT>
 static __device__ __forceinline__ uint2 ml_q_pack8(const float *f, float s, uint8_t e) {
   float v[8];
   const float m = FMT == MOELINK_QUANT_FP8 ? 0.0f : ml_fp8_pow2(127 - (int)e);
-  const ml_q_div_t d = ml_q_div_of(FMT == MOELINK_QUANT_FP8 ? s : 1.0f);
-  if (FMT != MOELINK_QUANT_FP8) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      v[i] = f[i] * m;
-  } else if (d.fast) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      v[i] = ml_q_fp8_scaled_fast(f[i], d);
+  if (FMT == MOELINK_QUANT_FP8) {
+    ml_q_fp8_scale_n<8>(f, v, ml_q_div_of(s));
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      v[i] = ml_q_fp8_scaled_slow(f[i], s);
+      v[i] = f[i] * m;
   }
   const uint32_t w0 = ml_q_cvt2(v[0], v[1]) | (ml_q_cvt2(v[2], v[3]) << 16);
   const uint32_t w1 = ml_q_cvt2(v[4], v[5]) | (ml_q_cvt2(v[6], v[7]) << 16);

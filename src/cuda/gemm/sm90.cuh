@@ -1228,22 +1228,14 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
       continue;
     const size_t row = (size_t)(row0 + r);
     uint8_t *q = (uint8_t *)p->out + row * (size_t)p->n_out + (size_t)nb * 128 + (size_t)cq;
-    /* the scaled values first, the fast division where the row's scale
-     * allows it (nearly always: one branch a row, not one an element) */
-    float z[32];
-    if (dv.fast) {
+    /* the scaled values first (the row's two halves of its block) */
+    float x[32], z[32];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        z[i] = ml_q_fp8_scaled_fast(v0[16 * h + i], dv);
-        z[16 + i] = ml_q_fp8_scaled_fast(v1[16 * h + i], dv);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        z[i] = ml_q_fp8_scaled_slow(v0[16 * h + i], sc);
-        z[16 + i] = ml_q_fp8_scaled_slow(v1[16 * h + i], sc);
-      }
+    for (int i = 0; i < 16; ++i) {
+      x[i] = v0[16 * h + i];
+      x[16 + i] = v1[16 * h + i];
     }
+    ml_q_fp8_scale_n<32>(x, z, dv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       *(uint16_t *)(q + 8 * j) = (uint16_t)ml_q_cvt2(z[2 * j], z[2 * j + 1]);
