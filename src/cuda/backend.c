@@ -438,7 +438,8 @@ static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T
  * (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
-                                         void *const *out_rows, int x_ready, cudaStream_t st) {
+                                         void *const *out_rows, const int32_t *down_index,
+                                         int x_ready, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
@@ -464,10 +465,10 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                               m->hs, sms, st));
     ml_cuda_gemm_opts dgo = go;
     dgo.out_rows = out_rows;
-    ML_TRY(ml_cuda_gemm_scaled_fp8(
-        cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down, moe->w.down_scale,
-        cfg->hidden, cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs, weights,
-        weights || out_rows ? plan->sorted_pairs : NULL, y, 0, &dgo, st));
+    ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
+                                   (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
+                                   cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs,
+                                   weights, down_index, y, 0, &dgo, st));
     return ml_cu_step(st, "routed down GEMM (fp8)");
   }
   /* The plan was complete before the x quantize kernel started (a plain
@@ -488,8 +489,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   o.out_rows = out_rows;
   ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,
                             moe->w.down_scale, cfg->hidden, cfg->inter, plan->tiles,
-                            plan->num_tiles, passes, pairs, weights,
-                            weights || out_rows ? plan->sorted_pairs : NULL, y, 0, &o, st));
+                            plan->num_tiles, passes, pairs, weights, down_index, y, 0, &o, st));
   return ml_cu_step(st, "routed down GEMM (fp8)");
 }
 
@@ -503,9 +503,10 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
+  /* the down GEMM's row scales and output rows are by pair */
   const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
-    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, x_ready, st);
+    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before

@@ -486,7 +486,9 @@ static moelink_status_t ml_no_out_rows(const char *what, const ml_cuda_gemm_opts
 }
 
 /* The fields of an sm_90a launch every GEMM fills alike (FP8 fields: see
- * ml_sm90_fp8_args). cols: output columns of a work item. */
+ * ml_sm90_fp8_args). cols: output columns of a work item. opts->out_rows was
+ * checked by the caller (ml_out_rows_of, ml_no_out_rows); its rows are
+ * indexed like the row scales, so scale_index stays for either. */
 static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_index, int a_div,
                               void *out, const int32_t *tiles, const int32_t *num_tiles,
                               const float *row_scale, const int32_t *scale_index, int lda, int k,
@@ -499,7 +501,8 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->tiles = tiles;
   q->num_tiles = num_tiles;
   q->row_scale = row_scale;
-  q->scale_index = row_scale != NULL ? scale_index : NULL;
+  q->out_rows = opts != NULL ? opts->out_rows : NULL;
+  q->scale_index = row_scale != NULL || q->out_rows != NULL ? scale_index : NULL;
   q->a_div = a_index != NULL ? a_div : 1;
   q->lda = lda;
   q->k = k;
@@ -610,8 +613,6 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
-    q.out_rows = out_rows;
-    q.scale_index = row_scale != NULL || out_rows != NULL ? scale_index : NULL;
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, cl, stream)
                    : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, cl, stream);
@@ -793,8 +794,6 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n, cols,
                     max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
-  q.out_rows = out_rows;
-  q.scale_index = row_scale != NULL || out_rows != NULL ? scale_index : NULL;
   /* clusters: a CTA's box is half the tile's rows */
   CUtensorMap map;
   ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,

@@ -312,8 +312,8 @@ static moelink_status_t mld_gather(const char *what, const int32_t *a_index, int
   return MOELINK_SUCCESS;
 }
 
-/* The row scale of a scaled launch (NULL: 1; scale_index NULL: by row). */
-/* The scaled launches' row scales and output rows by pointer (o->out_rows). */
+/* The row scale of a scaled launch (NULL: 1; scale_index NULL: by row) and
+ * its output rows by pointer (o->out_rows, indexed like the scales). */
 static moelink_status_t mld_row_scales(const char *what, const float *row_scale,
                                        const int32_t *scale_index, int out_f32,
                                        const ml_decode_opts *o, mld_args *p) {
