@@ -118,7 +118,7 @@ MG_FN void mg_init(mg_world *w) {
 MG_FN void mg_leave_unless_rank0(const mg_world *w, const char *what) {
   if (w->rank == 0)
     return;
-  CHECK(1, "rank %d leaves without %s", w->rank, what);
+  ml_t_diag("rank %d leaves without %s", w->rank, what); /* (its checks so far count) */
   const int rc = ml_test_done();
   fflush(stdout);
   _exit(rc);
