@@ -442,8 +442,6 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 
 /* See cuda.h. */
 MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 0)
-/* docs/ENV.md */
-MOELINK_PARAM(GEMM_SM90_STORE_CS, 1)
 MOELINK_PARAM(GEMM_FP8_CLUSTER_ROWS, 0)
 MOELINK_PARAM(GEMM_FP8_TILE, 256)
 
@@ -513,7 +511,6 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->max_tiles = max_tiles;
   q->dense_rows = dense_rows;
   q->sched = opts != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? opts->counter : NULL;
-  q->stream_out = ml_param_GEMM_SM90_STORE_CS() != 0;
 }
 
 extern "C" moelink_status_t

@@ -262,8 +262,6 @@ typedef struct ml_sm90_args {
    * row r goes to the row out_rows[scale_index[r]] (scale_index NULL:
    * out_rows[r]; 16-byte aligned, n_out % 8 == 0), e.g. a peer's buffer */
   void *const *out_rows;
-  /* 1: outputs stored cache-streaming (ml_sm90_st) */
-  int stream_out;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -987,17 +985,6 @@ static __device__ __forceinline__ void ml_sm90_store_rows(const ml_sm90_args *p,
   }
 }
 
-/* An output store: plain, or (p->stream_out) cache-streaming (st.global.cs:
- * the line is not kept in L2 for reuse, so the output does not evict the A
- * rows and B slabs the CTAs share). The same bytes either way. */
-template <class T>
-static __device__ __forceinline__ void ml_sm90_st(const ml_sm90_args *p, T *a, T v) {
-  if (p->stream_out)
-    __stcs(a, v);
-  else
-    *a = v;
-}
-
 /* Stores the consumer's accumulators (C::BN / 2 of them a thread): rows rl
  * and rl + 8 of its tile. SwiGLU pairs accumulator column c (gate) with
  * c + BN / 2 (up). OUT_F32: fp32 output instead of DT. */
@@ -1023,9 +1010,9 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
         const float u0 = d[4 * (j + HALF) + 2 * h], u1 = d[4 * (j + HALF) + 2 * h + 1];
         const float v0 = ml_sm90_silu_mul(g0, u0), v1 = ml_sm90_silu_mul(g1, u1);
         if (OUT_F32)
-          ml_sm90_st(p, (float2 *)orow + (col >> 1), make_float2(v0, v1));
+          ((float2 *)orow)[col >> 1] = make_float2(v0, v1);
         else
-          ml_sm90_st(p, (uint32_t *)orow + (col >> 1), ml_pack2<DT>(v0, v1));
+          ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
       }
     }
   } else if (!OUT_F32 && p->out_rows != NULL) {
@@ -1044,9 +1031,9 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
         if (col >= p->n_out) continue;
         const float v0 = d[4 * j + 2 * h] * s, v1 = d[4 * j + 2 * h + 1] * s;
         if (OUT_F32)
-          ml_sm90_st(p, (float2 *)orow + (col >> 1), make_float2(v0, v1));
+          ((float2 *)orow)[col >> 1] = make_float2(v0, v1);
         else
-          ml_sm90_st(p, (uint32_t *)orow + (col >> 1), ml_pack2<DT>(v0, v1));
+          ((uint32_t *)orow)[col >> 1] = ml_pack2<DT>(v0, v1);
       }
     }
   }
@@ -1251,9 +1238,8 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
     ml_q_fp8_scale_n<32>(x, z, dv);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      ml_sm90_st(p, (uint16_t *)(q + 8 * j), (uint16_t)ml_q_cvt2(z[2 * j], z[2 * j + 1]));
-      ml_sm90_st(p, (uint16_t *)(q + 64 + 8 * j),
-                 (uint16_t)ml_q_cvt2(z[16 + 2 * j], z[16 + 2 * j + 1]));
+      *(uint16_t *)(q + 8 * j) = (uint16_t)ml_q_cvt2(z[2 * j], z[2 * j + 1]);
+      *(uint16_t *)(q + 64 + 8 * j) = (uint16_t)ml_q_cvt2(z[16 + 2 * j], z[16 + 2 * j + 1]);
     }
     if (cq == 0)
       p->out_scale[row * (size_t)(p->n_out / 128) + (size_t)nb] = sc;
