@@ -602,8 +602,12 @@ typedef struct moelink_ep_config {
                                max_tokens bounds the tokens a rank handles per
                                step (a forward of more takes several steps) */
   int recv_capacity;        /* token rows a rank receives per round (>= 1);
-                               0: moe.max_tokens * min(ranks, top_k), about
-                               one round per step with balanced routing */
+                               0: on CUDA ranks ranks * moe.max_tokens (every
+                               source's whole step: one round, capturable), on
+                               CPU ranks moe.max_tokens * min(ranks, top_k),
+                               about one round per step with balanced routing.
+                               CUDA ranks below ranks * max_tokens run rounds
+                               (see moelink_ep_create) */
   moelink_quant_t dispatch_quant; /* how token rows travel to the experts' ranks:
                                MOELINK_QUANT_NONE (moe.dtype, the default), or
                                FP8 / MXFP8 (moelink_quantize's formats; hidden a
@@ -640,9 +644,17 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * expert-parallel ops for the communicator's backend in this build: CUDA
  * needs the NCCL communicator and all ranks in one NVLink domain; moe.dtype
  * FP8_E4M3: the layer computes in bf16 or f16, FP8 weights are fp8_experts),
- * OUT_OF_MEMORY, TIMEOUT (a peer never came). On CUDA this version receives
- * every rank's whole step at once (buffers for ranks * moe.max_tokens rows,
- * still fixed by the config) and ignores recv_capacity. */
+ * OUT_OF_MEMORY, TIMEOUT (a peer never came). On CUDA ranks a recv_capacity
+ * of ranks * moe.max_tokens (the default) receives every source's whole step
+ * at once; a smaller one runs each step in rounds by expert: the pairs
+ * (token, expert) of each receiving rank are ordered by its local expert,
+ * then source, then token, and round r moves pairs [r * recv_capacity,
+ * (r + 1) * recv_capacity) of that order (a token with experts in several
+ * rounds travels once per round), so each expert's weights stream about
+ * once a step. A step then learns its number of rounds on the host (one
+ * synchronization): forward is not capturable there (UNSUPPORTED while the
+ * stream captures), and moelink_ep_dispatch refuses (UNSUPPORTED, on every
+ * rank) pairs that need more than one round. */
 MOELINK_API moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelink_ep_config_t *cfg,
                                                moelink_ep_t *out);
 
@@ -679,7 +691,9 @@ MOELINK_API moelink_status_t moelink_ep_set_weights(moelink_ep_t ep,
  * memory (steps of moe.max_tokens tokens, rounds of recv_capacity received
  * rows). x and out must not overlap. Deterministic: the same inputs on every
  * rank give bitwise the same output. On CUDA: stream-ordered, no host
- * synchronization, graph-capturable, and num_tokens <= call_tokens (the
+ * synchronization, graph-capturable (with recv_capacity below ranks *
+ * max_tokens: one synchronization a step, not capturable), and num_tokens <=
+ * call_tokens (the
  * config's; every call runs ceil(call_tokens / moe.max_tokens) steps, the
  * same on every rank, each a full exchange: size call_tokens to the largest
  * batch, since a small one pays for every step). A rank whose own arguments
@@ -707,7 +721,8 @@ MOELINK_API moelink_status_t moelink_ep_forward(moelink_ep_t ep, const void *x, 
  * hold no token have only -1 (moelink_moe_plan drops them). */
 typedef struct moelink_ep_recv {
   size_t size;               /* sizeof(moelink_ep_recv_t): set by the INIT macro */
-  int capacity;              /* rows (CUDA: ranks * max_tokens; CPU: recv_capacity) */
+  int capacity;              /* rows (CUDA: min(recv_capacity, ranks * max_tokens);
+                                CPU: recv_capacity) */
   int top_k;                 /* local slots per row: min(k, E / ranks) */
   const void *rows;          /* [capacity][H] token rows, layer dtype */
   const int32_t *expert_ids; /* [capacity][top_k] */
@@ -723,7 +738,10 @@ typedef struct moelink_ep_recv {
  * moelink_moe_route writes them, and fills
  * *recv with what this rank received. T = num_tokens in [0, moe.max_tokens],
  * free to differ between ranks. Needs no weights. On CUDA: stream-ordered,
- * graph-capturable, no host synchronization; every pointer device memory. On
+ * graph-capturable, no host synchronization; every pointer device memory
+ * (with recv_capacity below ranks * max_tokens: one synchronization, not
+ * capturable, and when the ranks' pairs need more than one round every rank
+ * returns UNSUPPORTED, nothing sent). On
  * CPU ranks every rank's incoming rows must fit recv_capacity: when one
  * rank's would not, every rank returns UNSUPPORTED (nothing is sent;
  * moelink_ep_forward takes any count in rounds); CPU ranks also refuse so,

@@ -51,6 +51,7 @@ typedef struct be_opts {
   const char *json;
   moelink_quant_t quant; /* --dispatch-quant */
   int steps;             /* --steps: also a layer of max_tokens ceil(T / steps) */
+  int rounds;            /* --rounds: also a layer of recv_capacity ceil(ranks * T / rounds) */
 } be_opts;
 
 /* One T. Times are the slowest rank's median, us. */
@@ -63,6 +64,8 @@ typedef struct be_row {
   double route_us, shared_us;             /* the forward's other compute (extra) */
   double steps_us;        /* --steps: moelink_ep_forward in that many steps */
   int step_tokens;        /* their max_tokens (0: not run) */
+  double rounds_us;       /* --rounds: moelink_ep_forward in rounds by expert */
+  int rounds_capacity;    /* its recv_capacity (0: not run) */
   double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
   double dispatch_rows;   /* sent per rank, the most over ranks */
   double combine_rows;
@@ -91,7 +94,9 @@ static const char be_help_text[] =
     "  (routing, the shared expert alone): with the experts' time, the compute-only time\n"
     "  the forward is set against (fwd/comp). With --steps S > 1, also\n"
     "  moelink_ep_forward of a layer with max_tokens ceil(T / S) and call_tokens T: the\n"
-    "  same call in S steps, in 1/S of the receive memory (chunked mode).\n"
+    "  same call in S steps, in 1/S of the receive memory (chunked mode); with --rounds\n"
+    "  R > 1, one step with recv_capacity ceil(ranks * T / R): rounds by expert in 1/R\n"
+    "  of the receive memory (CUDA; CPU ranks take rounds by token).\n"
     "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
     "  --preset NAME          (default cuda: deepseek-v3 (H 7168, I 2048, E 256, k 8,\n"
     "                         sigmoid, 4 of 8 groups, shared expert 2048); cpu: a small\n"
@@ -106,6 +111,8 @@ static const char be_help_text[] =
     "  --threads N            CPU threads per rank (cpu; default cores / ranks)\n"
     "  --seed S               weights and inputs generator seed (default 1)\n"
     "  --steps S              also time the layer in S steps of ceil(T / S) tokens (default 1:\n"
+    "                         not)\n"
+    "  --rounds R             also time it with recv_capacity ceil(ranks * T / R) (default 1:\n"
     "                         not)\n"
     "  --dispatch-quant none|fp8|mxfp8   how token rows travel to the experts' ranks\n"
     "                         (default none: the layer's dtype; fp8: e4m3 + an fp32 scale\n"
@@ -169,6 +176,8 @@ static void be_parse(int argc, char **argv, be_opts *o) {
       o->json = val;
     } else if (IS("--steps")) {
       o->steps = cli_int_arg(name, val, 1);
+    } else if (IS("--rounds")) {
+      o->rounds = cli_int_arg(name, val, 1);
     } else if (IS("--dispatch-quant")) {
       if (strcmp(val, "none") == 0)
         o->quant = MOELINK_QUANT_NONE;
@@ -233,7 +242,17 @@ static moelink_moe_config_t be_config(const be_opts *o, int *custom) {
  * dispatch | the local experts (moelink_moe_plan + moelink_moe_experts of a
  * layer with this rank's experts on the received rows) | combine; nccl:
  * dispatch rows | combine rows. "|" marks a split of the timing. */
-enum { BE_V_EP = 0, BE_V_SINGLE, BE_V_PIECES, BE_V_SEQ, BE_V_NCCL, BE_V_STEPS, BE_V_EXTRA, BE_NV };
+enum {
+  BE_V_EP = 0,
+  BE_V_SINGLE,
+  BE_V_PIECES,
+  BE_V_SEQ,
+  BE_V_NCCL,
+  BE_V_STEPS,
+  BE_V_ROUNDS,
+  BE_V_EXTRA,
+  BE_NV
+};
 #define BE_SEGS 3
 
 typedef struct be_case {
@@ -242,6 +261,7 @@ typedef struct be_case {
   size_t drow;            /* bytes of a dispatched row (quantized: H + scales) */
   moelink_ep_t ep;
   moelink_ep_t ep_steps;  /* --steps: the same layer in steps (NULL: not run) */
+  moelink_ep_t ep_rounds; /* --rounds: the same layer in rounds (NULL: not run) */
   moelink_moe_t single;
   moelink_moe_t local;    /* this rank's experts, max_tokens = the receive capacity */
   moelink_moe_t shared;   /* the shared expert as a one-expert layer (NULL: none) */
@@ -285,9 +305,11 @@ static void be_dispatch(cli_world *w, be_case *c, moelink_ep_recv_t *recv) {
 
 static void be_call(cli_world *w, be_case *c, int variant, be_clock *k) {
   moelink_ep_recv_t recv = MOELINK_EP_RECV_INIT;
-  if (variant == BE_V_EP || variant == BE_V_STEPS) {
+  if (variant == BE_V_EP || variant == BE_V_STEPS || variant == BE_V_ROUNDS) {
     CLI_CALL("moelink_ep_forward",
-             moelink_ep_forward(variant == BE_V_EP ? c->ep : c->ep_steps,
+             moelink_ep_forward(variant == BE_V_EP      ? c->ep
+                                : variant == BE_V_STEPS ? c->ep_steps
+                                                        : c->ep_rounds,
                                 (const char *)c->x_all + (size_t)c->me * c->T * c->row, c->T,
                                 c->out, w->stream));
   } else if (variant == BE_V_SINGLE) {
@@ -473,6 +495,15 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
     CLI_CALL("moelink_ep_create (steps)", moelink_ep_create(w->comm, &scfg_ep, &c.ep_steps));
     CLI_CALL("moelink_ep_set_weights (steps)", moelink_ep_set_weights(c.ep_steps, &lw));
   }
+  const int64_t whole = (int64_t)w->nranks * T;
+  const int rounds_capacity =
+      o->rounds > 1 && whole >= o->rounds ? (int)((whole + o->rounds - 1) / o->rounds) : 0;
+  if (rounds_capacity) {
+    moelink_ep_config_t rcfg = ecfg;
+    rcfg.recv_capacity = rounds_capacity;
+    CLI_CALL("moelink_ep_create (rounds)", moelink_ep_create(w->comm, &rcfg, &c.ep_rounds));
+    CLI_CALL("moelink_ep_set_weights (rounds)", moelink_ep_set_weights(c.ep_rounds, &lw));
+  }
 
   moelink_moe_config_t scfg = *base;
   scfg.max_tokens = c.n * T;
@@ -580,6 +611,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   be_time(w, &c, BE_V_SEQ, o, t[BE_V_SEQ]);
   be_time(w, &c, BE_V_EXTRA, o, t[BE_V_EXTRA]);
   if (c.ep_steps) be_time(w, &c, BE_V_STEPS, o, t[BE_V_STEPS]);
+  if (c.ep_rounds)
+    be_time(w, &c, BE_V_ROUNDS, o, t[BE_V_ROUNDS]);
   CLI_CALL("moelink_comm_check after the EP calls", moelink_comm_check(w->comm, w->stream));
   be_time(w, &c, BE_V_SINGLE, o, t[BE_V_SINGLE]);
 #if CLI_WORLD_GPU
@@ -631,6 +664,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   row->nccl_comb_us = BE_W(BE_V_NCCL, 2);
   row->steps_us = BE_W(BE_V_STEPS, 0);
   row->step_tokens = step_tokens;
+  row->rounds_us = BE_W(BE_V_ROUNDS, 0);
+  row->rounds_capacity = rounds_capacity;
 #undef BE_W
 
   free(c.disp);
@@ -648,11 +683,24 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   CLI_CALL("moelink_moe_destroy", moelink_moe_destroy(c.single));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep));
   CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep_steps));
+  CLI_CALL("moelink_ep_destroy", moelink_ep_destroy(c.ep_rounds));
 }
 
 /* ---- output ------------------------------------------------------------------ */
 
-
+/* The chunked table: --steps (rounds 0) or --rounds rows against one step. */
+static void be_print_chunked(const be_row *rows, int nrows, int rounds) {
+  printf("%7s %11s %11s %11s %9s\n", "T", rounds ? "capacity" : "step_tok", "ep_us",
+         rounds ? "rounds_us" : "steps_us", "kept");
+  for (int i = 0; i < nrows; ++i) {
+    const be_row *r = &rows[i];
+    const int size = rounds ? r->rounds_capacity : r->step_tokens;
+    const double us = rounds ? r->rounds_us : r->steps_us;
+    if (size)
+      printf("%7d %11d %11.1f %11.1f %8.1f%%\n", r->tokens, size, r->ep_us, us,
+             100.0 * r->ep_us / us);
+  }
+}
 
 static void be_write_json(const char *path, const be_opts *o, const cli_world *w,
                           const char *device, const moelink_moe_config_t *c, const char *shape,
@@ -758,6 +806,11 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
       fprintf(f, ", \"step_tokens\": %d", r->step_tokens);
       cli_json_field(f, "steps_us", r->steps_us);
       cli_json_field(f, "steps_throughput_of_ep", r->ep_us / r->steps_us);
+    }
+    if (r->rounds_capacity) {
+      fprintf(f, ", \"rounds_capacity\": %d", r->rounds_capacity);
+      cli_json_field(f, "rounds_us", r->rounds_us);
+      cli_json_field(f, "rounds_throughput_of_ep", r->ep_us / r->rounds_us);
     }
     fprintf(f, "}%s\n", i + 1 < nrows ? "," : "");
   }
@@ -865,13 +918,14 @@ int cli_cmd_bench_ep(int argc, char **argv) {
       printf("\nchunked (--steps %d): moelink_ep_forward of T tokens in steps of max_tokens "
              "ceil(T / %d) (receive memory 1/%d of one step's), throughput against one step\n",
              o.steps, o.steps, o.steps);
-      printf("%7s %11s %11s %11s %9s\n", "T", "step_tok", "ep_us", "steps_us", "kept");
-      for (int i = 0; i < o.ntokens; ++i) {
-        const be_row *r = &rows[i];
-        if (r->step_tokens)
-          printf("%7d %11d %11.1f %11.1f %8.1f%%\n", r->tokens, r->step_tokens, r->ep_us,
-                 r->steps_us, 100.0 * r->ep_us / r->steps_us);
-      }
+      be_print_chunked(rows, o.ntokens, 0);
+    }
+    if (o.rounds > 1) {
+      printf("\nchunked (--rounds %d): moelink_ep_forward of T tokens with recv_capacity "
+             "ceil(ranks * T / %d) (receive memory 1/%d of one step's), throughput against one "
+             "step\n",
+             o.rounds, o.rounds, o.rounds);
+      be_print_chunked(rows, o.ntokens, 1);
     }
     fflush(stdout);
   }

@@ -69,9 +69,10 @@ static moelink_status_t ml_ep_table(moelink_comm_t comm, const ml_ep_ops **ops) 
   return MOELINK_SUCCESS;
 }
 
-/* Checks cfg for comm and copies it into *out with recv_capacity resolved. */
+/* Checks cfg for comm, picks the backend's table (*ops) and copies cfg into
+ * *out with recv_capacity and call_tokens resolved. */
 static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep_config_t *cfg,
-                                           moelink_ep_config_t *out) {
+                                           moelink_ep_config_t *out, const ml_ep_ops **ops) {
   if (!comm) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: communicator is NULL");
   if (!cfg) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep: config is NULL");
   if (cfg->size != sizeof *cfg)
@@ -112,10 +113,14 @@ static moelink_status_t ml_ep_config_check(moelink_comm_t comm, const moelink_ep
                      cfg->moe.hidden, cfg->dispatch_quant == MOELINK_QUANT_FP8 ? "FP8" : "MXFP8",
                      b);
   }
+  ML_TRY(ml_ep_table(comm, ops));
   *out = *cfg;
   if (out->call_tokens == 0) out->call_tokens = cfg->moe.max_tokens;
   if (out->recv_capacity == 0) {
-    const int64_t spread = n < cfg->moe.top_k ? n : cfg->moe.top_k;
+    /* CUDA ranks (steps from the config): every source's whole step, one
+     * round whatever the routing (capturable); CPU ranks: about one round
+     * with balanced routing */
+    const int64_t spread = (*ops)->steps_from_config ? n : n < cfg->moe.top_k ? n : cfg->moe.top_k;
     const int64_t cap = (int64_t)cfg->moe.max_tokens * spread;
     out->recv_capacity = cap > INT32_MAX / 4 / cfg->moe.top_k
                              ? (int)(INT32_MAX / 4 / cfg->moe.top_k)
@@ -134,9 +139,8 @@ moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm, const moelink_ep
   if (!bytes) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_workspace_size: bytes is NULL");
   *bytes = 0;
   moelink_ep_config_t c;
-  ML_TRY(ml_ep_config_check(comm, cfg, &c));
   const ml_ep_ops *ops;
-  ML_TRY(ml_ep_table(comm, &ops));
+  ML_TRY(ml_ep_config_check(comm, cfg, &c, &ops));
   return ops->workspace_size(comm, &c, bytes);
 }
 
@@ -146,9 +150,8 @@ moelink_status_t moelink_ep_create(moelink_comm_t comm, const moelink_ep_config_
   if (!out) return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "ep_create: out is NULL");
   *out = NULL;
   moelink_ep_config_t c;
-  ML_TRY(ml_ep_config_check(comm, cfg, &c));
   const ml_ep_ops *ops;
-  ML_TRY(ml_ep_table(comm, &ops));
+  ML_TRY(ml_ep_config_check(comm, cfg, &c, &ops));
   moelink_ep_t ep = (moelink_ep_t)calloc(1, sizeof *ep);
   if (!ep) return ml_fail(MOELINK_ERR_OUT_OF_MEMORY, "ep_create: out of host memory");
   ep->comm = comm;

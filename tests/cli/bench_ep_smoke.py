@@ -1,7 +1,7 @@
 """`moelink bench ep` on CPU ranks: it must exit 0 and write JSON that parses
 and holds one row per token count with positive times, no NCCL column on the
 cpu backend, row counts inside what T tokens of top-k routing allow, and
-bytes and rates that follow from them. Also: outside the launcher it fails
+bytes and rates that follow from them, and the --steps / --rounds rows. Also: outside the launcher it fails
 (exit 1) and a bad option is a usage error (exit 2).
 
 usage: bench_ep_smoke.py MOELINK_EXE JSON_PATH [NRANKS (default 2)]"""
@@ -17,7 +17,7 @@ if os.path.exists(path):
 tokens = [16, 37]
 cmd = [exe, "launch", "-n", str(n), "--timeout", "120", "--", exe, "bench", "ep",
        "--backend", "cpu", "--tokens", ",".join(map(str, tokens)), "--iters", "2",
-       "--steps", "3", "--json", path]
+       "--steps", "3", "--rounds", "4", "--json", path]
 p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=180)
 sys.stdout.write(p.stdout)
 sys.stderr.write(p.stderr)
@@ -58,6 +58,9 @@ for r in d["rows"]:
     # --steps 3: the same call in steps of ceil(T / 3) tokens
     assert r["step_tokens"] == (T + 2) // 3 and r["steps_us"] > 0, r
     assert abs(r["steps_throughput_of_ep"] - r["ep_us"] / r["steps_us"]) <= 1e-3, r
+    # --rounds 4: one step with recv_capacity ceil(ranks * T / 4)
+    assert r["rounds_capacity"] == (n * T + 3) // 4 and r["rounds_us"] > 0, r
+    assert abs(r["rounds_throughput_of_ep"] - r["ep_us"] / r["rounds_us"]) <= 1e-3, r
 
 p = subprocess.run([exe, "bench", "ep", "--backend", "cpu"], stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE, text=True, timeout=60,

@@ -25,7 +25,9 @@
  * outputs poisoned with 0xff bytes and guard rows past the end; 100
  * back-to-back calls; one call captured in a CUDA graph and replayed with new
  * x; argument errors (rank-symmetric where a rank might not take part; more
- * than call_tokens tokens: taken part with none).
+ * than call_tokens tokens: taken part with none); rounds mode (recv_capacity
+ * below the whole step: 1/8 of it, 3 rows, with steps, FP8 rows and skew;
+ * a dispatch that fits one round, one that does not, a capture).
  *
  *   moelink launch -n 2 -- mgpu_test_ep */
 #include "mgpu.h"
@@ -43,6 +45,9 @@ static moelink_quant_t layer_quant = MOELINK_QUANT_NONE;
 /* Layers made next take calls of up to layer_steps * max_tokens tokens a rank
  * (the EP config's call_tokens; 1: left at 0, the default). */
 static int layer_steps = 1;
+/* The EP config's recv_capacity of the layers made next (0: the default, one
+ * round a step; below ranks * max_tokens: rounds by expert). */
+static int layer_capacity = 0;
 static double worst_rel, worst_abs;
 
 /* One layer: the full weights on this GPU, the single-GPU reference layer,
@@ -199,6 +204,7 @@ static void layer_make(layer *L, const char *name, const moelink_moe_config_t *c
   ecfg.moe = *c;
   ecfg.dispatch_quant = layer_quant;
   ecfg.call_tokens = layer_steps > 1 ? L->call : 0;
+  ecfg.recv_capacity = layer_capacity;
   size_t ws = 0;
   CHECK_OK(moelink_ep_workspace_size(W.comm, &ecfg, &ws), "ep_workspace_size");
   const double t0 = mg_now();
@@ -209,7 +215,8 @@ static void layer_make(layer *L, const char *name, const moelink_moe_config_t *c
   CHECK_OK(moelink_ep_get_config(L->ep, &got, &L->first, &L->El), "ep_get_config");
   CHECK(L->first == W.rank * c->num_experts / W.size && L->El == c->num_experts / W.size &&
             got.moe.hidden == c->hidden && got.moe.num_experts == c->num_experts &&
-            got.moe.max_tokens == c->max_tokens && got.recv_capacity >= 1 &&
+            got.moe.max_tokens == c->max_tokens &&
+            got.recv_capacity == (layer_capacity ? layer_capacity : W.size * c->max_tokens) &&
             got.call_tokens == L->call,
         "%s: ep created (%.2f s, %zu bytes of workspace): rank %d owns experts [%d, %d), "
         "recv_capacity %d, call_tokens %d",
@@ -456,7 +463,8 @@ static void run_skew(void) {
   moelink_moe_config_t cfg =
       make_config("deepseek-v3", MOELINK_DTYPE_BF16, 512, 256, 16, 4, 128, 96);
   layer L;
-  layer_make(&L, "skew to rank 0", &cfg, 0x5e30000ull, 1);
+  layer_make(&L, layer_capacity ? "skew to rank 0, rounds" : "skew to rank 0", &cfg, 0x5e30000ull,
+             1);
   int counts[MOELINK_DEVICE_MAX_RANKS];
   uint64_t st = 5;
   const int pats[] = {-1, 0, 1, 4};
@@ -737,7 +745,7 @@ static void pieces_make(pieces *P, layer *L) {
   memset(P, 0, sizeof *P);
   const moelink_moe_config_t *c = &L->cfg;
   const int M = c->max_tokens, k = c->top_k;
-  P->cap = W.size * M;
+  P->cap = layer_capacity && layer_capacity < W.size * M ? layer_capacity : W.size * M;
   P->kl = k < L->El ? k : L->El;
   moelink_moe_config_t lc = MOELINK_MOE_CONFIG_INIT;
   lc.hidden = c->hidden;
@@ -1233,6 +1241,159 @@ static void run_quant_errors(void) {
   layer_free(&L);
 }
 
+/* Rounds mode with rows that travel as FP8 (recv_capacity 1/8 of the whole
+ * step): the forward against the single-GPU layer's pieces with the experts
+ * on dequantize(quantize(x)) (routing on x; no shared expert). */
+static void run_rounds_quant(void) {
+  const int c = g_case++;
+  moelink_moe_config_t cfg =
+      make_config("qwen3-30b-a3b", MOELINK_DTYPE_BF16, 256, 128, 32, 8, 0, 40);
+  const int M = cfg.max_tokens, H = cfg.hidden;
+  const moelink_quant_t fmt = MOELINK_QUANT_FP8;
+  layer_quant = fmt;
+  layer_capacity = W.size * M / 8;
+  layer L;
+  layer_make(&L, "rounds qwen3-like E=32 k=8, FP8 rows", &cfg, 0x20d80000ull, 0);
+  pieces P;
+  pieces_make(&P, &L);
+  layer_quant = MOELINK_QUANT_NONE;
+  layer_capacity = 0;
+  const size_t sb = moelink_quant_scale_bytes(fmt, H), all = (size_t)W.size * M;
+  uint8_t *xq = (uint8_t *)mg_dev(all * (size_t)H);
+  void *xs = mg_dev(all * sb + 16);
+  void *xdq = mg_dev(all * L.row);
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L.row;
+  uint64_t st = mg_seed(0, 7171 + c);
+  int counts[MOELINK_DEVICE_MAX_RANKS], good = 0;
+  const int calls = 4;
+  for (int it = 0; it < calls; ++it) {
+    counts_of(it < 2 ? it + 1 : 4, M, &st, counts);
+    const int T = counts[W.rank];
+    const int mine = pieces_inputs(&L, &P, counts, c, it, 0, -1);
+    int total = 0;
+    for (int r = 0; r < W.size; ++r)
+      total += counts[r];
+    if (total > 0) {
+      MG_MUST(moelink_quantize(W.ctx, fmt, cfg.dtype, L.x_all, total, H, xq, xs, W.stream),
+              "moelink_quantize");
+      MG_MUST(moelink_dequantize(W.ctx, fmt, cfg.dtype, xq, xs, total, H, xdq, W.stream),
+              "moelink_dequantize");
+    }
+    pieces_reference_on(&L, &P, total, xdq);
+    poison(L.out, bytes);
+    CHECK_OK(moelink_ep_forward(L.ep, T ? L.x : NULL, T, T ? L.out : NULL, W.stream),
+             "rounds: ep_forward with FP8 rows");
+    sync_stream();
+    to_host(L.h_out, L.out, bytes);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    char what[160];
+    snprintf(what, sizeof what, "rounds FP8 rows: call %d, tokens here %d", it, T);
+    good += compare(&L, what, L.h_out, L.h_ref, T, 0);
+  }
+  CHECK(good == calls, "rounds FP8 rows: %d of %d calls good", good, calls);
+  cudaFree(xq);
+  cudaFree(xs);
+  cudaFree(xdq);
+  pieces_free(&P);
+  layer_free(&L);
+}
+
+/* Rounds mode (recv_capacity below ranks * max_tokens), the parts the
+ * forward cases above do not reach: a dispatch whose pairs fit one round
+ * (received rows and combine as with the whole step), one that needs more
+ * (every rank refuses, nothing sent, the layer still works), and a capture
+ * (refused before anything is enqueued: the step needs the host). */
+static void run_rounds_errors(void) {
+  const int c = g_case++;
+  moelink_moe_config_t cfg = make_config("deepseek-v3", MOELINK_DTYPE_BF16, 256, 128, 32, 8, 0, 24);
+  const int M = cfg.max_tokens, k = cfg.top_k;
+  layer_capacity = W.size * M / 2;
+  layer L;
+  layer_make(&L, "rounds pieces", &cfg, 0x20d50000ull, 0);
+  pieces P;
+  pieces_make(&P, &L);
+  layer_capacity = 0;
+  const size_t bytes = (size_t)(M + GUARD_ROWS) * L.row;
+  int counts[MOELINK_DEVICE_MAX_RANKS];
+
+  /* one token a rank: at most ranks * k pairs reach a rank, within
+   * recv_capacity (>= 12): one round */
+  for (int r = 0; r < W.size; ++r)
+    counts[r] = 1;
+  {
+    const int mine = pieces_inputs(&L, &P, counts, c, 0, 0, -1), T = counts[W.rank];
+    poison(L.out, bytes);
+    moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+    const moelink_status_t s = moelink_ep_dispatch(L.ep, L.x, L.ids + (size_t)mine * k,
+                                                   L.wts + (size_t)mine * k, T, &rv, W.stream);
+    CHECK_OK(s, "rounds: ep_dispatch of one token a rank (one round)");
+    if (s != MOELINK_SUCCESS)
+      mg_bail("dispatch failed");
+    sync_stream();
+    pieces_check_recv(&L, &P, &rv, counts, "rounds: one token a rank");
+    MG_MUST(moelink_moe_plan(P.local, rv.expert_ids, rv.capacity, P.plan, W.stream), "plan");
+    MG_MUST(moelink_moe_experts(P.local, rv.rows, rv.capacity, P.plan, rv.weights, P.y, W.stream),
+            "experts");
+    moelink_plan_t pv;
+    MG_MUST(moelink_plan_view(P.plan, rv.capacity, P.kl, L.El, moelink_moe_tile_rows(P.local), &pv),
+            "plan view");
+    CHECK_OK(moelink_ep_combine(L.ep, P.y, pv.pair_rows, L.out, W.stream), "rounds: ep_combine");
+    int total = 0;
+    for (int r = 0; r < W.size; ++r)
+      total += counts[r];
+    pieces_reference(&L, &P, total);
+    sync_stream();
+    to_host(L.h_out, L.out, bytes);
+    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
+    compare(&L, "rounds: dispatch + experts + combine of one token a rank", L.h_out, L.h_ref, T, 0);
+  }
+
+  /* max_tokens a rank: about M * k pairs reach each rank, far over
+   * recv_capacity: every rank refuses alike, with no combine owed */
+  for (int r = 0; r < W.size; ++r)
+    counts[r] = M;
+  {
+    const int mine = pieces_inputs(&L, &P, counts, c, 1, 0, -1), T = counts[W.rank];
+    moelink_ep_recv_t rv = MOELINK_EP_RECV_INIT;
+    const double t0 = mg_now();
+    const moelink_status_t s = moelink_ep_dispatch(L.ep, L.x, L.ids + (size_t)mine * k,
+                                                   L.wts + (size_t)mine * k, T, &rv, W.stream);
+    char why[400];
+    snprintf(why, sizeof why, "%s", moelink_last_error());
+    const double took = mg_now() - t0;
+    const int refused = s == MOELINK_ERR_UNSUPPORTED && strstr(why, "rounds") != NULL;
+    CHECK(all_agree(refused),
+          "rounds: ep_dispatch of max_tokens a rank -> %s (%s) in %.3f s, "
+          "the same on every rank",
+          moelink_status_string(s), why, took);
+  }
+  for (int r = 0; r < W.size; ++r)
+    counts[r] = M - 5 * r;
+  run_call(&L, counts, c, 2, 0);
+
+  /* capture: refused before anything is enqueued, on every rank */
+  {
+    cudaGraph_t g = NULL;
+    MG_CUDA(cudaStreamBeginCapture(W.stream, cudaStreamCaptureModeThreadLocal));
+    const moelink_status_t s = moelink_ep_forward(L.ep, L.x, 3, L.out, W.stream);
+    char why[400];
+    snprintf(why, sizeof why, "%s", moelink_last_error());
+    MG_CUDA(cudaStreamEndCapture(W.stream, &g));
+    size_t nodes = 99;
+    MG_CUDA(cudaGraphGetNodes(g, NULL, &nodes));
+    MG_CUDA(cudaGraphDestroy(g));
+    CHECK(s == MOELINK_ERR_UNSUPPORTED && strstr(why, "capturable") && nodes == 0,
+          "rounds: ep_forward under stream capture -> %s (%s), %zu nodes captured",
+          moelink_status_string(s), why, nodes);
+  }
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "rounds: comm_check after the refusals");
+  for (int r = 0; r < W.size; ++r)
+    counts[r] = 7 + r;
+  run_call(&L, counts, c, 3, 0);
+  pieces_free(&P);
+  layer_free(&L);
+}
+
 int main(void) {
   mg_init(&W);
   const double t0 = mg_now();
@@ -1303,6 +1464,29 @@ int main(void) {
   run_quant("quant mixtral-like f16 E=8 k=2", &qm, MOELINK_QUANT_MXFP8);
   run_quant_errors();
   ml_t_diag("quant done in %.1f s", mg_now() - t0);
+
+  /* Rounds mode: recv_capacity 1/8 of the whole step (deepseek-like, k = 8:
+   * tens of rounds a step), with 3 steps a call, with FP8 rows, an odd tiny
+   * capacity of 3 rows, and every token on rank 0's experts (the rounds grow,
+   * the memory does not) */
+  moelink_moe_config_t rd = make_config("deepseek-v3", bf, 256, 128, 32, 8, 128, 48);
+  layer_capacity = W.size * 48 / 8;
+  run_layer("rounds deepseek-like E=32 k=8, recv_capacity 1/8", &rd, 1);
+  layer_steps = 3;
+  moelink_moe_config_t rs = make_config("deepseek-v3", bf, 256, 128, 16, 4, 128, 29);
+  layer_capacity = W.size * 29 / 8;
+  run_layer("rounds deepseek-like E=16 k=4, 3 steps a call", &rs, 0);
+  layer_steps = 1;
+  run_rounds_quant();
+  moelink_moe_config_t rt = make_config("mixtral-8x7b", f16, 256, 128, 8, 2, 0, 20);
+  layer_capacity = 3;
+  run_layer("rounds mixtral-like f16 E=8 k=2, recv_capacity 3", &rt, 0);
+  layer_capacity = W.size * 96 / 8; /* run_skew's max_tokens */
+  run_skew();
+  layer_capacity = 0;
+  run_rounds_errors();
+  CHECK_OK(moelink_comm_check(W.comm, W.stream), "rounds: moelink_comm_check");
+  ml_t_diag("rounds done in %.1f s", mg_now() - t0);
 
   ml_t_diag("%zu of %zu compared elements bitwise equal to the single-GPU layer; worst rel L2 "
             "%.3g, worst |d| %.3g; all done in %.1f s",

@@ -1,27 +1,31 @@
 /* The expert-parallel layer on CUDA ranks (one GPU each, all in one NVLink
  * domain): one stream-ordered sequence of launches per forward, no host
- * synchronization, capturable in a CUDA graph.
+ * synchronization, capturable in a CUDA graph (but rounds mode, below).
  *
  * Each rank holds one CUDA layer of its own, `local`: its El = E / n experts
- * with top_k kl = min(k, El) and max_tokens = cap = n * max_tokens, run on
+ * with top_k kl = min(k, El) and max_tokens = cap received rows (n *
+ * max_tokens, or in rounds mode, below, recv_capacity), run on
  * the rows it receives. Routing calls the CUDA backend's router kernel
  * directly (a whole layer's workspace would be mostly expert buffers it never
  * uses: ~0.7 GB per rank for deepseek-v3 at max_tokens 4096). And one
  * symmetric buffer, laid out the same on every rank:
  *   arrive[n]        8-byte cells: arrive[s] = call: s's rows of the call are in
  *   return[n]        return[d] = call: d has pushed back its outputs of the call
- *   meta[cap][2+2k]  per received row: source token, call (low 32 bits), the k
- *                    expert ids as local ids (-1: another rank's), the k
+ *   meta[cap][2+2k]  per received row: source * max_tokens + token, call (low
+ *                    32 bits), the k expert ids as local ids (-1: another
+ *                    rank's or, in rounds mode, another round's), the k
  *                    routing weights (fp32 bits)
  *   rows[cap][H]     received token rows; token t of source s lands in row
- *                    s * max_tokens + t (rows of tokens not sent keep an older
- *                    call in their meta)
+ *                    s * max_tokens + t (rounds mode: below) (rows of tokens
+ *                    not sent keep an older call in their meta)
  *   ret[max_tokens * k][H]  the output of slot j of token t (already times its
  *                    routing weight, rounded to the dtype) at row t*k + j,
  *                    written by the rank that owns that expert
  *   qrows[cap][qrow] with dispatch_quant only: the rows as they travel (H e4m3
  *                    bytes, then the scales), turned back into `rows` by
  *                    the receive kernel
+ *   csig[n], cnt[2][n][E]  rounds mode only: csig[s] = step: s's pair counts
+ *                    per expert of the step are in cnt[step & 1][s]
  *
  * A forward runs ceil(call_tokens / max_tokens) steps, every rank the same
  * (a rank out of tokens takes part with none); a step (T <= max_tokens
@@ -45,6 +49,18 @@
  *  6. (this rank's shared expert ran during 2-3) combine out[t] = sum_j
  *     ret[t*k + j] in slot order (+ gated shared expert), fp32, one
  *     rounding: the single-GPU layer's combine kernel.
+ * Rounds mode (recv_capacity R below n * max_tokens): after step 1 every
+ * rank counts its pairs (token, slot) per expert, giving each its place
+ * among its expert's pairs in pair order, and stores the counts into every
+ * rank's cnt; one kernel then waits for all counts and orders each rank
+ * d's incoming pairs by (d's local expert, source, place): pair p of that
+ * order moves in round p / R, its token's row at p % R (the row of its first
+ * pair in the round: pairs, hence rows, never share a place). The host reads
+ * the rounds, max over d of ceil(pairs / R), the same on every rank (one
+ * stream synchronization a step), then runs steps 2-5 once per round, each
+ * round a call of the protocol below with only that round's pairs in the
+ * meta, and step 6 once. Each pair's output lands in its own ret row in
+ * exactly one round, so the sums and their order do not change.
  * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the
  * received rows left in `rows` and their local ids and weights in the
  * scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the shared
@@ -55,11 +71,16 @@
  * destination's RETURN of call c, which the destination sends after it has
  * read them; a destination writes a source's ret for call c + 1 only after
  * that source's rows of call c + 1 arrived, which it sends after its combine
- * of call c. Every wait gives up after MOELINK_COMM_TIMEOUT_MS.
+ * of call c. In rounds mode a rank writes the counts of step i + 2 into the
+ * cnt that held step i's only after its schedule kernel of step i + 1 saw
+ * every rank's counts of step i + 1, which each rank sends after it read
+ * step i's (hence two cnt by parity). Every wait gives up after
+ * MOELINK_COMM_TIMEOUT_MS.
  *
- * Memory: the two layers' workspaces, the symmetric buffer and the scratch
- * below, all from the config (cap = n * max_tokens rows: every source's
- * whole step fits, whatever the routing; recv_capacity is not needed). */
+ * Memory: the local layer's workspace, the symmetric buffer and the scratch
+ * below, all from the config (cap rows: n * max_tokens fits every source's
+ * whole step, whatever the routing; a smaller recv_capacity takes rounds,
+ * more of them under skew, never more memory). */
 #include "ep/ep.h"
 
 #include "comm/cuda/comm_cuda.h"
@@ -91,11 +112,20 @@ typedef struct ml_epc {
 
 static size_t ml_epc_up(size_t v) { return (v + 255) & ~(size_t)255; }
 
+/* Received rows a step, and whether it takes rounds: recv_capacity below the
+ * whole step's n * max_tokens rows. */
+static int ml_epc_cap(const moelink_ep_config_t *cfg, int n, int *rounds) {
+  const int64_t whole = (int64_t)n * cfg->moe.max_tokens;
+  *rounds = cfg->recv_capacity < whole;
+  return *rounds ? cfg->recv_capacity : (int)whole;
+}
+
 /* Symmetric layout (offsets into a) and its size. */
 static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a) {
   const moelink_moe_config_t *c = &cfg->moe;
   const size_t k = (size_t)c->top_k, H = (size_t)c->hidden, es = moelink_dtype_size(c->dtype);
-  const size_t cap = (size_t)n * (size_t)c->max_tokens;
+  int rounds;
+  const size_t cap = (size_t)ml_epc_cap(cfg, n, &rounds);
   size_t off = 0;
   a->off_arrive = off;
   off = ml_epc_up(off + (size_t)n * 8);
@@ -112,15 +142,22 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
   a->qrow = a->quant ? (H + (size_t)a->sbytes + 15) & ~(size_t)15 : 0;
   a->off_qrows = off;
   off = ml_epc_up(off + cap * a->qrow);
+  a->off_csig = off;
+  off = ml_epc_up(off + (rounds ? (size_t)n * 8 : 0));
+  a->off_cnt = off;
+  off = ml_epc_up(off + (rounds ? 2 * (size_t)n * (size_t)c->num_experts * 4 : 0));
   return off;
 }
 
 /* Device scratch layout (base NULL: only sizes it). */
 static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w, char *base) {
   const moelink_moe_config_t *c = &cfg->moe;
-  const moelink_moe_config_t l = ml_ep_local_config(cfg, n, n * cfg->moe.max_tokens);
+  int rounds;
+  const int cap_rows = ml_epc_cap(cfg, n, &rounds);
+  const moelink_moe_config_t l = ml_ep_local_config(cfg, n, cap_rows);
   const size_t T = (size_t)c->max_tokens, k = (size_t)c->top_k, H = (size_t)c->hidden;
-  const size_t cap = (size_t)n * T, kl = (size_t)l.top_k, es = moelink_dtype_size(c->dtype);
+  const size_t cap = (size_t)cap_rows, kl = (size_t)l.top_k, es = moelink_dtype_size(c->dtype);
+  const size_t E = (size_t)c->num_experts;
   const size_t Is = (size_t)c->shared_inter;
   size_t off = 0;
 #define ML_EPC_TAKE(ptr, type, bytes)                                          \
@@ -138,8 +175,12 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
   ML_EPC_TAKE(w->a.slot_rows, int32_t *, T * k * 4);
+  ML_EPC_TAKE(w->a.sepoch, uint64_t *, rounds ? 64 : 0);
+  ML_EPC_TAKE(w->a.ord, int32_t *, rounds ? T * k * 4 : 0);
+  ML_EPC_TAKE(w->a.offs, int32_t *, rounds ? E * 4 : 0);
+  ML_EPC_TAKE(w->a.nrounds, int32_t *, rounds ? 64 : 0);
   ML_EPC_TAKE(w->plan, void *,
-              moelink_plan_bytes((int)cap, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
+              moelink_plan_bytes(cap_rows, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
   ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
   ML_EPC_TAKE(w->sh_h, void *, T * Is * es);
   ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
@@ -182,8 +223,9 @@ static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config
   memset(&w, 0, sizeof w);
   ML_TRY(ml_epc_sms(comm, &w.a.sms));
   size_t a = 0, b = 0;
+  int rounds;
   const moelink_moe_config_t lc =
-      ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
+      ml_ep_local_config(cfg, comm->nranks, ml_epc_cap(cfg, comm->nranks, &rounds));
   /* The whole layer's size is asked only for the CUDA backend's checks of
    * the config (E, k, sizes, the router's shared memory); nothing of it is
    * allocated. */
@@ -231,8 +273,9 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   const moelink_ep_config_t *cfg = &ep->cfg;
   const moelink_moe_config_t *c = &cfg->moe;
   ML_TRY(ml_epc_check(comm, cfg));
-  const moelink_moe_config_t lc =
-      ml_ep_local_config(cfg, comm->nranks, comm->nranks * cfg->moe.max_tokens);
+  int rounds;
+  const int cap = ml_epc_cap(cfg, comm->nranks, &rounds);
+  const moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks, cap);
   size_t whole = 0; /* the CUDA backend's checks of the whole config (see ml_epc_size) */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, c, &whole));
   ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
@@ -247,13 +290,15 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->es = (int)moelink_dtype_size(c->dtype);
   a->dtype = (int)c->dtype;
   a->max_tokens = c->max_tokens;
-  w->cap = comm->nranks * c->max_tokens;
+  a->E = c->num_experts;
+  a->cap = w->cap = cap;
+  a->rounds = rounds;
   ML_TRY(ml_epc_sms(comm, &a->sms));
   {
     int prev, fits = 0;
     ML_TRY(ml_cuda_enter(comm->ctx, &prev));
     ML_TRY(ml_cuda_leave(comm->ctx, prev, ml_epc_ll_ok(&fits)));
-    a->ll = fits && c->max_tokens <= ML_EPC_LL_MAX_TOKENS && ml_param_EP_LL() != 0;
+    a->ll = fits && !rounds && c->max_tokens <= ML_EPC_LL_MAX_TOKENS && ml_param_EP_LL() != 0;
   }
 
   const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
@@ -300,29 +345,86 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
   return ml_ep_bind_layers(ep, NULL, w->local);
 }
 
-/* Steps 1 (after routing) to 3: the rows go out; this rank's shared expert
- * (when shared) runs while the peers' rows come in. Without it a layer of
- * few tokens (a->ll) sends and receives in one kernel. */
-static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const void *x,
-                                              const uint8_t *xq, const void *xs,
-                                              const int32_t *ids, const float *wts, int T,
-                                              int shared, cudaStream_t st) {
+/* This rank's shared expert on its T tokens, into sh_out. */
+static moelink_status_t ml_epc_shared(moelink_ep_t ep, ml_epc *w, const void *x, int T,
+                                      cudaStream_t st) {
   const moelink_moe_config_t *c = &ep->cfg.moe;
   const moelink_moe_weights_t *wt = &ep->w;
-  const ml_epc_args *a = &w->a;
+  if (T == 0 || c->shared_inter == 0)
+    return MOELINK_SUCCESS;
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, 0);
+  ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
+                             c->hidden, NULL, NULL, 0, T, w->sh_h, &go, st));
+  return ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
+                             c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, &go, st);
+}
+
+/* Rounds mode learns each step's rounds on the host: refused while the
+ * stream captures, before anything is enqueued. */
+static moelink_status_t ml_epc_not_capturing(moelink_ep_t ep, ml_epc *w, cudaStream_t st) {
+  enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (!w->a.rounds)
+    return MOELINK_SUCCESS;
+  if (cudaStreamIsCapturing(st, &cs) != cudaSuccess || cs != cudaStreamCaptureStatusNone)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "ep (cuda) on rank %d: recv_capacity %d is below the step's %d rows, so each "
+                   "step learns its rounds on the host: not capturable (a recv_capacity of "
+                   "ranks * max_tokens is)",
+                   ep->comm->rank, w->cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
+  return MOELINK_SUCCESS;
+}
+
+/* Rounds mode, before a step's exchanges: the pairs counted and placed on
+ * every rank (this rank's shared expert, when x, runs while the counts
+ * travel), then the host learns the step's rounds (*rounds >= 1, the same
+ * on every rank): the one host synchronization of the mode. */
+static moelink_status_t ml_epc_plan_rounds(moelink_ep_t ep, ml_epc *w, const int32_t *ids,
+                                           const void *x, int T, cudaStream_t st, int *rounds) {
+  ML_TRY(ml_epc_count(&w->a, ids, T, st));
+  if (x)
+    ML_TRY(ml_epc_shared(ep, w, x, T, st));
+  ML_TRY(ml_epc_schedule(&w->a, st));
+  int32_t n = -1;
+  const cudaError_t e = cudaMemcpyAsync(&n, w->a.nrounds, sizeof n, cudaMemcpyDeviceToHost, st);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): reading the step's rounds: %s",
+                   cudaGetErrorString(e));
+  ML_TRY(moelink_comm_check(ep->comm, st)); /* synchronizes; a peer that never came: TIMEOUT */
+  if (n < 0)
+    return ml_fail(MOELINK_ERR_TIMEOUT, "ep (cuda) on rank %d: a peer's pair counts never came",
+                   ep->comm->rank);
+  *rounds = n > 0 ? n : 1; /* one exchange even with no pairs: combine's protocol */
+  return MOELINK_SUCCESS;
+}
+
+/* Steps 1 (after routing) to 3 of one exchange (a: the layer's arguments, or
+ * a round's copy): the rows go out; this rank's shared expert (when shared)
+ * runs while the peers' rows come in. Without it a layer of few tokens
+ * (a->ll) sends and receives in one kernel. */
+static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const ml_epc_args *a,
+                                              const void *x, const uint8_t *xq, const void *xs,
+                                              const int32_t *ids, const float *wts, int T,
+                                              int shared, cudaStream_t st) {
   const int ll = a->ll && !shared;
   ML_TRY(ml_epc_send(a, x, xq, xs, ids, wts, T, ll, st));
   if (ll)
     return MOELINK_SUCCESS;
-  if (shared && T > 0 && c->shared_inter > 0) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, 0);
-    ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
-                               c->hidden, NULL, NULL, 0, T, w->sh_h, &go, st));
-    ML_TRY(ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
-                               c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, &go,
-                               st));
-  }
+  if (shared)
+    ML_TRY(ml_epc_shared(ep, w, x, T, st));
   return ml_epc_receive(a, st);
+}
+
+/* Step 6: this rank's T tokens summed from its ret rows (with the shared
+ * expert when shared). */
+static moelink_status_t ml_epc_sum(moelink_ep_t ep, ml_epc *w, int shared, const void *x, int T,
+                                   void *out, cudaStream_t st) {
+  const moelink_moe_config_t *c = &ep->cfg.moe;
+  const ml_epc_args *a = &w->a;
+  if (T == 0 || !out)
+    return MOELINK_SUCCESS;
+  return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, a->slot_rows, T, c->top_k,
+                         c->hidden, shared ? w->sh_out : NULL, x,
+                         shared && c->shared_gate ? ep->w.shared_gate : NULL, out, st);
 }
 
 /* Steps 5 and 6: outputs back (pushed: they are there already), then this
@@ -332,17 +434,12 @@ static moelink_status_t ml_epc_dispatch_inner(moelink_ep_t ep, ml_epc *w, const 
 static moelink_status_t ml_epc_combine_inner(moelink_ep_t ep, ml_epc *w, const void *y,
                                              const int32_t *pair_rows, int pushed, const void *x,
                                              int T, void *out, cudaStream_t st) {
-  const moelink_moe_config_t *c = &ep->cfg.moe;
   const ml_epc_args *a = &w->a;
-  const int shared = x && c->shared_inter > 0;
+  const int shared = x && ep->cfg.moe.shared_inter > 0;
   if (a->ll && !shared && out)
     return ml_epc_return(a, y, pair_rows, pushed, out, T, st);
   ML_TRY(ml_epc_return(a, y, pair_rows, pushed, NULL, 0, st));
-  if (T == 0 || !out)
-    return MOELINK_SUCCESS;
-  return ml_cuda_combine(c->dtype, a->base[a->me] + a->off_ret, a->slot_rows, T, c->top_k,
-                         c->hidden, shared ? w->sh_out : NULL, x,
-                         shared && c->shared_gate ? ep->w.shared_gate : NULL, out, st);
+  return ml_epc_sum(ep, w, shared, x, T, out, st);
 }
 
 /* This rank's T tokens routed as the whole layer routes them: ids, wts. */
@@ -354,22 +451,47 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
   return ml_cuda_route(&r, w->logits, w->sched, st);
 }
 
+/* Step 4 of one exchange (a: the layer's arguments, or a round's copy) whose
+ * rows are in: plan and the local experts (fused: the down GEMM stores each
+ * output row into its source's ret); *pair_rows: where y holds each pair. */
+static moelink_status_t ml_epc_experts(ml_epc *w, const ml_epc_args *a, int fused,
+                                       const int32_t **pair_rows, cudaStream_t st) {
+  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+  ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
+                                w->y, fused ? (void *const *)a->dst : NULL, st));
+  moelink_plan_t lp;
+  ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
+  *pair_rows = lp.pair_rows;
+  return MOELINK_SUCCESS;
+}
+
 static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const void *x, int T,
                                              void *out, cudaStream_t st) {
   const ml_epc_args *a = &w->a;
-  if (T > 0) ML_TRY(ml_epc_route(ep, w, x, T, st));
-  ML_TRY(ml_epc_dispatch_inner(ep, w, x, NULL, NULL, w->ids, w->wts, T, 1, st));
-  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+  if (T > 0)
+    ML_TRY(ml_epc_route(ep, w, x, T, st));
   /* fused: the down GEMM stores every output row into its source's ret;
    * from MOELINK_EP_FUSED_RETURN tokens on this rank (a step of 128 tokens
    * measured 1-2% slower fused, 512 and 4096 faster: docs/PERF.md) */
   const long long from = ml_param_EP_FUSED_RETURN();
   const int fused = from > 0 && T >= from;
-  ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
-                                w->y, fused ? (void *const *)a->dst : NULL, st));
-  moelink_plan_t lp;
-  ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
-  return ml_epc_combine_inner(ep, w, w->y, lp.pair_rows, fused, x, T, out, st);
+  const int32_t *pair_rows = NULL;
+  if (!a->rounds) {
+    ML_TRY(ml_epc_dispatch_inner(ep, w, a, x, NULL, NULL, w->ids, w->wts, T, 1, st));
+    ML_TRY(ml_epc_experts(w, a, fused, &pair_rows, st));
+    return ml_epc_combine_inner(ep, w, w->y, pair_rows, fused, x, T, out, st);
+  }
+  /* rounds mode: the shared expert runs under the count exchange */
+  int rounds = 0;
+  ML_TRY(ml_epc_plan_rounds(ep, w, w->ids, x, T, st, &rounds));
+  for (int r = 0; r < rounds; ++r) {
+    ml_epc_args ra = *a;
+    ra.round = r;
+    ML_TRY(ml_epc_dispatch_inner(ep, w, &ra, x, NULL, NULL, w->ids, w->wts, T, 0, st));
+    ML_TRY(ml_epc_experts(w, &ra, fused, &pair_rows, st));
+    ML_TRY(ml_epc_return(&ra, w->y, pair_rows, fused, NULL, 0, st));
+  }
+  return ml_epc_sum(ep, w, x && ep->cfg.moe.shared_inter > 0, x, T, out, st);
 }
 
 static moelink_status_t ml_epc_aligned(const char *what, const void *p, int rank) {
@@ -395,7 +517,7 @@ static moelink_status_t ml_epc_forward(moelink_ep_t ep, const void *x, int num_t
   const size_t row = (size_t)ep->cfg.moe.hidden * moelink_dtype_size(ep->cfg.moe.dtype);
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
-  moelink_status_t s = MOELINK_SUCCESS;
+  moelink_status_t s = ml_epc_not_capturing(ep, w, (cudaStream_t)stream);
   for (int i = 0; i < steps && s == MOELINK_SUCCESS; ++i) {
     const int64_t t0 = (int64_t)i * M, left = num_tokens - t0;
     const int T = left <= 0 ? 0 : left < M ? (int)left : M;
@@ -413,8 +535,23 @@ static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const ui
                                             ep->comm->rank));
   int prev;
   ML_TRY(ml_cuda_enter(ep->comm->ctx, &prev));
-  moelink_status_t s = ml_epc_dispatch_inner(ep, w, x, xq, xs, ids, weights, num_tokens, 0,
-                                             (cudaStream_t)stream);
+  const cudaStream_t st = (cudaStream_t)stream;
+  moelink_status_t s = ml_epc_not_capturing(ep, w, st);
+  int rounds = 1;
+  if (w->a.rounds) {
+    /* the caller gets the rows at once: they must fit in one round (every
+     * rank counts the same rounds, so all refuse alike) */
+    if (s == MOELINK_SUCCESS)
+      s = ml_epc_plan_rounds(ep, w, ids, NULL, num_tokens, st, &rounds);
+    if (s == MOELINK_SUCCESS && rounds > 1)
+      s = ml_fail(MOELINK_ERR_UNSUPPORTED,
+                  "ep_dispatch on rank %d: the ranks' pairs need %d rounds of recv_capacity %d "
+                  "rows; a dispatch is one round (use moelink_ep_forward, or raise "
+                  "recv_capacity up to ranks * max_tokens = %d)",
+                  ep->comm->rank, rounds, w->cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
+  }
+  if (s == MOELINK_SUCCESS)
+    s = ml_epc_dispatch_inner(ep, w, &w->a, x, xq, xs, ids, weights, num_tokens, 0, st);
   s = ml_cuda_leave(ep->comm->ctx, prev, s);
   if (s != MOELINK_SUCCESS) return s;
   recv->capacity = w->cap;

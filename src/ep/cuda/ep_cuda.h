@@ -24,14 +24,20 @@ extern "C" {
 /* Primitive ids of the waits, for timeout messages. */
 #define ML_EPC_PRIM_ARRIVE 48
 #define ML_EPC_PRIM_RETURN 49
+#define ML_EPC_PRIM_COUNTS 50
 
-/* Ints of a received row's meta for top_k k: token, call, k local ids, k weights. */
+/* Ints of a received row's meta for top_k k: source * max_tokens + token, call, k
+ * local ids, k weights. */
 #define ML_EPC_META(k) (2 + 2 * (k))
 
 /* Everything a kernel needs about the layer and this rank. */
 typedef struct ml_epc_args {
   moelink_device_comm_t dc;
   int n, me, k, kl, El, H, es, max_tokens;
+  int cap;    /* received rows: n * max_tokens, or recv_capacity in rounds mode */
+  int rounds; /* 1: rounds mode (recv_capacity below n * max_tokens; see ep_cuda.c) */
+  int round;  /* rounds mode: the round this launch moves (set per launch) */
+  int E;
   int sms;           /* the device's SMs: grids take at most two CTAs each */
   int ll;            /* 1: the one-kernel exchanges may run (ml_epc_ll_ok, max_tokens at
                         most ML_EPC_LL_MAX_TOKENS, MOELINK_EP_LL) */
@@ -44,7 +50,16 @@ typedef struct ml_epc_args {
    * of its parts (the same on every rank). */
   char *base[ML_EPC_MAX_RANKS];
   size_t off_arrive, off_return, off_meta, off_rows, off_ret, off_qrows;
+  size_t off_csig, off_cnt; /* rounds mode: csig[n] 8-byte cells (csig[s] = step: s's
+                               counts of the step are in), cnt[2][n][E] pairs of each
+                               source per expert, by the step's parity */
   uint64_t *epoch;   /* this rank's call count */
+  uint64_t *sepoch;  /* rounds mode: this rank's count of scheduled steps */
+  int32_t *ord;      /* rounds mode: [max_tokens * k] pair t*k+j's place among this
+                        rank's pairs of its expert, in pair order */
+  int32_t *offs;     /* rounds mode: [E] where this rank's pairs of expert e start in
+                        the pair order of e's rank (so pair p goes in round p / cap) */
+  int32_t *nrounds;  /* rounds mode: the step's rounds, the same on every rank */
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
   int32_t *slot_rows; /* [max_tokens][k]: t*k+j, or -1 for an empty slot (its
@@ -59,6 +74,16 @@ typedef struct ml_epc_args {
                         row when the return is fused into it) */
 } ml_epc_args;
 
+/* Rounds mode, before a step's rounds: counts this rank's pairs per expert
+ * (and each pair's place, ord), sends the counts to every rank and signals
+ * its csig. */
+moelink_status_t ml_epc_count(const ml_epc_args *a, const int32_t *ids, int T, cudaStream_t stream);
+
+/* Rounds mode, after ml_epc_count: waits for every rank's counts, then
+ * writes offs and nrounds = max over ranks d of ceil(pairs d receives /
+ * cap) (every rank computes the same). */
+moelink_status_t ml_epc_schedule(const ml_epc_args *a, cudaStream_t stream);
+
 /* Call c = epoch + 1 (stored by the kernel's end): pushes the rows of the T
  * tokens, and their meta, into every destination that owns one of their
  * experts (an id outside [0, E) is an empty slot), writes slot_rows, then
@@ -70,7 +95,7 @@ moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t 
                              cudaStream_t stream);
 
 /* Waits for every source's ARRIVE, then builds lids / lwts and the return
- * list for the cap = n * max_tokens received rows (and with quant, turns the
+ * list for the cap received rows (and with quant, turns the
  * received payloads into rows). */
 moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
 

@@ -67,21 +67,33 @@ static __device__ __forceinline__ int ml_epc_last_cta(const ml_epc_args *a) {
 }
 
 /* The part of a send work item (t, d, chunk c) that is not the row's bytes:
- * whether t goes to d (one of its experts lives there; the warp agrees),
- * slot_rows (once per token), and chunk 0's meta (token, call, local ids,
- * weights) at d's row me * max_tokens + t. Lane j < k looks at slot j. */
+ * whether t goes to d (one of its experts lives there, and in rounds mode
+ * one of those pairs is in this round; the warp agrees), slot_rows (once per
+ * token), and chunk 0's meta (source and token, call, local ids, weights).
+ * Returns d's row for t, or -1: me * max_tokens + t, or in rounds mode the
+ * place in the round of t's first pair in it (pairs have places of their
+ * own, so tokens do too). Lane j < k looks at slot j. */
 static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const int32_t *ids,
                                                   const float *weights, int t, int d, int c,
                                                   uint64_t e, int lane) {
   const int ex = lane < a->k ? ids[(size_t)t * a->k + lane] : -1;
-  const int here = ex >= 0 && ex / a->El == d; /* false for ex >= E: ex / El >= n */
+  int here = ex >= 0 && ex / a->El == d; /* false for ex >= E: ex / El >= n */
+  int p = 0;
+  if (a->rounds && here) {
+    p = a->offs[ex] + a->ord[(size_t)t * a->k + lane];
+    here = p / a->cap == a->round;
+  }
   if (d == 0 && c == 0 && lane < a->k)
     a->slot_rows[(size_t)t * a->k + lane] = ex >= 0 && ex < a->El * a->n ? t * a->k + lane : -1;
-  if (!__any_sync(ML_EPC_FULL, here)) return 0;
+  const unsigned in = __ballot_sync(ML_EPC_FULL, here);
+  if (!in)
+    return -1;
+  const int row =
+      a->rounds ? __shfl_sync(ML_EPC_FULL, p, __ffs(in) - 1) % a->cap : a->me * a->max_tokens + t;
   if (c == 0) {
-    int32_t *m = ml_epc_meta(a, d, a->me * a->max_tokens + t);
+    int32_t *m = ml_epc_meta(a, d, row);
     if (lane == 0) {
-      m[0] = t;
+      m[0] = a->me * a->max_tokens + t;
       m[1] = (int32_t)(uint32_t)e;
     }
     if (lane < a->k) {
@@ -89,7 +101,7 @@ static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const in
       m[2 + a->k + lane] = __float_as_int(weights[(size_t)t * a->k + lane]);
     }
   }
-  return 1;
+  return row;
 }
 
 /* The end of every send kernel: the last CTA stores the call, clears the
@@ -152,8 +164,9 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    if (!ml_epc_item(&a, ids, weights, t, d, c, e, lane)) continue;
-    const int row = a.me * a.max_tokens + t;
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane);
+    if (row < 0)
+      continue;
     ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes,
                       x + (size_t)t * row_bytes, row_bytes, c, lane);
   }
@@ -181,8 +194,10 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     float sc_f[256 / ML_MX_BLOCK];
     const uint2 b = ml_q_quantize8<FMT>(f, col - g * 256, live, sc_f, lane);
     for (int d = 0; d < a.n; ++d) {
-      if (!ml_epc_item(&a, ids, weights, t, d, g, e, lane)) continue;
-      char *prow = a.base[d] + a.off_qrows + (size_t)(a.me * a.max_tokens + t) * a.qrow;
+      const int row = ml_epc_item(&a, ids, weights, t, d, g, e, lane);
+      if (row < 0)
+        continue;
+      char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
       if (live) *(uint2 *)(prow + col) = b;
       const int lanes = FMT == MOELINK_QUANT_FP8 ? ML_FP8_BLOCK / 8 : ML_MX_BLOCK / 8;
       if (live && (lane & (lanes - 1)) == 0) {
@@ -211,8 +226,10 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    if (!ml_epc_item(&a, ids, weights, t, d, c, e, lane)) continue;
-    char *prow = a.base[d] + a.off_qrows + (size_t)(a.me * a.max_tokens + t) * a.qrow;
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane);
+    if (row < 0)
+      continue;
+    char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
     ml_epc_warp_chunk(prow, (const char *)xq + (size_t)t * a.H, (size_t)a.H, c, lane);
     if (c == 0)
       for (int b = lane; b < a.sbytes; b += 32) prow[a.H + b] = (char)xs[(size_t)t * a.sbytes + b];
@@ -228,13 +245,13 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
  * return row of its own). */
 template <int DT, int FMT>
 static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a, uint64_t e) {
-  const int cap = a.n * a.max_tokens;
+  const int cap = a.cap;
   for (int r = (int)(blockIdx.x * blockDim.x + threadIdx.x); r < cap;
        r += (int)(gridDim.x * blockDim.x)) {
     const int32_t *m = ml_epc_meta(&a, a.me, r);
     int q = 0;
     if ((uint32_t)__ldcg(m + 1) == (uint32_t)e) {
-      const int t = __ldcg(m), src = r / a.max_tokens;
+      const int st = __ldcg(m), t = st % a.max_tokens, src = st / a.max_tokens;
       const size_t row_bytes = (size_t)a.H * (size_t)a.es;
       int slots[ML_EPC_MAX_KL];
       for (int j = 0; j < a.k && q < a.kl; ++j) {
@@ -345,6 +362,102 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   }
 }
 
+/* Rounds mode: CTA x counts the pairs of this rank's T tokens routed to
+ * expert x and gives each its place among them in pair order (ord), eight
+ * pairs a thread, a block-wide scan per pass; then stores the count into
+ * every rank's cnt of the step's parity. The last CTA signals every rank's
+ * csig. */
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_count_kernel(const __grid_constant__ ml_epc_args a, const int32_t *ids, int T) {
+  const uint64_t se = *a.sepoch + 1;
+  const int ex = (int)blockIdx.x, P = T * a.k, tid = (int)threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  __shared__ int wsum[ML_EPC_THREADS / 32];
+  int base = 0;
+  for (int i0 = 0; i0 < P; i0 += ML_EPC_THREADS * 8) {
+    const int first = i0 + tid * 8;
+    unsigned hit = 0;
+    for (int u = 0; u < 8; ++u)
+      if (first + u < P && __ldg(ids + first + u) == ex)
+        hit |= 1u << u;
+    const int mine = __popc(hit);
+    int incl = mine; /* inclusive scan over the warp */
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(ML_EPC_FULL, incl, o);
+      if (lane >= o)
+        incl += v;
+    }
+    if (lane == 31)
+      wsum[warp] = incl;
+    __syncthreads();
+    int before = base, total = 0;
+    for (int w = 0; w < ML_EPC_THREADS / 32; ++w) {
+      if (w < warp)
+        before += wsum[w];
+      total += wsum[w];
+    }
+    before += incl - mine;
+    for (int u = 0; u < 8; ++u)
+      if (hit >> u & 1u)
+        a.ord[first + u] = before++;
+    base += total;
+    __syncthreads(); /* wsum is rewritten by the next pass */
+  }
+  if (tid < a.n)
+    ((int32_t *)(a.base[tid] + a.off_cnt))[((size_t)(se & 1) * a.n + a.me) * a.E + ex] = base;
+  if (!ml_epc_last_cta(&a))
+    return;
+  if (tid < a.n)
+    moelink_signal_set(ml_epc_cell(&a, tid, a.off_csig, a.me), se);
+}
+
+/* Rounds mode, one CTA: waits for every rank's counts of the step, then
+ * lays each rank d's received pairs out in the order (d's local expert,
+ * source rank, place): offs[e] is where this rank's pairs of e start, and
+ * the step takes max over d of ceil(d's pairs / cap) rounds. */
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_schedule_kernel(const __grid_constant__ ml_epc_args a) {
+  extern __shared__ int32_t ml_epc_tot[]; /* [E] */
+  const uint64_t se = *a.sepoch + 1;
+  if (!ml_epc_wait_all(&a, a.off_csig, se, ML_EPC_PRIM_COUNTS)) {
+    if (threadIdx.x == 0)
+      *a.nrounds = -1; /* a peer never came: no rounds */
+    return;
+  }
+  const int32_t *cnt = (const int32_t *)(a.base[a.me] + a.off_cnt) + (size_t)(se & 1) * a.n * a.E;
+  for (int e = (int)threadIdx.x; e < a.E; e += (int)blockDim.x) {
+    int tot = 0, before = 0;
+    for (int s = 0; s < a.n; ++s) {
+      const int c = __ldcg(cnt + (size_t)s * a.E + e);
+      tot += c;
+      if (s < a.me)
+        before += c;
+    }
+    ml_epc_tot[e] = tot;
+    a.offs[e] = before;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int most = 0;
+    for (int d = 0; d < a.n; ++d) {
+      int run = 0;
+      for (int le = 0; le < a.El; ++le) {
+        const int e = d * a.El + le, c = ml_epc_tot[e];
+        ml_epc_tot[e] = run;
+        run += c;
+      }
+      const int r = (run + a.cap - 1) / a.cap;
+      if (r > most)
+        most = r;
+    }
+    *a.nrounds = most;
+    *a.sepoch = se;
+  }
+  __syncthreads();
+  for (int e = (int)threadIdx.x; e < a.E; e += (int)blockDim.x)
+    a.offs[e] += ml_epc_tot[e];
+}
+
 /* ---- launchers ------------------------------------------------------------------ */
 
 /* CTAs for `items` work items of `per` items a CTA: at most two per SM (the
@@ -419,7 +532,7 @@ extern "C" moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, con
 }
 
 extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream) {
-  const long long cap = (long long)a->n * a->max_tokens;
+  const long long cap = a->cap;
   const int bf = a->dtype == MOELINK_DTYPE_BF16;
   if (a->quant == MOELINK_QUANT_NONE) {
     ml_epc_receive_kernel<MOELINK_DTYPE_BF16, MOELINK_QUANT_NONE>
@@ -447,7 +560,7 @@ extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
                                           const int32_t *pair_rows, int pushed, void *out, int T,
                                           cudaStream_t stream) {
   const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
-  const long long pairs = pushed ? 0 : (long long)a->n * a->max_tokens * a->kl;
+  const long long pairs = pushed ? 0 : (long long)a->cap * a->kl;
   unsigned grid = ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32);
   const char *yc = (const char *)y;
   if (out != NULL) {
@@ -467,6 +580,19 @@ extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
   }
   ML_CUDA_LAUNCHED(out != NULL ? "ml_epc_return_kernel (one-kernel combine)"
                                : "ml_epc_return_kernel");
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_epc_count(const ml_epc_args *a, const int32_t *ids, int T,
+                                         cudaStream_t stream) {
+  ml_epc_count_kernel<<<(unsigned)a->E, ML_EPC_THREADS, 0, stream>>>(*a, ids, T);
+  ML_CUDA_LAUNCHED("ml_epc_count_kernel");
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_epc_schedule(const ml_epc_args *a, cudaStream_t stream) {
+  ml_epc_schedule_kernel<<<1, ML_EPC_THREADS, (size_t)a->E * 4, stream>>>(*a);
+  ML_CUDA_LAUNCHED("ml_epc_schedule_kernel");
   return MOELINK_SUCCESS;
 }
 
