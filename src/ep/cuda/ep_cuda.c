@@ -120,6 +120,15 @@ static int ml_epc_cap(const moelink_ep_config_t *cfg, int n, int *rounds) {
   return *rounds ? cfg->recv_capacity : (int)whole;
 }
 
+/* The most rounds a step can take: every source's max_tokens tokens with
+ * min(k, E / n) experts each on one rank. */
+static size_t ml_epc_max_rounds(const moelink_ep_config_t *cfg, int n, int cap) {
+  const int El = cfg->moe.num_experts / n;
+  const size_t kl = (size_t)(cfg->moe.top_k < El ? cfg->moe.top_k : El);
+  const size_t pairs = (size_t)n * (size_t)cfg->moe.max_tokens * kl;
+  return (pairs + (size_t)cap - 1) / (size_t)cap;
+}
+
 /* Symmetric layout (offsets into a) and its size. */
 static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a) {
   const moelink_moe_config_t *c = &cfg->moe;
@@ -179,6 +188,11 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.ord, int32_t *, rounds ? T * k * 4 : 0);
   ML_EPC_TAKE(w->a.offs, int32_t *, rounds ? E * 4 : 0);
   ML_EPC_TAKE(w->a.nrounds, int32_t *, rounds ? 64 : 0);
+  const size_t maxr = rounds ? ml_epc_max_rounds(cfg, n, cap_rows) : 0;
+  ML_EPC_TAKE(w->a.mstart, int32_t *, rounds ? (E + 1) * 4 : 0);
+  ML_EPC_TAKE(w->a.slist, int32_t *, rounds ? T * k * 4 : 0);
+  ML_EPC_TAKE(w->a.bounds, int32_t *, rounds ? (size_t)n * (maxr + 1) * 4 : 0);
+  w->a.maxr = (int)maxr;
   ML_EPC_TAKE(w->plan, void *,
               moelink_plan_bytes(cap_rows, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
   ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
@@ -383,7 +397,7 @@ static moelink_status_t ml_epc_plan_rounds(moelink_ep_t ep, ml_epc *w, const int
   ML_TRY(ml_epc_count(&w->a, ids, T, st));
   if (x)
     ML_TRY(ml_epc_shared(ep, w, x, T, st));
-  ML_TRY(ml_epc_schedule(&w->a, st));
+  ML_TRY(ml_epc_schedule(&w->a, ids, T, st));
   int32_t n = -1;
   const cudaError_t e = cudaMemcpyAsync(&n, w->a.nrounds, sizeof n, cudaMemcpyDeviceToHost, st);
   if (e != cudaSuccess)

@@ -60,6 +60,13 @@ typedef struct ml_epc_args {
   int32_t *offs;     /* rounds mode: [E] where this rank's pairs of expert e start in
                         the pair order of e's rank (so pair p goes in round p / cap) */
   int32_t *nrounds;  /* rounds mode: the step's rounds, the same on every rank */
+  int32_t *mstart;   /* rounds mode: [E + 1] where this rank's pairs of expert e start
+                        in slist */
+  int32_t *slist;    /* rounds mode: [max_tokens * k] this rank's pairs t*k+j by expert,
+                        then place */
+  int32_t *bounds;   /* rounds mode: [n][maxr + 1] bounds[d][r]: the first place in slist
+                        of d's pairs of round r or later (see ml_epc_order_kernel) */
+  int maxr;          /* rounds mode: the most rounds a step can take */
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
   int32_t *slot_rows; /* [max_tokens][k]: t*k+j, or -1 for an empty slot (its
@@ -81,8 +88,10 @@ moelink_status_t ml_epc_count(const ml_epc_args *a, const int32_t *ids, int T, c
 
 /* Rounds mode, after ml_epc_count: waits for every rank's counts, then
  * writes offs and nrounds = max over ranks d of ceil(pairs d receives /
- * cap) (every rank computes the same). */
-moelink_status_t ml_epc_schedule(const ml_epc_args *a, cudaStream_t stream);
+ * cap) (every rank computes the same), slot_rows, and this rank's pairs
+ * sorted with the bounds of each round (the send kernel's lists). */
+moelink_status_t ml_epc_schedule(const ml_epc_args *a, const int32_t *ids, int T,
+                                 cudaStream_t stream);
 
 /* Call c = epoch + 1 (stored by the kernel's end): pushes the rows of the T
  * tokens, and their meta, into every destination that owns one of their

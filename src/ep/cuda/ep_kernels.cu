@@ -69,13 +69,14 @@ static __device__ __forceinline__ int ml_epc_last_cta(const ml_epc_args *a) {
 /* The part of a send work item (t, d, chunk c) that is not the row's bytes:
  * whether t goes to d (one of its experts lives there, and in rounds mode
  * one of those pairs is in this round; the warp agrees), slot_rows (once per
- * token), and chunk 0's meta (source and token, call, local ids, weights).
- * Returns d's row for t, or -1: me * max_tokens + t, or in rounds mode the
- * place in the round of t's first pair in it (pairs have places of their
- * own, so tokens do too). Lane j < k looks at slot j. */
+ * token, with slots), and chunk 0's meta (source and token, call, local ids,
+ * weights). Returns d's row for t, or -1: me * max_tokens + t, or in rounds
+ * mode the place in the round of t's first pair in it (pairs have places of
+ * their own, so tokens do too); *lead: that pair's slot. Lane j < k looks at
+ * slot j. */
 static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const int32_t *ids,
                                                   const float *weights, int t, int d, int c,
-                                                  uint64_t e, int lane) {
+                                                  uint64_t e, int lane, int slots, int *lead) {
   const int ex = lane < a->k ? ids[(size_t)t * a->k + lane] : -1;
   int here = ex >= 0 && ex / a->El == d; /* false for ex >= E: ex / El >= n */
   int p = 0;
@@ -83,13 +84,14 @@ static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const in
     p = a->offs[ex] + a->ord[(size_t)t * a->k + lane];
     here = p / a->cap == a->round;
   }
-  if (d == 0 && c == 0 && lane < a->k)
+  if (slots && lane < a->k)
     a->slot_rows[(size_t)t * a->k + lane] = ex >= 0 && ex < a->El * a->n ? t * a->k + lane : -1;
   const unsigned in = __ballot_sync(ML_EPC_FULL, here);
   if (!in)
     return -1;
+  *lead = __ffs(in) - 1;
   const int row =
-      a->rounds ? __shfl_sync(ML_EPC_FULL, p, __ffs(in) - 1) % a->cap : a->me * a->max_tokens + t;
+      a->rounds ? __shfl_sync(ML_EPC_FULL, p, *lead) % a->cap : a->me * a->max_tokens + t;
   if (c == 0) {
     int32_t *m = ml_epc_meta(a, d, row);
     if (lane == 0) {
@@ -164,13 +166,56 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane);
+    int lead;
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, &lead);
     if (row < 0)
       continue;
     ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes,
                       x + (size_t)t * row_bytes, row_bytes, c, lane);
   }
   ml_epc_send_end<MOELINK_DTYPE_BF16, MOELINK_QUANT_NONE, LL>(a, e);
+}
+
+/* Rounds mode, rows as they are: only this round's pairs, from the sorted
+ * list (slist[bounds[d][r] .. bounds[d][r + 1]) are this rank's pairs that
+ * d receives in round r): work item (pair, chunk c), one warp each, the
+ * token's row moved by the item of its first pair in the round on d (the
+ * others skip). slot_rows was written by ml_epc_order_kernel. */
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_send_list_kernel(const __grid_constant__ ml_epc_args a, const char *x,
+                            const int32_t *ids, const float *weights) {
+  const uint64_t e = *a.epoch + 1;
+  const size_t row_bytes = (size_t)a.H * (size_t)a.es;
+  const int nc = ml_epc_chunks(&a);
+  __shared__ int first[ML_EPC_MAX_RANKS + 1], pre[ML_EPC_MAX_RANKS + 1];
+  if (threadIdx.x == 0) {
+    int run = 0;
+    for (int d = 0; d < a.n; ++d) {
+      const int32_t *b = a.bounds + (size_t)d * (a.maxr + 1) + a.round;
+      first[d] = b[0];
+      pre[d] = run;
+      run += b[1] - b[0];
+    }
+    pre[a.n] = run;
+  }
+  __syncthreads();
+  ML_EPC_WARPS;
+  const long long items = (long long)pre[a.n] * nc;
+  for (long long i = gw; i < items; i += nw) {
+    const int c = (int)(i % nc), q = (int)(i / nc);
+    int d = 0;
+    while (q >= pre[d + 1])
+      ++d;
+    const int pair = a.slist[first[d] + q - pre[d]];
+    const int t = pair / a.k, j = pair % a.k;
+    int lead = -1;
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, 0, &lead);
+    if (row < 0 || lead != j)
+      continue;
+    ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes, x + (size_t)t * row_bytes,
+                      row_bytes, c, lane);
+  }
+  ml_epc_send_end<MOELINK_DTYPE_BF16, MOELINK_QUANT_NONE, 0>(a, e);
 }
 
 /* Rows quantized on the way (dispatch_quant FMT): work item (token t, group
@@ -194,7 +239,8 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     float sc_f[256 / ML_MX_BLOCK];
     const uint2 b = ml_q_quantize8<FMT>(f, col - g * 256, live, sc_f, lane);
     for (int d = 0; d < a.n; ++d) {
-      const int row = ml_epc_item(&a, ids, weights, t, d, g, e, lane);
+      int lead;
+      const int row = ml_epc_item(&a, ids, weights, t, d, g, e, lane, d == 0 && g == 0, &lead);
       if (row < 0)
         continue;
       char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
@@ -226,7 +272,8 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane);
+    int lead;
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, &lead);
     if (row < 0)
       continue;
     char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
@@ -438,6 +485,12 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    int mine = 0; /* where this rank's pairs of each expert start in slist */
+    for (int ex = 0; ex < a.E; ++ex) {
+      a.mstart[ex] = mine;
+      mine += __ldcg(cnt + (size_t)a.me * a.E + ex);
+    }
+    a.mstart[a.E] = mine;
     int most = 0;
     for (int d = 0; d < a.n; ++d) {
       int run = 0;
@@ -456,6 +509,57 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   __syncthreads();
   for (int e = (int)threadIdx.x; e < a.E; e += (int)blockDim.x)
     a.offs[e] += ml_epc_tot[e];
+}
+
+/* Rounds mode, after the schedule, a thread per pair slot i = t*k + j of
+ * this rank's T tokens: slot_rows; the pair's place in slist (this rank's
+ * pairs by expert, then place); and for sorted place s, the bounds of the
+ * rounds: bounds[d][r] = the first place of d's range whose pair moves in
+ * round r or later (bounds[d][rounds] = the range's end). */
+__global__ void __launch_bounds__(ML_EPC_THREADS)
+    ml_epc_order_kernel(const __grid_constant__ ml_epc_args a, const int32_t *ids, int T) {
+  const int P = T * a.k, nr = *a.nrounds > 0 ? *a.nrounds : 1;
+  if (*a.nrounds < 0)
+    return; /* a peer never came: no rounds */
+  const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < P) {
+    const int ex = ids[i];
+    const int ok = ex >= 0 && ex < a.E;
+    a.slot_rows[i] = ok ? i : -1;
+    if (ok)
+      a.slist[a.mstart[ex] + a.ord[i]] = i;
+  }
+  /* sorted place s = i: its expert by binary search over mstart */
+  const int total = a.mstart[a.E];
+  if (i < a.n && a.mstart[i * a.El] == a.mstart[(i + 1) * a.El])
+    for (int r = 0; r <= nr; ++r)
+      a.bounds[(size_t)i * (a.maxr + 1) + r] = a.mstart[i * a.El];
+  if (i >= total)
+    return;
+  int lo = 0, hi = a.E - 1; /* the last ex with mstart[ex] <= i */
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a.mstart[mid] <= i)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int ex = lo, d = ex / a.El;
+  const int L = a.mstart[d * a.El], H = a.mstart[(d + 1) * a.El];
+  const int round = (a.offs[ex] + i - a.mstart[ex]) / a.cap;
+  int prev = -1;
+  if (i > L) {
+    int e2 = ex;
+    while (a.mstart[e2] > i - 1)
+      --e2;
+    prev = (a.offs[e2] + i - 1 - a.mstart[e2]) / a.cap;
+  }
+  int32_t *b = a.bounds + (size_t)d * (a.maxr + 1);
+  for (int r = prev + 1; r <= round; ++r)
+    b[r] = i;
+  if (i == H - 1)
+    for (int r = round + 1; r <= nr; ++r)
+      b[r] = H;
 }
 
 /* ---- launchers ------------------------------------------------------------------ */
@@ -479,7 +583,12 @@ static moelink_status_t ml_epc_send_launch(const ml_epc_args *a, const void *x, 
                                            int T, cudaStream_t stream) {
   const int bf = a->dtype == MOELINK_DTYPE_BF16;
   const int fp8 = a->quant == MOELINK_QUANT_FP8;
-  if (a->quant == MOELINK_QUANT_NONE) {
+  if (a->quant == MOELINK_QUANT_NONE && a->rounds) {
+    /* at most cap pairs to each destination in a round */
+    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    ml_epc_send_list_kernel<<<ml_epc_grid(a, (long long)a->n * a->cap * nc, ML_EPC_THREADS / 32),
+                              ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights);
+  } else if (a->quant == MOELINK_QUANT_NONE) {
     const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
     ml_epc_send_kernel<LL><<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
                              ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights, T);
@@ -590,9 +699,14 @@ extern "C" moelink_status_t ml_epc_count(const ml_epc_args *a, const int32_t *id
   return MOELINK_SUCCESS;
 }
 
-extern "C" moelink_status_t ml_epc_schedule(const ml_epc_args *a, cudaStream_t stream) {
+extern "C" moelink_status_t ml_epc_schedule(const ml_epc_args *a, const int32_t *ids, int T,
+                                            cudaStream_t stream) {
   ml_epc_schedule_kernel<<<1, ML_EPC_THREADS, (size_t)a->E * 4, stream>>>(*a);
   ML_CUDA_LAUNCHED("ml_epc_schedule_kernel");
+  const long long threads = (long long)T * a->k > a->n ? (long long)T * a->k : a->n;
+  ml_epc_order_kernel<<<(unsigned)((threads + ML_EPC_THREADS - 1) / ML_EPC_THREADS), ML_EPC_THREADS,
+                        0, stream>>>(*a, ids, T);
+  ML_CUDA_LAUNCHED("ml_epc_order_kernel");
   return MOELINK_SUCCESS;
 }
 
