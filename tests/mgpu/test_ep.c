@@ -634,8 +634,11 @@ static void run_errors(void) {
   e.moe.hidden = 256;
   e.moe.num_experts = 2 * W.size + 1;
   e.moe.top_k = 2;
-  CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_INVALID_ARGUMENT,
-               "ep_create with num_experts not a multiple of the ranks");
+  if (W.size > 1) /* every count is a multiple of one rank */
+    CHECK_STATUS(moelink_ep_create(W.comm, &e, &bad), MOELINK_ERR_INVALID_ARGUMENT,
+                 "ep_create with num_experts not a multiple of the ranks");
+  else
+    ml_t_diag("one rank: no expert count that is not a multiple of the ranks (check skipped)");
   CHECK_OK(moelink_ep_destroy(NULL), "ep_destroy(NULL)");
 
   const int c = g_case++;
