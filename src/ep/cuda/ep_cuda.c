@@ -192,6 +192,7 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.mstart, int32_t *, rounds ? (E + 1) * 4 : 0);
   ML_EPC_TAKE(w->a.slist, int32_t *, rounds ? T * k * 4 : 0);
   ML_EPC_TAKE(w->a.bounds, int32_t *, rounds ? (size_t)n * (maxr + 1) * 4 : 0);
+  ML_EPC_TAKE(w->a.lbase, int32_t *, rounds ? ((size_t)l.num_experts + 1) * 4 : 0);
   w->a.maxr = (int)maxr;
   ML_EPC_TAKE(w->plan, void *,
               moelink_plan_bytes(cap_rows, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
@@ -331,7 +332,16 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   if (e != cudaSuccess)
     s = ml_fail(e == cudaErrorMemoryAllocation ? MOELINK_ERR_OUT_OF_MEMORY : MOELINK_ERR_CUDA,
                 "ep (cuda): %zu bytes of scratch: %s", dev_bytes, cudaGetErrorString(e));
-  if (s == MOELINK_SUCCESS) (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
+  if (s == MOELINK_SUCCESS) {
+    (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
+    moelink_plan_t lp;
+    s = moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp);
+    a->p_offsets = lp.expert_offsets;
+    a->p_sorted = lp.sorted_pairs;
+    a->p_rows = lp.pair_rows;
+    a->p_tiles = lp.tiles;
+    a->p_ntiles = lp.num_tiles;
+  }
   if (s == MOELINK_SUCCESS && cudaDeviceSynchronize() != cudaSuccess)
     s = ml_fail(MOELINK_ERR_CUDA, "ep (cuda): setting up the scratch failed");
   return ml_cuda_leave(comm->ctx, prev, s);
@@ -470,7 +480,10 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
  * output row into its source's ret); *pair_rows: where y holds each pair. */
 static moelink_status_t ml_epc_experts(ml_epc *w, const ml_epc_args *a, int fused,
                                        const int32_t **pair_rows, cudaStream_t st) {
-  ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
+  if (a->rounds) /* the receive kernel wrote the pair order; the rest here */
+    ML_TRY(ml_epc_round_plan(a, st));
+  else
+    ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
   ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
                                 w->y, fused ? (void *const *)a->dst : NULL, st));
   moelink_plan_t lp;

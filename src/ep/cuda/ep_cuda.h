@@ -27,8 +27,8 @@ extern "C" {
 #define ML_EPC_PRIM_COUNTS 50
 
 /* Ints of a received row's meta for top_k k: source * max_tokens + token, call, k
- * local ids, k weights. */
-#define ML_EPC_META(k) (2 + 2 * (k))
+ * local ids, k weights, and (rounds mode) k places in the receiver's pair order. */
+#define ML_EPC_META(k) (2 + 3 * (k))
 
 /* Everything a kernel needs about the layer and this rank. */
 typedef struct ml_epc_args {
@@ -67,6 +67,12 @@ typedef struct ml_epc_args {
   int32_t *bounds;   /* rounds mode: [n][maxr + 1] bounds[d][r]: the first place in slist
                         of d's pairs of round r or later (see ml_epc_order_kernel) */
   int maxr;          /* rounds mode: the most rounds a step can take */
+  int32_t *lbase;    /* rounds mode: [El + 1] where each local expert's pairs start in
+                        this rank's pair order (the last: all its pairs) */
+  /* rounds mode: the local layer's plan over cap rows, which the receive
+   * kernel and ml_epc_round_plan write directly (a round's pairs arrive in
+   * expert order: no sort) */
+  int32_t *p_offsets, *p_sorted, *p_rows, *p_tiles, *p_ntiles;
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
   int32_t *slot_rows; /* [max_tokens][k]: t*k+j, or -1 for an empty slot (its
@@ -107,6 +113,10 @@ moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t 
  * list for the cap received rows (and with quant, turns the
  * received payloads into rows). */
 moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
+
+/* Rounds mode: the local plan's expert offsets and tile list for round
+ * a->round (the receive kernel writes its pair order). */
+moelink_status_t ml_epc_round_plan(const ml_epc_args *a, cudaStream_t stream);
 
 /* Pushes each valid (row, local slot) output, y row pair_rows[p] (pair_rows
  * NULL: row p; y NULL: zeros), into its source's return rows, signals every

@@ -8,6 +8,7 @@
 #include "core/dtype.cuh"
 #include "cuda/combine.cuh"
 #include "cuda/cuda.h"
+#include "cuda/plan.cuh"
 #include "cuda/quant.cuh"
 
 #define ML_EPC_THREADS 256
@@ -101,6 +102,8 @@ static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const in
     if (lane < a->k) {
       m[2 + lane] = here ? ex - d * a->El : -1;
       m[2 + a->k + lane] = __float_as_int(weights[(size_t)t * a->k + lane]);
+      if (a->rounds)
+        m[2 + 2 * a->k + lane] = p;
     }
   }
   return row;
@@ -306,6 +309,12 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
         if (le < 0) continue;
         a.lids[(size_t)r * a.kl + q] = le;
         a.lwts[(size_t)r * a.kl + q] = __int_as_float(__ldcg(m + 2 + a.k + j));
+        if (a.rounds) {
+          /* the pair's place in the round is its place in the plan's order */
+          const int sp = __ldcg(m + 2 + 2 * a.k + j) - a.round * a.cap;
+          a.p_sorted[sp] = r * a.kl + q;
+          a.p_rows[(size_t)r * a.kl + q] = sp;
+        }
         slots[q] = j;
         ++q;
       }
@@ -319,6 +328,8 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
     for (; q < a.kl; ++q) {
       a.lids[(size_t)r * a.kl + q] = -1;
       a.lwts[(size_t)r * a.kl + q] = 0.f;
+      if (a.rounds)
+        a.p_rows[(size_t)r * a.kl + q] = -1;
     }
   }
   if (FMT == MOELINK_QUANT_NONE) return;
@@ -497,8 +508,12 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
       for (int le = 0; le < a.El; ++le) {
         const int e = d * a.El + le, c = ml_epc_tot[e];
         ml_epc_tot[e] = run;
+        if (d == a.me)
+          a.lbase[le] = run;
         run += c;
       }
+      if (d == a.me)
+        a.lbase[a.El] = run;
       const int r = (run + a.cap - 1) / a.cap;
       if (r > most)
         most = r;
@@ -560,6 +575,28 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   if (i == H - 1)
     for (int r = round + 1; r <= nr; ++r)
       b[r] = H;
+}
+
+/* Rounds mode, one block: round r's pairs are places [r * cap, (r + 1) * cap)
+ * of this rank's pair order, which runs by local expert, so local expert
+ * le's pairs of the round are plan rows [lbase[le] - r * cap, lbase[le + 1] -
+ * r * cap) clipped to [0, cap): the plan's offsets and tiles. */
+__global__ void __launch_bounds__(ML_P_THREADS)
+    ml_epc_round_plan_kernel(const __grid_constant__ ml_epc_args a) {
+  __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
+  const int tid = (int)threadIdx.x, first = a.round * a.cap;
+  int begin = 0, end = 0;
+  if (tid < a.El) {
+    begin = min(max(a.lbase[tid] - first, 0), a.cap);
+    end = min(max(a.lbase[tid + 1] - first, 0), a.cap);
+  }
+  ml_plan_ptrs plan;
+  plan.offsets = a.p_offsets;
+  plan.sorted_pairs = a.p_sorted;
+  plan.pair_rows = a.p_rows;
+  plan.tiles = a.p_tiles;
+  plan.num_tiles = a.p_ntiles;
+  ml_plan_schedule(a.El, begin, end, plan, ml_plan_scratch_at(scratch));
 }
 
 /* ---- launchers ------------------------------------------------------------------ */
@@ -689,6 +726,14 @@ extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
   }
   ML_CUDA_LAUNCHED(out != NULL ? "ml_epc_return_kernel (one-kernel combine)"
                                : "ml_epc_return_kernel");
+  return MOELINK_SUCCESS;
+}
+
+extern "C" moelink_status_t ml_epc_round_plan(const ml_epc_args *a, cudaStream_t stream) {
+  if (a->El > ML_P_THREADS)
+    return ml_fail(MOELINK_ERR_INTERNAL, "ep (cuda): %d local experts > %d", a->El, ML_P_THREADS);
+  ml_epc_round_plan_kernel<<<1, ML_P_THREADS, 0, stream>>>(*a);
+  ML_CUDA_LAUNCHED("ml_epc_round_plan_kernel");
   return MOELINK_SUCCESS;
 }
 
