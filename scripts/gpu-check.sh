@@ -13,7 +13,8 @@
 # own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
 # alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
-# fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), profile (nsys + ncu
+# fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), mgpu1 (the EP mgpu
+# tests with one rank on one GPU; not in all), profile (nsys + ncu
 # kernel times at decode sizes; not in all), decode (graph replays at decode sizes, bf16 and
 # fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
@@ -77,6 +78,19 @@ if want mgpu && [ "$RANKS" -ge 2 ]; then
   log "ctest -L mgpu ($RANKS ranks under moelink launch)"
   (cd "$BUILD" && ctest -L '^mgpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/mgpu.log" 2>&1 || rc=1
   grep -E ': \[rank [0-9]+\] ([0-9]+ passed|not ok)|Test +#|tests passed' "$OUT/mgpu.log" | tail -20
+fi
+# mgpu1 (not in all): the expert-parallel tests with ONE rank, for a machine with one GPU (the
+# exchanges then move rows within the GPU; what needs two ranks is skipped by the tests)
+if case "$PARTS" in *" mgpu1 "*) true;; *) false;; esac; then
+  # as ctest runs it, then as mgpu_test_ep_two_kernel does (two kernels an exchange, the
+  # return fused into the down GEMM at every size)
+  for v in "" "MOELINK_EP_LL=0 MOELINK_EP_FUSED_RETURN=1"; do
+    log "mgpu_test_ep with one rank${v:+ ($v)}"
+    env $v ./"$BUILD"/moelink launch -n 1 --timeout ${TEST_TIMEOUT:-300} -- \
+      ./"$BUILD"/tests/mgpu_test_ep >>"$OUT/mgpu1.log" 2>&1 || rc=1
+    log "  $(grep -E '\] [0-9]+ passed, [0-9]+ failed' "$OUT/mgpu1.log" | tail -1)"
+  done
+  grep -E 'not ok' "$OUT/mgpu1.log" | head -20
 fi
 
 if want bench; then
