@@ -316,6 +316,15 @@ static int compare(const layer *L, const char *what, const unsigned char *got,
   return ok;
 }
 
+/* This rank's output (device, `bytes` from out) against its T rows of the
+ * reference (from row mine of ref_out), on host copies: compare(). */
+static int compare_out(layer *L, const char *what, const void *out, size_t bytes, int mine, int T,
+                       int quiet) {
+  to_host(L->h_out, out, bytes);
+  to_host(L->h_ref, (const char *)L->ref_out + (size_t)mine * L->row, (size_t)T * L->row);
+  return compare(L, what, L->h_out, L->h_ref, T, quiet);
+}
+
 /* One EP call with these per-rank counts, checked against the reference and
  * (twice) against itself. Returns 1 when good. */
 static int run_call(layer *L, const int *counts, int c, int it, int quiet) {
@@ -536,11 +545,9 @@ static void run_stress(void) {
     const int *cn = counts + it * W.size, T = cn[W.rank];
     const int mine = reference(&L, cn, c, it);
     sync_stream();
-    to_host(L.h_out, outs + (size_t)it * slot, slot);
-    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
     char what[96];
     snprintf(what, sizeof what, "stress call %d (%d tokens here)", it, T);
-    good += compare(&L, what, L.h_out, L.h_ref, T, 1);
+    good += compare_out(&L, what, outs + (size_t)it * slot, slot, mine, T, 1);
   }
   CHECK(good == iters, "stress: %d of %d calls match the single-GPU layer", good, iters);
   free(counts);
@@ -717,9 +724,7 @@ static void run_errors(void) {
     CHECK_OK(moelink_ep_forward(L.ep, L.x, T, L.out, W.stream), "ep_forward beside a bad rank");
     const int mine = reference(&L, counts, c, 1);
     sync_stream();
-    to_host(L.h_out, L.out, bytes);
-    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
-    compare(&L, "beside a rank with a bad argument", L.h_out, L.h_ref, T, 0);
+    compare_out(&L, "beside a rank with a bad argument", L.out, bytes, mine, T, 0);
   }
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "comm_check after the bad arguments");
 
@@ -914,11 +919,9 @@ static int pieces_check_recv(layer *L, pieces *P, const moelink_ep_recv_t *rv, c
   return ok;
 }
 
-/* dispatch; local plan + experts; combine (y NULL on rank `drop`). */
-static moelink_status_t pieces_layer(layer *L, pieces *P, int T, int drop, moelink_ep_recv_t *rv,
-                                     const int32_t *ids, const float *wts) {
-  moelink_status_t s = moelink_ep_dispatch(L->ep, T ? L->x : NULL, ids, wts, T, rv, W.stream);
-  if (s != MOELINK_SUCCESS) return s;
+/* This rank's experts on what a dispatch left in rv: plan, experts into
+ * P->y; the plan's view (pair_rows: where y holds each pair). */
+static moelink_plan_t pieces_experts(layer *L, pieces *P, const moelink_ep_recv_t *rv) {
   MG_MUST(moelink_moe_plan(P->local, rv->expert_ids, rv->capacity, P->plan, W.stream),
           "local plan");
   MG_MUST(moelink_moe_experts(P->local, rv->rows, rv->capacity, P->plan, rv->weights, P->y,
@@ -928,6 +931,16 @@ static moelink_status_t pieces_layer(layer *L, pieces *P, int T, int drop, moeli
   MG_MUST(moelink_plan_view(P->plan, rv->capacity, P->kl, L->El, moelink_moe_tile_rows(P->local),
                             &pv),
           "plan view");
+  return pv;
+}
+
+/* dispatch; local plan + experts; combine (y NULL on rank `drop`). */
+static moelink_status_t pieces_layer(layer *L, pieces *P, int T, int drop, moelink_ep_recv_t *rv,
+                                     const int32_t *ids, const float *wts) {
+  moelink_status_t s = moelink_ep_dispatch(L->ep, T ? L->x : NULL, ids, wts, T, rv, W.stream);
+  if (s != MOELINK_SUCCESS)
+    return s;
+  const moelink_plan_t pv = pieces_experts(L, P, rv);
   return moelink_ep_combine(L->ep, W.rank == drop ? NULL : P->y, pv.pair_rows,
                             T ? L->out : NULL, W.stream);
 }
@@ -957,12 +970,7 @@ static void run_pieces(const char *name, const moelink_moe_config_t *cfg) {
     if (s != MOELINK_SUCCESS) mg_bail("dispatch failed");
     sync_stream();
     pieces_check_recv(&L, &P, &rv, counts, what);
-    MG_MUST(moelink_moe_plan(P.local, rv.expert_ids, rv.capacity, P.plan, W.stream), "plan");
-    MG_MUST(moelink_moe_experts(P.local, rv.rows, rv.capacity, P.plan, rv.weights, P.y, W.stream),
-            "experts");
-    moelink_plan_t pv;
-    MG_MUST(moelink_plan_view(P.plan, rv.capacity, P.kl, L.El, moelink_moe_tile_rows(P.local), &pv),
-            "plan view");
+    moelink_plan_t pv = pieces_experts(&L, &P, &rv);
     /* The same outputs laid out by pair, for the pair_rows NULL call. */
     sync_stream();
     const size_t pairs = (size_t)P.cap * P.kl;
@@ -1021,10 +1029,8 @@ static void run_pieces(const char *name, const moelink_moe_config_t *cfg) {
       for (int r = 0; r < W.size; ++r) total += counts[r];
       pieces_reference(&L, &P, total);
       sync_stream();
-      to_host(L.h_out, L.out, bytes);
-      to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
-      compare(&L, "beside a rank whose combine had y NULL (its experts' terms are zero)", L.h_out,
-              L.h_ref, T, 0);
+      compare_out(&L, "beside a rank whose combine had y NULL (its experts' terms are zero)", L.out,
+                  bytes, mine, T, 0);
     }
   }
   CHECK_OK(moelink_comm_check(W.comm, W.stream), "pieces: comm_check");
@@ -1052,11 +1058,9 @@ static void run_pieces(const char *name, const moelink_moe_config_t *cfg) {
       MG_CUDA(cudaGraphLaunch(exec, W.stream));
       pieces_reference(&L, &P, gtotal);
       sync_stream();
-      to_host(L.h_out, L.out, bytes);
-      to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
       char what[160];
       snprintf(what, sizeof what, "%s: graph replay %d of the pieces", name, rep);
-      compare(&L, what, L.h_out, L.h_ref, T, 0);
+      compare_out(&L, what, L.out, bytes, mine, T, 0);
     }
     MG_CUDA(cudaGraphExecDestroy(exec));
   }
@@ -1287,11 +1291,9 @@ static void run_rounds_quant(void) {
     CHECK_OK(moelink_ep_forward(L.ep, T ? L.x : NULL, T, T ? L.out : NULL, W.stream),
              "rounds: ep_forward with FP8 rows");
     sync_stream();
-    to_host(L.h_out, L.out, bytes);
-    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
     char what[160];
     snprintf(what, sizeof what, "rounds FP8 rows: call %d, tokens here %d", it, T);
-    good += compare(&L, what, L.h_out, L.h_ref, T, 0);
+    good += compare_out(&L, what, L.out, bytes, mine, T, 0);
   }
   CHECK(good == calls, "rounds FP8 rows: %d of %d calls good", good, calls);
   cudaFree(xq);
@@ -1334,21 +1336,15 @@ static void run_rounds_errors(void) {
       mg_bail("dispatch failed");
     sync_stream();
     pieces_check_recv(&L, &P, &rv, counts, "rounds: one token a rank");
-    MG_MUST(moelink_moe_plan(P.local, rv.expert_ids, rv.capacity, P.plan, W.stream), "plan");
-    MG_MUST(moelink_moe_experts(P.local, rv.rows, rv.capacity, P.plan, rv.weights, P.y, W.stream),
-            "experts");
-    moelink_plan_t pv;
-    MG_MUST(moelink_plan_view(P.plan, rv.capacity, P.kl, L.El, moelink_moe_tile_rows(P.local), &pv),
-            "plan view");
+    moelink_plan_t pv = pieces_experts(&L, &P, &rv);
     CHECK_OK(moelink_ep_combine(L.ep, P.y, pv.pair_rows, L.out, W.stream), "rounds: ep_combine");
     int total = 0;
     for (int r = 0; r < W.size; ++r)
       total += counts[r];
     pieces_reference(&L, &P, total);
     sync_stream();
-    to_host(L.h_out, L.out, bytes);
-    to_host(L.h_ref, (const char *)L.ref_out + (size_t)mine * L.row, (size_t)T * L.row);
-    compare(&L, "rounds: dispatch + experts + combine of one token a rank", L.h_out, L.h_ref, T, 0);
+    compare_out(&L, "rounds: dispatch + experts + combine of one token a rank", L.out, bytes, mine,
+                T, 0);
   }
 
   /* max_tokens a rank: about M * k pairs reach each rank, far over
