@@ -22,7 +22,7 @@
  * counts per rank 0 / max_tokens / 1 / odd / random, different on each rank,
  * and with call_tokens = 3 x max_tokens up to three steps a call;
  * every token routed to rank 0's experts (skew); two calls bitwise equal;
- * outputs poisoned with 0xff bytes and guard rows past the end; 100
+ * outputs poisoned with 0xff bytes and guard rows past the end; 1000
  * back-to-back calls; one call captured in a CUDA graph and replayed with new
  * x; argument errors (rank-symmetric where a rank might not take part; more
  * than call_tokens tokens: taken part with none); rounds mode (recv_capacity
@@ -505,14 +505,14 @@ static void run_skew(void) {
   layer_free(&L);
 }
 
-/* One layer, 100 calls with new counts and inputs enqueued back to back, each
+/* One layer, 1000 calls with new counts and inputs enqueued back to back, each
  * into its own output; then all of them against the reference. */
 static void run_stress(void) {
-  const int c = g_case++, iters = 100;
+  const int c = g_case++, iters = 1000;
   moelink_moe_config_t cfg =
       make_config("qwen3-30b-a3b", MOELINK_DTYPE_BF16, 256, 128, 32, 8, 0, 64);
   layer L;
-  layer_make(&L, "100 calls", &cfg, 0x57e55ull, 0);
+  layer_make(&L, "1000 calls", &cfg, 0x57e55ull, 0);
   const int M = cfg.max_tokens;
   const size_t slot = (size_t)(M + GUARD_ROWS) * L.row;
   char *xs = (char *)mg_dev((size_t)iters * slot), *outs = (char *)mg_dev((size_t)iters * slot);
