@@ -648,10 +648,12 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * of ranks * moe.max_tokens (the default) receives every source's whole step
  * at once; a smaller one runs each step in rounds by expert: the pairs
  * (token, expert) of each receiving rank are ordered by its local expert,
- * then source, then token, and round r moves pairs [r * recv_capacity,
- * (r + 1) * recv_capacity) of that order (a token with experts in several
- * rounds travels once per round), so each expert's weights stream about
- * once a step. A step then learns its number of rounds on the host (one
+ * then source, then token, and round r moves pairs [r * R, (r + 1) * R) of
+ * that order (a token with experts in several rounds travels once per
+ * round), so each expert's weights stream about once a step; R is
+ * recv_capacity / 2 with two rounds in flight at a time on two streams
+ * (MOELINK_EP_ROUND_PIPES, docs/ENV.md; recv_capacity 1: R = 1, one at a
+ * time). A step then learns its number of rounds on the host (one
  * synchronization): forward is not capturable there (UNSUPPORTED while the
  * stream captures), and moelink_ep_dispatch refuses (UNSUPPORTED, on every
  * rank) pairs that need more than one round. */

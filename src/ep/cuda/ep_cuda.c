@@ -49,7 +49,7 @@
  *  6. (this rank's shared expert ran during 2-3) combine out[t] = sum_j
  *     ret[t*k + j] in slot order (+ gated shared expert), fp32, one
  *     rounding: the single-GPU layer's combine kernel.
- * Rounds mode (recv_capacity R below n * max_tokens): after step 1 every
+ * Rounds mode (recv_capacity below n * max_tokens; R rows a round): after step 1 every
  * rank counts its pairs (token, slot) per expert, giving each its place
  * among its expert's pairs in pair order, and stores the counts into every
  * rank's cnt; one kernel then waits for all counts and orders each rank
@@ -59,23 +59,24 @@
  * the rounds, max over d of ceil(pairs / R), the same on every rank (one
  * stream synchronization a step), then runs steps 2-5 once per round, each
  * round a call of the protocol below with only that round's pairs in the
- * meta, and step 6 once. Each pair's output lands in its own ret row in
- * exactly one round, so the sums and their order do not change.
- * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the
- * received rows left in `rows` and their local ids and weights in the
- * scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the shared
- * expert, on the caller's expert outputs. An id outside [0, E) is an empty slot: not
- * sent, and (slot_rows -1) not added.
- * Reuse is safe without further handshakes: a source writes a destination's
- * rows, meta and ARRIVE cell for call c + 1 only after it saw that
- * destination's RETURN of call c, which the destination sends after it has
- * read them; a destination writes a source's ret for call c + 1 only after
- * that source's rows of call c + 1 arrived, which it sends after its combine
- * of call c. In rounds mode a rank writes the counts of step i + 2 into the
- * cnt that held step i's only after its schedule kernel of step i + 1 saw
- * every rank's counts of step i + 1, which each rank sends after it read
- * step i's (hence two cnt by parity). Every wait gives up after
- * MOELINK_COMM_TIMEOUT_MS.
+ * meta, and step 6 once. With two pipes (MOELINK_EP_ROUND_PIPES, the
+ * default) R is recv_capacity / 2: pipe p owns rows [p R, (p + 1) R) of the
+ * receive arrays, signal cells, call count, plan, outputs and local layer of
+ * its own, and runs rounds r = p mod 2 on a stream of its own (pipe 1 on an
+ * internal one, forked from and joined into the caller's), each pipe its own
+ * sequence of calls. A dispatch uses the whole buffer as one round. Each pair's output lands in its
+ * own ret row in exactly one round, so the sums and their order do not change. moelink_ep_dispatch
+ * is steps 1 (from the caller's routing) to 3, with the received rows left in `rows` and their
+ * local ids and weights in the scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the
+ * shared expert, on the caller's expert outputs. An id outside [0, E) is an empty slot: not sent,
+ * and (slot_rows -1) not added. Reuse is safe without further handshakes: a source writes a
+ * destination's rows, meta and ARRIVE cell for call c + 1 only after it saw that destination's
+ * RETURN of call c, which the destination sends after it has read them; a destination writes a
+ * source's ret for call c + 1 only after that source's rows of call c + 1 arrived, which it sends
+ * after its combine of call c. In rounds mode a rank writes the counts of step i + 2 into the cnt
+ * that held step i's only after its schedule kernel of step i + 1 saw every rank's counts of step i
+ * + 1, which each rank sends after it read step i's (hence two cnt by parity). Every wait gives up
+ * after MOELINK_COMM_TIMEOUT_MS.
  *
  * Memory: the local layer's workspace, the symmetric buffer and the scratch
  * below, all from the config (cap rows: n * max_tokens fits every source's
@@ -93,14 +94,24 @@
 #include <string.h>
 
 typedef struct ml_epc {
-  moelink_moe_t local;
-  ml_epc_args a;
+  moelink_moe_t local;  /* the experts of pipe 0 (the only one outside rounds mode) */
+  moelink_moe_t local1; /* rounds mode with two pipes: pipe 1's */
+  ml_epc_args a;        /* the whole receive buffer (cap rows): one round a step, dispatch */
+  ml_epc_args pipe[2];  /* rounds mode: pipe p's view, rows [p * cap / pipes, ...) */
+  int pipes;            /* rounds mode: 2 (two rounds in flight on two streams) or 1 */
+  cudaStream_t s1;      /* pipes == 2: pipe 1's stream */
+  cudaEvent_t fork, join;
+  void *plan1, *y1; /* pipe 1's plan and expert outputs */
+  uint64_t *epoch1; /* pipe 1's call count, ticket and pair count */
+  unsigned *ticket1;
+  int32_t *npairs1;
+  size_t off_arrive1, off_return1; /* pipe 1's signal cells */
   char *symm;           /* this rank's symmetric buffer */
   char *dev;            /* one cudaMalloc for the scratch below */
   int32_t *ids;         /* [max_tokens * k] */
   float *wts;           /* [max_tokens * k] */
-  void *plan;           /* the local layer's plan for cap rows */
-  void *y;              /* [cap * kl][H] expert outputs, permuted */
+  void *plan;           /* the local layer's plan for its rows (pipe 0's in rounds mode) */
+  void *y;              /* [rows * kl][H] expert outputs, permuted (pipe 0's) */
   void *sh_h;           /* [max_tokens][Is] */
   float *sh_out;        /* [max_tokens][H] */
   float *r_partials;    /* the router's split-K partial logits */
@@ -112,11 +123,19 @@ typedef struct ml_epc {
 
 static size_t ml_epc_up(size_t v) { return (v + 255) & ~(size_t)255; }
 
-/* Received rows a step, and whether it takes rounds: recv_capacity below the
- * whole step's n * max_tokens rows. */
-static int ml_epc_cap(const moelink_ep_config_t *cfg, int n, int *rounds) {
+/* See docs/ENV.md. */
+MOELINK_PARAM(EP_LL, 1)
+MOELINK_PARAM(EP_FUSED_RETURN, 512)
+MOELINK_PARAM(EP_ROUND_PIPES, 2)
+
+/* Received rows a step, whether it takes rounds (recv_capacity below the
+ * whole step's n * max_tokens rows) and in how many pipes: rounds of cap /
+ * pipes rows, two in flight unless the buffer has one row or
+ * MOELINK_EP_ROUND_PIPES is 1. */
+static int ml_epc_cap(const moelink_ep_config_t *cfg, int n, int *rounds, int *pipes) {
   const int64_t whole = (int64_t)n * cfg->moe.max_tokens;
   *rounds = cfg->recv_capacity < whole;
+  *pipes = *rounds && cfg->recv_capacity >= 2 && ml_param_EP_ROUND_PIPES() != 1 ? 2 : 1;
   return *rounds ? cfg->recv_capacity : (int)whole;
 }
 
@@ -130,16 +149,21 @@ static size_t ml_epc_max_rounds(const moelink_ep_config_t *cfg, int n, int cap) 
 }
 
 /* Symmetric layout (offsets into a) and its size. */
-static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a) {
+static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a,
+                                 size_t *arrive1, size_t *return1) {
   const moelink_moe_config_t *c = &cfg->moe;
   const size_t k = (size_t)c->top_k, H = (size_t)c->hidden, es = moelink_dtype_size(c->dtype);
-  int rounds;
-  const size_t cap = (size_t)ml_epc_cap(cfg, n, &rounds);
+  int rounds, pipes;
+  const size_t cap = (size_t)ml_epc_cap(cfg, n, &rounds, &pipes);
   size_t off = 0;
   a->off_arrive = off;
   off = ml_epc_up(off + (size_t)n * 8);
   a->off_return = off;
   off = ml_epc_up(off + (size_t)n * 8);
+  *arrive1 = off; /* pipe 1's cells */
+  off = ml_epc_up(off + (pipes == 2 ? (size_t)n * 8 : 0));
+  *return1 = off;
+  off = ml_epc_up(off + (pipes == 2 ? (size_t)n * 8 : 0));
   a->off_meta = off;
   off = ml_epc_up(off + cap * ML_EPC_META(k) * 4);
   a->off_rows = off;
@@ -161,8 +185,9 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
 /* Device scratch layout (base NULL: only sizes it). */
 static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w, char *base) {
   const moelink_moe_config_t *c = &cfg->moe;
-  int rounds;
-  const int cap_rows = ml_epc_cap(cfg, n, &rounds);
+  int rounds, pipes;
+  const int cap_rows = ml_epc_cap(cfg, n, &rounds, &pipes);
+  const int rows_p = cap_rows / pipes; /* a pipe's rows: its plan, outputs and layer */
   const moelink_moe_config_t l = ml_ep_local_config(cfg, n, cap_rows);
   const size_t T = (size_t)c->max_tokens, k = (size_t)c->top_k, H = (size_t)c->hidden;
   const size_t cap = (size_t)cap_rows, kl = (size_t)l.top_k, es = moelink_dtype_size(c->dtype);
@@ -180,6 +205,9 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
   ML_EPC_TAKE(w->a.plist, int4 *, cap * kl * 16);
   ML_EPC_TAKE(w->a.npairs, int32_t *, 64);
+  ML_EPC_TAKE(w->epoch1, uint64_t *, pipes == 2 ? 64 : 0);
+  ML_EPC_TAKE(w->ticket1, unsigned *, pipes == 2 ? 64 : 0);
+  ML_EPC_TAKE(w->npairs1, int32_t *, pipes == 2 ? 64 : 0);
   ML_EPC_TAKE(w->a.dst, void **, cap * kl * sizeof(void *));
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
@@ -188,15 +216,17 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.ord, int32_t *, rounds ? T * k * 4 : 0);
   ML_EPC_TAKE(w->a.offs, int32_t *, rounds ? E * 4 : 0);
   ML_EPC_TAKE(w->a.nrounds, int32_t *, rounds ? 64 : 0);
-  const size_t maxr = rounds ? ml_epc_max_rounds(cfg, n, cap_rows) : 0;
+  const size_t maxr = rounds ? ml_epc_max_rounds(cfg, n, rows_p) : 0;
   ML_EPC_TAKE(w->a.mstart, int32_t *, rounds ? (E + 1) * 4 : 0);
   ML_EPC_TAKE(w->a.slist, int32_t *, rounds ? T * k * 4 : 0);
   ML_EPC_TAKE(w->a.bounds, int32_t *, rounds ? (size_t)n * (maxr + 1) * 4 : 0);
   ML_EPC_TAKE(w->a.lbase, int32_t *, rounds ? ((size_t)l.num_experts + 1) * 4 : 0);
   w->a.maxr = (int)maxr;
-  ML_EPC_TAKE(w->plan, void *,
-              moelink_plan_bytes(cap_rows, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS));
-  ML_EPC_TAKE(w->y, void *, cap * kl * H * es);
+  const size_t plan_bytes = moelink_plan_bytes(rows_p, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS);
+  ML_EPC_TAKE(w->plan, void *, plan_bytes);
+  ML_EPC_TAKE(w->y, void *, (size_t)rows_p *kl *H *es);
+  ML_EPC_TAKE(w->plan1, void *, pipes == 2 ? plan_bytes : 0);
+  ML_EPC_TAKE(w->y1, void *, pipes == 2 ? (size_t)rows_p * kl * H * es : 0);
   ML_EPC_TAKE(w->sh_h, void *, T * Is * es);
   ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
   ML_EPC_TAKE(w->r_partials, float *,
@@ -238,15 +268,16 @@ static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config
   memset(&w, 0, sizeof w);
   ML_TRY(ml_epc_sms(comm, &w.a.sms));
   size_t a = 0, b = 0;
-  int rounds;
-  const moelink_moe_config_t lc =
-      ml_ep_local_config(cfg, comm->nranks, ml_epc_cap(cfg, comm->nranks, &rounds));
+  int rounds, pipes;
+  const int cap = ml_epc_cap(cfg, comm->nranks, &rounds, &pipes);
+  const moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks, cap / pipes);
   /* The whole layer's size is asked only for the CUDA backend's checks of
    * the config (E, k, sizes, the router's shared memory); nothing of it is
    * allocated. */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
-  *bytes = b + ml_epc_symm_layout(cfg, comm->nranks, &w.a) +
+  size_t a1 = 0, r1 = 0;
+  *bytes = b * (size_t)pipes + ml_epc_symm_layout(cfg, comm->nranks, &w.a, &a1, &r1) +
            ml_epc_dev_layout(cfg, comm->nranks, &w, NULL);
   return MOELINK_SUCCESS;
 }
@@ -258,42 +289,100 @@ static void ml_epc_fini(moelink_ep_t ep) {
   if (ml_cuda_enter(ep->comm->ctx, &prev) == MOELINK_SUCCESS) {
     (void)cudaDeviceSynchronize();
     if (w->dev) (void)cudaFree(w->dev);
+    if (w->s1)
+      (void)cudaStreamDestroy(w->s1);
+    if (w->fork)
+      (void)cudaEventDestroy(w->fork);
+    if (w->join)
+      (void)cudaEventDestroy(w->join);
     (void)ml_cuda_leave(ep->comm->ctx, prev, MOELINK_SUCCESS);
   }
   if (w->symm) (void)moelink_symm_free(ep->comm, w->symm);
   moelink_moe_destroy(w->local);
+  moelink_moe_destroy(w->local1);
   free(w);
   ep->impl = NULL;
 }
 
 /* Every rank compares the hash of its config with the others' (collective):
  * ranks with different configs would mix rows or run different steps. */
-static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep_config_t *cfg) {
+static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep_config_t *cfg,
+                                           int pipes) {
   int same = 0;
-  ML_TRY(ml_comm_cuda_same(comm, ml_ep_config_hash(cfg), &same));
+  /* the pipes (MOELINK_EP_ROUND_PIPES) lay out the buffers too */
+  ML_TRY(ml_comm_cuda_same(comm, ml_ep_config_hash(cfg) ^ (uint64_t)pipes * 0x9e3779b97f4a7c15ull,
+                           &same));
   if (!same)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
-                   "ep_create: rank %d's config differs from another rank's: every rank must "
-                   "pass the same config",
+                   "ep_create: rank %d's config (or MOELINK_EP_ROUND_PIPES) differs from another "
+                   "rank's: every rank must pass the same config",
                    comm->rank);
   return MOELINK_SUCCESS;
 }
 
-/* See docs/ENV.md. */
-MOELINK_PARAM(EP_LL, 1)
-MOELINK_PARAM(EP_FUSED_RETURN, 512)
+/* Rounds mode: each pipe's view of the layer (rows [p * rows, (p + 1) *
+ * rows) of every receive array, its own signal cells, counters, plan and
+ * outputs), and pipe 1's stream and events. Outside rounds mode the layer
+ * runs on w->a alone. */
+static moelink_status_t ml_epc_pipes_init(ml_epc *w) {
+  const ml_epc_args *a = &w->a;
+  const int rows = a->cap / w->pipes;
+  for (int p = 0; p < w->pipes; ++p) {
+    ml_epc_args *v = &w->pipe[p];
+    *v = *a;
+    v->cap = rows;
+    v->direct_plan = 1;
+    const size_t r0 = (size_t)p * (size_t)rows, pairs0 = r0 * (size_t)a->kl;
+    v->off_meta += r0 * ML_EPC_META(a->k) * 4;
+    v->off_rows += r0 * (size_t)a->H * (size_t)a->es;
+    v->off_qrows += r0 * a->qrow;
+    v->lids += pairs0;
+    v->lwts += pairs0;
+    v->plist += pairs0;
+    v->dst += pairs0;
+    if (p == 1) {
+      v->off_arrive = w->off_arrive1;
+      v->off_return = w->off_return1;
+      v->epoch = w->epoch1;
+      v->ticket = w->ticket1;
+      v->npairs = w->npairs1;
+    }
+    moelink_plan_t lp;
+    ML_TRY(moelink_plan_view(p ? w->plan1 : w->plan, rows, a->kl, a->El,
+                             moelink_moe_tile_rows(p ? w->local1 : w->local), &lp));
+    v->p_offsets = lp.expert_offsets;
+    v->p_sorted = lp.sorted_pairs;
+    v->p_rows = lp.pair_rows;
+    v->p_tiles = lp.tiles;
+    v->p_ntiles = lp.num_tiles;
+  }
+  if (w->pipes < 2)
+    return MOELINK_SUCCESS;
+  cudaError_t e = cudaStreamCreateWithFlags(&w->s1, cudaStreamNonBlocking);
+  if (e == cudaSuccess)
+    e = cudaEventCreateWithFlags(&w->fork, cudaEventDisableTiming);
+  if (e == cudaSuccess)
+    e = cudaEventCreateWithFlags(&w->join, cudaEventDisableTiming);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): the second round pipe's stream: %s",
+                   cudaGetErrorString(e));
+  return MOELINK_SUCCESS;
+}
 
 static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   moelink_comm_t comm = ep->comm;
   const moelink_ep_config_t *cfg = &ep->cfg;
   const moelink_moe_config_t *c = &cfg->moe;
   ML_TRY(ml_epc_check(comm, cfg));
-  int rounds;
-  const int cap = ml_epc_cap(cfg, comm->nranks, &rounds);
-  const moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks, cap);
+  int rounds, pipes;
+  const int cap = ml_epc_cap(cfg, comm->nranks, &rounds, &pipes);
+  const moelink_moe_config_t lc = ml_ep_local_config(cfg, comm->nranks, cap / pipes);
   size_t whole = 0; /* the CUDA backend's checks of the whole config (see ml_epc_size) */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, c, &whole));
   ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
+  if (pipes == 2)
+    ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local1));
+  w->pipes = pipes;
   ml_epc_args *a = &w->a;
   ML_TRY(moelink_comm_device(comm, &a->dc));
   a->n = comm->nranks;
@@ -316,12 +405,13 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
     a->ll = fits && !rounds && c->max_tokens <= ML_EPC_LL_MAX_TOKENS && ml_param_EP_LL() != 0;
   }
 
-  const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a);
+  const size_t symm_bytes =
+      ml_epc_symm_layout(cfg, comm->nranks, a, &w->off_arrive1, &w->off_return1);
   ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));
   moelink_symm_view_t v;
   ML_TRY(moelink_symm_view(comm, w->symm, &v));
   for (int r = 0; r < comm->nranks; ++r) a->base[r] = v.base[r];
-  ML_TRY(ml_epc_same_config(comm, cfg));
+  ML_TRY(ml_epc_same_config(comm, cfg, pipes));
 
   int prev;
   ML_TRY(ml_cuda_enter(comm->ctx, &prev));
@@ -334,13 +424,8 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
                 "ep (cuda): %zu bytes of scratch: %s", dev_bytes, cudaGetErrorString(e));
   if (s == MOELINK_SUCCESS) {
     (void)ml_epc_dev_layout(cfg, comm->nranks, w, w->dev);
-    moelink_plan_t lp;
-    s = moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp);
-    a->p_offsets = lp.expert_offsets;
-    a->p_sorted = lp.sorted_pairs;
-    a->p_rows = lp.pair_rows;
-    a->p_tiles = lp.tiles;
-    a->p_ntiles = lp.num_tiles;
+    if (rounds)
+      s = ml_epc_pipes_init(w);
   }
   if (s == MOELINK_SUCCESS && cudaDeviceSynchronize() != cudaSuccess)
     s = ml_fail(MOELINK_ERR_CUDA, "ep (cuda): setting up the scratch failed");
@@ -366,7 +451,8 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
   if (((uintptr_t)ep->w.router) & 15)
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "ep_set_weights (cuda): router %p must be 16-byte aligned", ep->w.router);
-  return ml_ep_bind_layers(ep, NULL, w->local);
+  ML_TRY(ml_ep_bind_layers(ep, NULL, w->local));
+  return w->local1 ? ml_ep_bind_layers(ep, NULL, w->local1) : MOELINK_SUCCESS;
 }
 
 /* This rank's shared expert on its T tokens, into sh_out. */
@@ -398,18 +484,20 @@ static moelink_status_t ml_epc_not_capturing(moelink_ep_t ep, ml_epc *w, cudaStr
   return MOELINK_SUCCESS;
 }
 
-/* Rounds mode, before a step's exchanges: the pairs counted and placed on
+/* Rounds mode, before a step's exchanges (a: the view whose rounds count,
+ * pipe 0's for a forward, the whole buffer's for a dispatch): the pairs counted and placed on
  * every rank (this rank's shared expert, when x, runs while the counts
  * travel), then the host learns the step's rounds (*rounds >= 1, the same
  * on every rank): the one host synchronization of the mode. */
-static moelink_status_t ml_epc_plan_rounds(moelink_ep_t ep, ml_epc *w, const int32_t *ids,
-                                           const void *x, int T, cudaStream_t st, int *rounds) {
-  ML_TRY(ml_epc_count(&w->a, ids, T, st));
+static moelink_status_t ml_epc_plan_rounds(moelink_ep_t ep, ml_epc *w, const ml_epc_args *a,
+                                           const int32_t *ids, const void *x, int T,
+                                           cudaStream_t st, int *rounds) {
+  ML_TRY(ml_epc_count(a, ids, T, st));
   if (x)
     ML_TRY(ml_epc_shared(ep, w, x, T, st));
-  ML_TRY(ml_epc_schedule(&w->a, ids, T, st));
+  ML_TRY(ml_epc_schedule(a, ids, T, st));
   int32_t n = -1;
-  const cudaError_t e = cudaMemcpyAsync(&n, w->a.nrounds, sizeof n, cudaMemcpyDeviceToHost, st);
+  const cudaError_t e = cudaMemcpyAsync(&n, a->nrounds, sizeof n, cudaMemcpyDeviceToHost, st);
   if (e != cudaSuccess)
     return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): reading the step's rounds: %s",
                    cudaGetErrorString(e));
@@ -475,19 +563,32 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
   return ml_cuda_route(&r, w->logits, w->sched, st);
 }
 
+/* Makes stream `to` wait for what `from` has enqueued so far. */
+static moelink_status_t ml_epc_event(cudaEvent_t ev, cudaStream_t from, cudaStream_t to) {
+  cudaError_t e = cudaEventRecord(ev, from);
+  if (e == cudaSuccess)
+    e = cudaStreamWaitEvent(to, ev, 0);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): ordering the round pipes' streams: %s",
+                   cudaGetErrorString(e));
+  return MOELINK_SUCCESS;
+}
+
 /* Step 4 of one exchange (a: the layer's arguments, or a round's copy) whose
  * rows are in: plan and the local experts (fused: the down GEMM stores each
  * output row into its source's ret); *pair_rows: where y holds each pair. */
-static moelink_status_t ml_epc_experts(ml_epc *w, const ml_epc_args *a, int fused,
+static moelink_status_t ml_epc_experts(ml_epc *w, int pipe, const ml_epc_args *a, int fused,
                                        const int32_t **pair_rows, cudaStream_t st) {
-  if (a->rounds) /* the receive kernel wrote the pair order; the rest here */
+  moelink_moe_t local = pipe ? w->local1 : w->local;
+  void *plan = pipe ? w->plan1 : w->plan, *y = pipe ? w->y1 : w->y;
+  if (a->direct_plan) /* the receive kernel wrote the pair order; the rest here */
     ML_TRY(ml_epc_round_plan(a, st));
   else
-    ML_TRY(moelink_moe_plan(w->local, a->lids, w->cap, w->plan, st));
-  ML_TRY(ml_cuda_moe_experts_to(w->local, a->base[a->me] + a->off_rows, w->cap, w->plan, a->lwts,
-                                w->y, fused ? (void *const *)a->dst : NULL, st));
+    ML_TRY(moelink_moe_plan(local, a->lids, a->cap, plan, st));
+  ML_TRY(ml_cuda_moe_experts_to(local, a->base[a->me] + a->off_rows, a->cap, plan, a->lwts, y,
+                                fused ? (void *const *)a->dst : NULL, st));
   moelink_plan_t lp;
-  ML_TRY(moelink_plan_view(w->plan, w->cap, a->kl, a->El, moelink_moe_tile_rows(w->local), &lp));
+  ML_TRY(moelink_plan_view(plan, a->cap, a->kl, a->El, moelink_moe_tile_rows(local), &lp));
   *pair_rows = lp.pair_rows;
   return MOELINK_SUCCESS;
 }
@@ -505,19 +606,28 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
   const int32_t *pair_rows = NULL;
   if (!a->rounds) {
     ML_TRY(ml_epc_dispatch_inner(ep, w, a, x, NULL, NULL, w->ids, w->wts, T, 1, st));
-    ML_TRY(ml_epc_experts(w, a, fused, &pair_rows, st));
+    ML_TRY(ml_epc_experts(w, 0, a, fused, &pair_rows, st));
     return ml_epc_combine_inner(ep, w, w->y, pair_rows, fused, x, T, out, st);
   }
-  /* rounds mode: the shared expert runs under the count exchange */
+  /* rounds mode: the shared expert runs under the count exchange; round r
+   * on pipe r % pipes, pipe 1 on its own stream, so that one pipe's
+   * exchange and plan run beside the other's GEMMs */
   int rounds = 0;
-  ML_TRY(ml_epc_plan_rounds(ep, w, w->ids, x, T, st, &rounds));
+  ML_TRY(ml_epc_plan_rounds(ep, w, &w->pipe[0], w->ids, x, T, st, &rounds));
+  const int two = w->pipes == 2 && rounds > 1;
+  if (two)
+    ML_TRY(ml_epc_event(w->fork, st, w->s1));
   for (int r = 0; r < rounds; ++r) {
-    ml_epc_args ra = *a;
+    const int p = two ? r & 1 : 0;
+    const cudaStream_t sp = p ? w->s1 : st;
+    ml_epc_args ra = w->pipe[p];
     ra.round = r;
-    ML_TRY(ml_epc_dispatch_inner(ep, w, &ra, x, NULL, NULL, w->ids, w->wts, T, 0, st));
-    ML_TRY(ml_epc_experts(w, &ra, fused, &pair_rows, st));
-    ML_TRY(ml_epc_return(&ra, w->y, pair_rows, fused, NULL, 0, st));
+    ML_TRY(ml_epc_dispatch_inner(ep, w, &ra, x, NULL, NULL, w->ids, w->wts, T, 0, sp));
+    ML_TRY(ml_epc_experts(w, p, &ra, fused, &pair_rows, sp));
+    ML_TRY(ml_epc_return(&ra, p ? w->y1 : w->y, pair_rows, fused, NULL, 0, sp));
   }
+  if (two)
+    ML_TRY(ml_epc_event(w->join, w->s1, st));
   return ml_epc_sum(ep, w, x && ep->cfg.moe.shared_inter > 0, x, T, out, st);
 }
 
@@ -569,7 +679,7 @@ static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const ui
     /* the caller gets the rows at once: they must fit in one round (every
      * rank counts the same rounds, so all refuse alike) */
     if (s == MOELINK_SUCCESS)
-      s = ml_epc_plan_rounds(ep, w, ids, NULL, num_tokens, st, &rounds);
+      s = ml_epc_plan_rounds(ep, w, &w->a, ids, NULL, num_tokens, st, &rounds);
     if (s == MOELINK_SUCCESS && rounds > 1)
       s = ml_fail(MOELINK_ERR_UNSUPPORTED,
                   "ep_dispatch on rank %d: the ranks' pairs need %d rounds of recv_capacity %d "

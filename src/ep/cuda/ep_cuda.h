@@ -37,6 +37,7 @@ typedef struct ml_epc_args {
   int cap;    /* received rows: n * max_tokens, or recv_capacity in rounds mode */
   int rounds; /* 1: rounds mode (recv_capacity below n * max_tokens; see ep_cuda.c) */
   int round;  /* rounds mode: the round this launch moves (set per launch) */
+  int direct_plan; /* rounds mode, a pipe's view: the receive kernel writes the plan */
   int E;
   int sms;           /* the device's SMs: grids take at most two CTAs each */
   int ll;            /* 1: the one-kernel exchanges may run (ml_epc_ll_ok, max_tokens at

@@ -309,7 +309,7 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
         if (le < 0) continue;
         a.lids[(size_t)r * a.kl + q] = le;
         a.lwts[(size_t)r * a.kl + q] = __int_as_float(__ldcg(m + 2 + a.k + j));
-        if (a.rounds) {
+        if (a.direct_plan) {
           /* the pair's place in the round is its place in the plan's order */
           const int sp = __ldcg(m + 2 + 2 * a.k + j) - a.round * a.cap;
           a.p_sorted[sp] = r * a.kl + q;
@@ -328,7 +328,7 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
     for (; q < a.kl; ++q) {
       a.lids[(size_t)r * a.kl + q] = -1;
       a.lwts[(size_t)r * a.kl + q] = 0.f;
-      if (a.rounds)
+      if (a.direct_plan)
         a.p_rows[(size_t)r * a.kl + q] = -1;
     }
   }
