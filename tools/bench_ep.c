@@ -66,6 +66,9 @@ typedef struct be_row {
   int step_tokens;        /* their max_tokens (0: not run) */
   double rounds_us;       /* --rounds: moelink_ep_forward in rounds by expert */
   int rounds_capacity;    /* its recv_capacity (0: not run) */
+  double ws_bytes;        /* moelink_ep_workspace_size of the one-step layer, */
+  double steps_ws_bytes;  /* of the --steps layer */
+  double rounds_ws_bytes; /* and of the --rounds layer (0: not run) */
   double flops_rank;      /* moelink_moe_flops(cfg, T): one rank's share */
   double dispatch_rows;   /* sent per rank, the most over ranks */
   double combine_rows;
@@ -96,7 +99,8 @@ static const char be_help_text[] =
     "  moelink_ep_forward of a layer with max_tokens ceil(T / S) and call_tokens T: the\n"
     "  same call in S steps, in 1/S of the receive memory (chunked mode); with --rounds\n"
     "  R > 1, one step with recv_capacity ceil(ranks * T / R): rounds by expert in 1/R\n"
-    "  of the receive memory (CUDA; CPU ranks take rounds by token).\n"
+    "  of the receive memory (CUDA; CPU ranks take rounds by token). Their tables give\n"
+    "  moelink_ep_workspace_size of both layers (ws_MiB: one step; chunk_MiB).\n"
     "  --backend cuda|cpu     (default cuda when built with it and a GPU is visible)\n"
     "  --preset NAME          (default cuda: deepseek-v3 (H 7168, I 2048, E 256, k 8,\n"
     "                         sigmoid, 4 of 8 groups, shared expert 2048); cpu: a small\n"
@@ -479,6 +483,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
   ecfg.recv_capacity = w->nranks * T;
   ecfg.dispatch_quant = o->quant;
   CLI_CALL("moelink_ep_create", moelink_ep_create(w->comm, &ecfg, &c.ep));
+  size_t ws = 0, ws_steps = 0, ws_rounds = 0;
+  CLI_CALL("moelink_ep_workspace_size", moelink_ep_workspace_size(w->comm, &ecfg, &ws));
   int first = 0, El = 0;
   CLI_CALL("moelink_ep_get_config", moelink_ep_get_config(c.ep, NULL, &first, &El));
   c.El = El;
@@ -493,6 +499,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
     scfg_ep.call_tokens = T;
     scfg_ep.recv_capacity = w->nranks * step_tokens;
     CLI_CALL("moelink_ep_create (steps)", moelink_ep_create(w->comm, &scfg_ep, &c.ep_steps));
+    CLI_CALL("moelink_ep_workspace_size (steps)",
+             moelink_ep_workspace_size(w->comm, &scfg_ep, &ws_steps));
     CLI_CALL("moelink_ep_set_weights (steps)", moelink_ep_set_weights(c.ep_steps, &lw));
   }
   const int64_t whole = (int64_t)w->nranks * T;
@@ -502,6 +510,8 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
     moelink_ep_config_t rcfg = ecfg;
     rcfg.recv_capacity = rounds_capacity;
     CLI_CALL("moelink_ep_create (rounds)", moelink_ep_create(w->comm, &rcfg, &c.ep_rounds));
+    CLI_CALL("moelink_ep_workspace_size (rounds)",
+             moelink_ep_workspace_size(w->comm, &rcfg, &ws_rounds));
     CLI_CALL("moelink_ep_set_weights (rounds)", moelink_ep_set_weights(c.ep_rounds, &lw));
   }
 
@@ -595,6 +605,9 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
 
   memset(row, 0, sizeof *row);
   row->tokens = T;
+  row->ws_bytes = (double)ws;
+  row->steps_ws_bytes = (double)ws_steps;
+  row->rounds_ws_bytes = (double)ws_rounds;
   row->flops_rank = moelink_moe_flops(base, T);
   row->dispatch_rows = drows_max;
   row->combine_rows = crows_max;
@@ -690,15 +703,16 @@ static void be_run_case(cli_world *w, const be_opts *o, const moelink_moe_config
 
 /* The chunked table: --steps (rounds 0) or --rounds rows against one step. */
 static void be_print_chunked(const be_row *rows, int nrows, int rounds) {
-  printf("%7s %11s %11s %11s %9s\n", "T", rounds ? "capacity" : "step_tok", "ep_us",
-         rounds ? "rounds_us" : "steps_us", "kept");
+  printf("%7s %11s %11s %11s %9s %11s %11s\n", "T", rounds ? "capacity" : "step_tok", "ep_us",
+         rounds ? "rounds_us" : "steps_us", "kept", "ws_MiB", "chunk_MiB");
   for (int i = 0; i < nrows; ++i) {
     const be_row *r = &rows[i];
     const int size = rounds ? r->rounds_capacity : r->step_tokens;
     const double us = rounds ? r->rounds_us : r->steps_us;
+    const double ws = rounds ? r->rounds_ws_bytes : r->steps_ws_bytes;
     if (size)
-      printf("%7d %11d %11.1f %11.1f %8.1f%%\n", r->tokens, size, r->ep_us, us,
-             100.0 * r->ep_us / us);
+      printf("%7d %11d %11.1f %11.1f %8.1f%% %11.1f %11.1f\n", r->tokens, size, r->ep_us, us,
+             100.0 * r->ep_us / us, r->ws_bytes / 1048576.0, ws / 1048576.0);
   }
 }
 
@@ -802,13 +816,16 @@ static void be_write_json(const char *path, const be_opts *o, const cli_world *w
     cli_json_field(f, "forward_over_max_experts_comm", r->ep_us / fmax(r->experts_us, r->dc_us));
     cli_json_field(f, "forward_over_max_compute_comm",
                    r->ep_us / fmax(r->experts_us + r->route_us + r->shared_us, r->dc_us));
+    cli_json_field(f, "workspace_bytes", r->ws_bytes);
     if (r->step_tokens) {
       fprintf(f, ", \"step_tokens\": %d", r->step_tokens);
+      cli_json_field(f, "steps_workspace_bytes", r->steps_ws_bytes);
       cli_json_field(f, "steps_us", r->steps_us);
       cli_json_field(f, "steps_throughput_of_ep", r->ep_us / r->steps_us);
     }
     if (r->rounds_capacity) {
       fprintf(f, ", \"rounds_capacity\": %d", r->rounds_capacity);
+      cli_json_field(f, "rounds_workspace_bytes", r->rounds_ws_bytes);
       cli_json_field(f, "rounds_us", r->rounds_us);
       cli_json_field(f, "rounds_throughput_of_ep", r->ep_us / r->rounds_us);
     }

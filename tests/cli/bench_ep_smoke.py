@@ -61,6 +61,9 @@ for r in d["rows"]:
     # --rounds 4: one step with recv_capacity ceil(ranks * T / 4)
     assert r["rounds_capacity"] == (n * T + 3) // 4 and r["rounds_us"] > 0, r
     assert abs(r["rounds_throughput_of_ep"] - r["ep_us"] / r["rounds_us"]) <= 1e-3, r
+    # the layers' memory: smaller receive buffers, smaller workspaces
+    assert 0 < r["rounds_workspace_bytes"] < r["workspace_bytes"], r
+    assert 0 < r["steps_workspace_bytes"] < r["workspace_bytes"], r
 
 p = subprocess.run([exe, "bench", "ep", "--backend", "cpu"], stdout=subprocess.PIPE,
                    stderr=subprocess.PIPE, text=True, timeout=60,
