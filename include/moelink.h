@@ -651,9 +651,9 @@ MOELINK_API moelink_status_t moelink_ep_workspace_size(moelink_comm_t comm,
  * then source, then token, and round r moves pairs [r * R, (r + 1) * R) of
  * that order (a token with experts in several rounds travels once per
  * round), so each expert's weights stream about once a step; R is
- * recv_capacity / 2 with two rounds in flight at a time on two streams
- * (MOELINK_EP_ROUND_PIPES, docs/ENV.md; recv_capacity 1: R = 1, one at a
- * time). A step then learns its number of rounds on the host (one
+ * recv_capacity / P with P rounds in flight at a time on P streams
+ * (MOELINK_EP_ROUND_PIPES, docs/ENV.md: P = 2 by default, at most one a
+ * row). A step then learns its number of rounds on the host (one
  * synchronization): forward is not capturable there (UNSUPPORTED while the
  * stream captures), and moelink_ep_dispatch refuses (UNSUPPORTED, on every
  * rank) pairs that need more than one round. */

@@ -59,22 +59,23 @@
  * the rounds, max over d of ceil(pairs / R), the same on every rank (one
  * stream synchronization a step), then runs steps 2-5 once per round, each
  * round a call of the protocol below with only that round's pairs in the
- * meta, and step 6 once. With two pipes (MOELINK_EP_ROUND_PIPES, the
- * default) R is recv_capacity / 2: pipe p owns rows [p R, (p + 1) R) of the
- * receive arrays, signal cells, call count, plan, outputs and local layer of
- * its own, and runs rounds r = p mod 2 on a stream of its own (pipe 1 on an
- * internal one, forked from and joined into the caller's), each pipe its own
- * sequence of calls. A dispatch uses the whole buffer as one round. Each pair's output lands in its
- * own ret row in exactly one round, so the sums and their order do not change. moelink_ep_dispatch
- * is steps 1 (from the caller's routing) to 3, with the received rows left in `rows` and their
- * local ids and weights in the scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the
- * shared expert, on the caller's expert outputs. An id outside [0, E) is an empty slot: not sent,
- * and (slot_rows -1) not added. Reuse is safe without further handshakes: a source writes a
- * destination's rows, meta and ARRIVE cell for call c + 1 only after it saw that destination's
- * RETURN of call c, which the destination sends after it has read them; a destination writes a
- * source's ret for call c + 1 only after that source's rows of call c + 1 arrived, which it sends
- * after its combine of call c. In rounds mode a rank writes the counts of step i + 2 into the cnt
- * that held step i's only after its schedule kernel of step i + 1 saw every rank's counts of step i
+ * meta, and step 6 once. With P pipes (MOELINK_EP_ROUND_PIPES, default 2)
+ * R is recv_capacity / P: pipe p owns rows [p R, (p + 1) R) of the receive
+ * arrays, signal cells, call count, plan, outputs and local layer of its
+ * own, and runs rounds r = p mod P on a stream of its own (pipes >= 1 on
+ * internal ones, forked from and joined into the caller's), each pipe its
+ * own sequence of calls. A dispatch uses the whole buffer as one round. Each pair's output lands in
+ * its own ret row in exactly one round, so the sums and their order do not change.
+ * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the received rows left in
+ * `rows` and their local ids and weights in the scratch; moelink_ep_combine is steps 5 (unfused)
+ * and 6 without the shared expert, on the caller's expert outputs. An id outside [0, E) is an empty
+ * slot: not sent, and (slot_rows -1) not added. Reuse is safe without further handshakes: a source
+ * writes a destination's rows, meta and ARRIVE cell for call c + 1 only after it saw that
+ * destination's RETURN of call c, which the destination sends after it has read them; a destination
+ * writes a source's ret for call c + 1 only after that source's rows of call c + 1 arrived, which
+ * it sends after its combine of call c. In rounds mode a rank writes the counts of step i + 2 into
+ * the cnt that held step i's only after its schedule kernel of step i + 1 saw every rank's counts
+ * of step i
  * + 1, which each rank sends after it read step i's (hence two cnt by parity). Every wait gives up
  * after MOELINK_COMM_TIMEOUT_MS.
  *
@@ -95,17 +96,18 @@
 
 typedef struct ml_epc {
   moelink_moe_t local;  /* the experts of pipe 0 (the only one outside rounds mode) */
-  moelink_moe_t local1; /* rounds mode with two pipes: pipe 1's */
+  moelink_moe_t plocal[ML_EPC_PIPES]; /* rounds mode: pipe p >= 1's experts ([0] unused) */
   ml_epc_args a;        /* the whole receive buffer (cap rows): one round a step, dispatch */
-  ml_epc_args pipe[2];  /* rounds mode: pipe p's view, rows [p * cap / pipes, ...) */
-  int pipes;            /* rounds mode: 2 (two rounds in flight on two streams) or 1 */
-  cudaStream_t s1;      /* pipes == 2: pipe 1's stream */
-  cudaEvent_t fork, join;
-  void *plan1, *y1; /* pipe 1's plan and expert outputs */
-  uint64_t *epoch1; /* pipe 1's call count, ticket and pair count */
-  unsigned *ticket1;
-  int32_t *npairs1;
-  size_t off_arrive1, off_return1; /* pipe 1's signal cells */
+  ml_epc_args pipe[ML_EPC_PIPES]; /* rounds mode: pipe p's view, rows [p * cap / pipes, ...) */
+  int pipes;                      /* rounds mode: rounds in flight at once, each pipe on a stream */
+  cudaStream_t ps[ML_EPC_PIPES];  /* pipe p >= 1's stream (pipe 0: the caller's) */
+  cudaEvent_t fork, pjoin[ML_EPC_PIPES];
+  /* pipe p >= 1's plan, expert outputs, call count, ticket, pair count and signal cells */
+  void *pplan[ML_EPC_PIPES], *py[ML_EPC_PIPES];
+  uint64_t *pepoch[ML_EPC_PIPES];
+  unsigned *pticket[ML_EPC_PIPES];
+  int32_t *pnpairs[ML_EPC_PIPES];
+  size_t parrive[ML_EPC_PIPES], preturn[ML_EPC_PIPES];
   char *symm;           /* this rank's symmetric buffer */
   char *dev;            /* one cudaMalloc for the scratch below */
   int32_t *ids;         /* [max_tokens * k] */
@@ -130,12 +132,16 @@ MOELINK_PARAM(EP_ROUND_PIPES, 2)
 
 /* Received rows a step, whether it takes rounds (recv_capacity below the
  * whole step's n * max_tokens rows) and in how many pipes: rounds of cap /
- * pipes rows, two in flight unless the buffer has one row or
- * MOELINK_EP_ROUND_PIPES is 1. */
+ * pipes rows, MOELINK_EP_ROUND_PIPES (1 to ML_EPC_PIPES, at most one a row)
+ * of them in flight. */
 static int ml_epc_cap(const moelink_ep_config_t *cfg, int n, int *rounds, int *pipes) {
   const int64_t whole = (int64_t)n * cfg->moe.max_tokens;
   *rounds = cfg->recv_capacity < whole;
-  *pipes = *rounds && cfg->recv_capacity >= 2 && ml_param_EP_ROUND_PIPES() != 1 ? 2 : 1;
+  long long want = ml_param_EP_ROUND_PIPES();
+  want = want < 1 ? 1 : want > ML_EPC_PIPES ? ML_EPC_PIPES : want;
+  if (want > cfg->recv_capacity)
+    want = cfg->recv_capacity;
+  *pipes = *rounds ? (int)want : 1;
   return *rounds ? cfg->recv_capacity : (int)whole;
 }
 
@@ -150,7 +156,7 @@ static size_t ml_epc_max_rounds(const moelink_ep_config_t *cfg, int n, int cap) 
 
 /* Symmetric layout (offsets into a) and its size. */
 static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_args *a,
-                                 size_t *arrive1, size_t *return1) {
+                                 size_t *parrive, size_t *preturn) {
   const moelink_moe_config_t *c = &cfg->moe;
   const size_t k = (size_t)c->top_k, H = (size_t)c->hidden, es = moelink_dtype_size(c->dtype);
   int rounds, pipes;
@@ -160,10 +166,12 @@ static size_t ml_epc_symm_layout(const moelink_ep_config_t *cfg, int n, ml_epc_a
   off = ml_epc_up(off + (size_t)n * 8);
   a->off_return = off;
   off = ml_epc_up(off + (size_t)n * 8);
-  *arrive1 = off; /* pipe 1's cells */
-  off = ml_epc_up(off + (pipes == 2 ? (size_t)n * 8 : 0));
-  *return1 = off;
-  off = ml_epc_up(off + (pipes == 2 ? (size_t)n * 8 : 0));
+  for (int p = 1; p < pipes; ++p) { /* the other pipes' cells */
+    parrive[p] = off;
+    off = ml_epc_up(off + (size_t)n * 8);
+    preturn[p] = off;
+    off = ml_epc_up(off + (size_t)n * 8);
+  }
   a->off_meta = off;
   off = ml_epc_up(off + cap * ML_EPC_META(k) * 4);
   a->off_rows = off;
@@ -205,9 +213,11 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   ML_EPC_TAKE(w->a.lwts, float *, cap * kl * 4);
   ML_EPC_TAKE(w->a.plist, int4 *, cap * kl * 16);
   ML_EPC_TAKE(w->a.npairs, int32_t *, 64);
-  ML_EPC_TAKE(w->epoch1, uint64_t *, pipes == 2 ? 64 : 0);
-  ML_EPC_TAKE(w->ticket1, unsigned *, pipes == 2 ? 64 : 0);
-  ML_EPC_TAKE(w->npairs1, int32_t *, pipes == 2 ? 64 : 0);
+  for (int p = 1; p < pipes; ++p) {
+    ML_EPC_TAKE(w->pepoch[p], uint64_t *, 64);
+    ML_EPC_TAKE(w->pticket[p], unsigned *, 64);
+    ML_EPC_TAKE(w->pnpairs[p], int32_t *, 64);
+  }
   ML_EPC_TAKE(w->a.dst, void **, cap * kl * sizeof(void *));
   ML_EPC_TAKE(w->ids, int32_t *, T * k * 4);
   ML_EPC_TAKE(w->wts, float *, T * k * 4);
@@ -225,8 +235,10 @@ static size_t ml_epc_dev_layout(const moelink_ep_config_t *cfg, int n, ml_epc *w
   const size_t plan_bytes = moelink_plan_bytes(rows_p, l.top_k, l.num_experts, ML_CUDA_TILE_ROWS);
   ML_EPC_TAKE(w->plan, void *, plan_bytes);
   ML_EPC_TAKE(w->y, void *, (size_t)rows_p *kl *H *es);
-  ML_EPC_TAKE(w->plan1, void *, pipes == 2 ? plan_bytes : 0);
-  ML_EPC_TAKE(w->y1, void *, pipes == 2 ? (size_t)rows_p * kl * H * es : 0);
+  for (int p = 1; p < pipes; ++p) {
+    ML_EPC_TAKE(w->pplan[p], void *, plan_bytes);
+    ML_EPC_TAKE(w->py[p], void *, (size_t)rows_p *kl *H *es);
+  }
   ML_EPC_TAKE(w->sh_h, void *, T * Is * es);
   ML_EPC_TAKE(w->sh_out, float *, Is > 0 ? T * H * 4 : 0);
   ML_EPC_TAKE(w->r_partials, float *,
@@ -276,8 +288,8 @@ static moelink_status_t ml_epc_size(moelink_comm_t comm, const moelink_ep_config
    * allocated. */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &cfg->moe, &a));
   ML_TRY(moelink_moe_workspace_size(comm->ctx, &lc, &b));
-  size_t a1 = 0, r1 = 0;
-  *bytes = b * (size_t)pipes + ml_epc_symm_layout(cfg, comm->nranks, &w.a, &a1, &r1) +
+  size_t pa[ML_EPC_PIPES], pr[ML_EPC_PIPES];
+  *bytes = b * (size_t)pipes + ml_epc_symm_layout(cfg, comm->nranks, &w.a, pa, pr) +
            ml_epc_dev_layout(cfg, comm->nranks, &w, NULL);
   return MOELINK_SUCCESS;
 }
@@ -289,17 +301,20 @@ static void ml_epc_fini(moelink_ep_t ep) {
   if (ml_cuda_enter(ep->comm->ctx, &prev) == MOELINK_SUCCESS) {
     (void)cudaDeviceSynchronize();
     if (w->dev) (void)cudaFree(w->dev);
-    if (w->s1)
-      (void)cudaStreamDestroy(w->s1);
+    for (int p = 1; p < ML_EPC_PIPES; ++p) {
+      if (w->ps[p])
+        (void)cudaStreamDestroy(w->ps[p]);
+      if (w->pjoin[p])
+        (void)cudaEventDestroy(w->pjoin[p]);
+    }
     if (w->fork)
       (void)cudaEventDestroy(w->fork);
-    if (w->join)
-      (void)cudaEventDestroy(w->join);
     (void)ml_cuda_leave(ep->comm->ctx, prev, MOELINK_SUCCESS);
   }
   if (w->symm) (void)moelink_symm_free(ep->comm, w->symm);
   moelink_moe_destroy(w->local);
-  moelink_moe_destroy(w->local1);
+  for (int p = 1; p < ML_EPC_PIPES; ++p)
+    moelink_moe_destroy(w->plocal[p]);
   free(w);
   ep->impl = NULL;
 }
@@ -319,6 +334,11 @@ static moelink_status_t ml_epc_same_config(moelink_comm_t comm, const moelink_ep
                    comm->rank);
   return MOELINK_SUCCESS;
 }
+
+/* Pipe p's local layer, plan and expert outputs (pipe 0: the layer's own). */
+static moelink_moe_t ml_epc_local_of(const ml_epc *w, int p) { return p ? w->plocal[p] : w->local; }
+static void *ml_epc_plan_of(const ml_epc *w, int p) { return p ? w->pplan[p] : w->plan; }
+static void *ml_epc_y_of(const ml_epc *w, int p) { return p ? w->py[p] : w->y; }
 
 /* Rounds mode: each pipe's view of the layer (rows [p * rows, (p + 1) *
  * rows) of every receive array, its own signal cells, counters, plan and
@@ -340,16 +360,16 @@ static moelink_status_t ml_epc_pipes_init(ml_epc *w) {
     v->lwts += pairs0;
     v->plist += pairs0;
     v->dst += pairs0;
-    if (p == 1) {
-      v->off_arrive = w->off_arrive1;
-      v->off_return = w->off_return1;
-      v->epoch = w->epoch1;
-      v->ticket = w->ticket1;
-      v->npairs = w->npairs1;
+    if (p > 0) {
+      v->off_arrive = w->parrive[p];
+      v->off_return = w->preturn[p];
+      v->epoch = w->pepoch[p];
+      v->ticket = w->pticket[p];
+      v->npairs = w->pnpairs[p];
     }
     moelink_plan_t lp;
-    ML_TRY(moelink_plan_view(p ? w->plan1 : w->plan, rows, a->kl, a->El,
-                             moelink_moe_tile_rows(p ? w->local1 : w->local), &lp));
+    ML_TRY(moelink_plan_view(ml_epc_plan_of(w, p), rows, a->kl, a->El,
+                             moelink_moe_tile_rows(ml_epc_local_of(w, p)), &lp));
     v->p_offsets = lp.expert_offsets;
     v->p_sorted = lp.sorted_pairs;
     v->p_rows = lp.pair_rows;
@@ -358,13 +378,14 @@ static moelink_status_t ml_epc_pipes_init(ml_epc *w) {
   }
   if (w->pipes < 2)
     return MOELINK_SUCCESS;
-  cudaError_t e = cudaStreamCreateWithFlags(&w->s1, cudaStreamNonBlocking);
-  if (e == cudaSuccess)
-    e = cudaEventCreateWithFlags(&w->fork, cudaEventDisableTiming);
-  if (e == cudaSuccess)
-    e = cudaEventCreateWithFlags(&w->join, cudaEventDisableTiming);
+  cudaError_t e = cudaEventCreateWithFlags(&w->fork, cudaEventDisableTiming);
+  for (int p = 1; p < w->pipes && e == cudaSuccess; ++p) {
+    e = cudaStreamCreateWithFlags(&w->ps[p], cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+      e = cudaEventCreateWithFlags(&w->pjoin[p], cudaEventDisableTiming);
+  }
   if (e != cudaSuccess)
-    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): the second round pipe's stream: %s",
+    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): the round pipes' streams: %s",
                    cudaGetErrorString(e));
   return MOELINK_SUCCESS;
 }
@@ -380,8 +401,8 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   size_t whole = 0; /* the CUDA backend's checks of the whole config (see ml_epc_size) */
   ML_TRY(moelink_moe_workspace_size(comm->ctx, c, &whole));
   ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local));
-  if (pipes == 2)
-    ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->local1));
+  for (int p = 1; p < pipes; ++p)
+    ML_TRY(moelink_moe_create(comm->ctx, &lc, &w->plocal[p]));
   w->pipes = pipes;
   ml_epc_args *a = &w->a;
   ML_TRY(moelink_comm_device(comm, &a->dc));
@@ -405,8 +426,7 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
     a->ll = fits && !rounds && c->max_tokens <= ML_EPC_LL_MAX_TOKENS && ml_param_EP_LL() != 0;
   }
 
-  const size_t symm_bytes =
-      ml_epc_symm_layout(cfg, comm->nranks, a, &w->off_arrive1, &w->off_return1);
+  const size_t symm_bytes = ml_epc_symm_layout(cfg, comm->nranks, a, w->parrive, w->preturn);
   ML_TRY(moelink_symm_alloc(comm, symm_bytes, (void **)&w->symm));
   moelink_symm_view_t v;
   ML_TRY(moelink_symm_view(comm, w->symm, &v));
@@ -452,7 +472,9 @@ static moelink_status_t ml_epc_set_weights(moelink_ep_t ep) {
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "ep_set_weights (cuda): router %p must be 16-byte aligned", ep->w.router);
   ML_TRY(ml_ep_bind_layers(ep, NULL, w->local));
-  return w->local1 ? ml_ep_bind_layers(ep, NULL, w->local1) : MOELINK_SUCCESS;
+  for (int p = 1; p < w->pipes; ++p)
+    ML_TRY(ml_ep_bind_layers(ep, NULL, w->plocal[p]));
+  return MOELINK_SUCCESS;
 }
 
 /* This rank's shared expert on its T tokens, into sh_out. */
@@ -579,8 +601,8 @@ static moelink_status_t ml_epc_event(cudaEvent_t ev, cudaStream_t from, cudaStre
  * output row into its source's ret); *pair_rows: where y holds each pair. */
 static moelink_status_t ml_epc_experts(ml_epc *w, int pipe, const ml_epc_args *a, int fused,
                                        const int32_t **pair_rows, cudaStream_t st) {
-  moelink_moe_t local = pipe ? w->local1 : w->local;
-  void *plan = pipe ? w->plan1 : w->plan, *y = pipe ? w->y1 : w->y;
+  moelink_moe_t local = ml_epc_local_of(w, pipe);
+  void *plan = ml_epc_plan_of(w, pipe), *y = ml_epc_y_of(w, pipe);
   if (a->direct_plan) /* the receive kernel wrote the pair order; the rest here */
     ML_TRY(ml_epc_round_plan(a, st));
   else
@@ -610,24 +632,30 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
     return ml_epc_combine_inner(ep, w, w->y, pair_rows, fused, x, T, out, st);
   }
   /* rounds mode: the shared expert runs under the count exchange; round r
-   * on pipe r % pipes, pipe 1 on its own stream, so that one pipe's
-   * exchange and plan run beside the other's GEMMs */
+   * on pipe r % pipes, pipe p >= 1 on a stream of its own, so that pipes'
+   * exchanges and plans run beside the others' GEMMs */
   int rounds = 0;
   ML_TRY(ml_epc_plan_rounds(ep, w, &w->pipe[0], w->ids, x, T, st, &rounds));
-  const int two = w->pipes == 2 && rounds > 1;
-  if (two)
-    ML_TRY(ml_epc_event(w->fork, st, w->s1));
+  const int used = w->pipes < rounds ? w->pipes : rounds;
+  if (used > 1) {
+    cudaError_t e = cudaEventRecord(w->fork, st);
+    for (int p = 1; p < used && e == cudaSuccess; ++p)
+      e = cudaStreamWaitEvent(w->ps[p], w->fork, 0);
+    if (e != cudaSuccess)
+      return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): forking the round pipes: %s",
+                     cudaGetErrorString(e));
+  }
   for (int r = 0; r < rounds; ++r) {
-    const int p = two ? r & 1 : 0;
-    const cudaStream_t sp = p ? w->s1 : st;
+    const int p = r % (used > 0 ? used : 1);
+    const cudaStream_t sp = p ? w->ps[p] : st;
     ml_epc_args ra = w->pipe[p];
     ra.round = r;
     ML_TRY(ml_epc_dispatch_inner(ep, w, &ra, x, NULL, NULL, w->ids, w->wts, T, 0, sp));
     ML_TRY(ml_epc_experts(w, p, &ra, fused, &pair_rows, sp));
-    ML_TRY(ml_epc_return(&ra, p ? w->y1 : w->y, pair_rows, fused, NULL, 0, sp));
+    ML_TRY(ml_epc_return(&ra, ml_epc_y_of(w, p), pair_rows, fused, NULL, 0, sp));
   }
-  if (two)
-    ML_TRY(ml_epc_event(w->join, w->s1, st));
+  for (int p = 1; p < used; ++p)
+    ML_TRY(ml_epc_event(w->pjoin[p], w->ps[p], st));
   return ml_epc_sum(ep, w, x && ep->cfg.moe.shared_inter > 0, x, T, out, st);
 }
 

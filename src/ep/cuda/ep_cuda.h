@@ -21,6 +21,9 @@ extern "C" {
  * moelink_ep_combine as one kernel each (the low-latency mode). */
 #define ML_EPC_LL_MAX_TOKENS 256
 
+/* Rounds in flight at most in rounds mode (MOELINK_EP_ROUND_PIPES). */
+#define ML_EPC_PIPES 4
+
 /* Primitive ids of the waits, for timeout messages. */
 #define ML_EPC_PRIM_ARRIVE 48
 #define ML_EPC_PRIM_RETURN 49
