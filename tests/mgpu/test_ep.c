@@ -26,7 +26,8 @@
  * back-to-back calls; one call captured in a CUDA graph and replayed with new
  * x; argument errors (rank-symmetric where a rank might not take part; more
  * than call_tokens tokens: taken part with none); rounds mode (recv_capacity
- * below the whole step: 1/8 of it, 3 rows, with steps, FP8 rows and skew;
+ * below the whole step: 1/8 of it, 3 rows, with steps, FP8 rows, FP8 experts
+ * and skew;
  * a dispatch that fits one round, one that does not, a capture).
  *
  *   moelink launch -n 2 -- mgpu_test_ep */
@@ -1465,9 +1466,9 @@ int main(void) {
   ml_t_diag("quant done in %.1f s", mg_now() - t0);
 
   /* Rounds mode: recv_capacity 1/8 of the whole step (deepseek-like, k = 8:
-   * tens of rounds a step), with 3 steps a call, with FP8 rows, an odd tiny
-   * capacity of 3 rows, and every token on rank 0's experts (the rounds grow,
-   * the memory does not) */
+   * tens of rounds a step), with 3 steps a call, with FP8 rows, FP8 experts
+   * (e4m3 weights), an odd tiny capacity of 3 rows, and every token on rank
+   * 0's experts (the rounds grow, the memory does not) */
   moelink_moe_config_t rd = make_config("deepseek-v3", bf, 256, 128, 32, 8, 128, 48);
   layer_capacity = W.size * 48 / 8;
   run_layer("rounds deepseek-like E=32 k=8, recv_capacity 1/8", &rd, 1);
@@ -1477,6 +1478,10 @@ int main(void) {
   run_layer("rounds deepseek-like E=16 k=4, 3 steps a call", &rs, 0);
   layer_steps = 1;
   run_rounds_quant();
+  moelink_moe_config_t rf = make_config("deepseek-v3", bf, 512, 256, 16, 4, 128, 40);
+  rf.fp8_experts = 1;
+  layer_capacity = W.size * 40 / 8;
+  run_layer("rounds fp8 experts deepseek-like E=16 k=4", &rf, 0);
   moelink_moe_config_t rt = make_config("mixtral-8x7b", f16, 256, 128, 8, 2, 0, 20);
   layer_capacity = 3;
   run_layer("rounds mixtral-like f16 E=8 k=2, recv_capacity 3", &rt, 0);
