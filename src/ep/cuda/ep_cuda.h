@@ -37,7 +37,8 @@ extern "C" {
 typedef struct ml_epc_args {
   moelink_device_comm_t dc;
   int n, me, k, kl, El, H, es, max_tokens;
-  int cap;    /* received rows: n * max_tokens, or recv_capacity in rounds mode */
+  int cap;    /* received rows: n * max_tokens, or in rounds mode recv_capacity (the
+                 whole buffer's view) or recv_capacity / pipes (a pipe's) */
   int rounds; /* 1: rounds mode (recv_capacity below n * max_tokens; see ep_cuda.c) */
   int round;  /* rounds mode: the round this launch moves (set per launch) */
   int direct_plan; /* rounds mode, a pipe's view: the receive kernel writes the plan */
@@ -114,8 +115,8 @@ moelink_status_t ml_epc_send(const ml_epc_args *a, const void *x, const uint8_t 
                              cudaStream_t stream);
 
 /* Waits for every source's ARRIVE, then builds lids / lwts and the return
- * list for the cap received rows (and with quant, turns the
- * received payloads into rows). */
+ * list for the cap received rows (with direct_plan, the plan's pair order
+ * too; with quant, turns the received payloads into rows). */
 moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t stream);
 
 /* Rounds mode: the local plan's expert offsets and tile list for round
