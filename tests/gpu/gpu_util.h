@@ -171,6 +171,66 @@ GU_FN void gu_rows_check(const char *what, const int *row_expert, int R, const u
         bad_poison);
 }
 
+/* One run into rows by pointer, set up, poisoned and checked by the tests of
+ * every scaled GEMM engine alike: dst (R + 1 rows of `row` bytes, device and
+ * host) and gu_rows_table's table into it. */
+typedef struct gu_rows {
+  int R;
+  size_t row, bytes;
+  char *d_dst;
+  void **d_table;
+  unsigned char *dst;
+} gu_rows;
+
+/* index: the row index the GEMM reads (NULL: by row), in device memory when
+ * index_on_device. */
+GU_FN gu_rows gu_rows_make(const int *row_expert, const int32_t *index, int index_on_device, int R,
+                           size_t row) {
+  gu_rows t;
+  t.R = R;
+  t.row = row;
+  t.bytes = (size_t)(R + 1) * row;
+  int32_t *h = NULL;
+  if (index && index_on_device) {
+    h = (int32_t *)malloc((size_t)(R ? R : 1) * sizeof(int32_t));
+    if (!h)
+      exit(2);
+    GU_CUDA(cudaMemcpy(h, index, (size_t)R * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    index = h;
+  }
+  t.d_dst = (char *)gu_dev(t.bytes);
+  t.d_table = gu_rows_table(row_expert, index, R, t.d_dst, row);
+  t.dst = (unsigned char *)malloc(t.bytes);
+  if (!t.dst)
+    exit(2);
+  free(h);
+  return t;
+}
+
+/* Before a run on st: dst and the GEMM's own output (out_bytes at d_out) to
+ * 0xFF bytes. */
+GU_FN void gu_rows_poison(const gu_rows *t, void *d_out, size_t out_bytes, cudaStream_t st) {
+  GU_CUDA(cudaMemsetAsync(t->d_dst, 0xFF, t->bytes, st));
+  GU_CUDA(cudaMemsetAsync(d_out, 0xFF, out_bytes, st));
+}
+
+/* After a run on st: dst and the GEMM's output (into the host buffer out)
+ * back, then gu_rows_check against want (the plain run's output). */
+GU_FN void gu_rows_verify(const char *what, gu_rows *t, const int *row_expert,
+                          const unsigned char *want, const void *d_out, unsigned char *out,
+                          size_t out_bytes, cudaStream_t st) {
+  GU_CUDA(cudaStreamSynchronize(st));
+  GU_CUDA(cudaMemcpy(t->dst, t->d_dst, t->bytes, cudaMemcpyDeviceToHost));
+  GU_CUDA(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
+  gu_rows_check(what, row_expert, t->R, t->dst, want, t->row, out, out_bytes);
+}
+
+GU_FN void gu_rows_free(gu_rows *t) {
+  gu_free(t->d_dst);
+  gu_free(t->d_table);
+  free(t->dst);
+}
+
 /* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
 GU_FN void gu_poison(void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));

@@ -417,25 +417,16 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
         continue;
       /* the same launch with its rows stored through out_rows (row r to row
        * R - 1 - r of another buffer): the plain run's rows, nothing else */
-      const size_t row = (size_t)k * 2;
-      char *d_dst = gu_dev((size_t)(R + 1) * row);
-      void **d_table = gu_rows_table(p->row_expert, dense ? NULL : p->index, R, d_dst, row);
+      gu_rows t = gu_rows_make(p->row_expert, dense ? NULL : p->index, 0, R, (size_t)k * 2);
       ml_decode_opts orow = oe;
-      orow.out_rows = (void *const *)d_table;
-      CUDA_CHECK(cudaMemsetAsync(d_dst, 0xFF, (size_t)(R + 1) * row, st));
-      CUDA_CHECK(cudaMemsetAsync(d_o2, 0xFF, bytes, st));
+      orow.out_rows = (void *const *)t.d_table;
+      gu_rows_poison(&t, d_o2, bytes, st);
       snprintf(label, sizeof label, "%s scaled into rows by pointer (%s)", c->name, cfgname);
       CHECK_OK(ml_cuda_decode_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, passes, R, rs, ai,
                                      d_o2, 0, &orow, st),
                label);
-      CUDA_CHECK(cudaStreamSynchronize(st));
-      unsigned char *dst = xmalloc((size_t)(R + 1) * row);
-      CUDA_CHECK(cudaMemcpy(dst, d_dst, (size_t)(R + 1) * row, cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(got, d_o2, bytes, cudaMemcpyDeviceToHost));
-      gu_rows_check(label, p->row_expert, R, dst, first, row, got, bytes);
-      free(dst);
-      gu_free(d_dst);
-      gu_free(d_table);
+      gu_rows_verify(label, &t, p->row_expert, first, d_o2, got, bytes, st);
+      gu_rows_free(&t);
     }
 
     if (c->graph && ci == ncfg - 1) {

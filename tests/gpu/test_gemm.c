@@ -417,18 +417,13 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
                            const int32_t *d_num, const float *rs, const int32_t *si,
                            int32_t *d_sched, const unsigned char *want, cudaStream_t stream) {
   const int n = c->n, k = c->k, R = p->R, lda2 = n + c->lda_pad;
-  const size_t row = (size_t)k * 2, dst_bytes = (size_t)(R + 1) * row;
-  const size_t out_bytes = (size_t)(R + GUARD_ROWS) * row;
-  int32_t *idx = malloc((size_t)(R ? R : 1) * sizeof(int32_t));
-  if (si)
-    CUDA_CHECK(cudaMemcpy(idx, si, (size_t)R * sizeof(int32_t), cudaMemcpyDeviceToHost));
-  char *d_dst = gu_dev(dst_bytes), *d_out = gu_dev(out_bytes);
-  void **d_table = gu_rows_table(p->row_expert, si ? idx : NULL, R, d_dst, row);
-  unsigned char *got = malloc(dst_bytes), *out = malloc(out_bytes);
+  const size_t row = (size_t)k * 2, out_bytes = (size_t)(R + GUARD_ROWS) * row;
+  gu_rows t = gu_rows_make(p->row_expert, si, 1, R, row);
+  char *d_out = gu_dev(out_bytes);
+  unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)d_table};
-    CUDA_CHECK(cudaMemsetAsync(d_dst, 0xFF, dst_bytes, stream));
-    CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, out_bytes, stream));
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table};
+    gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
              rep ? "dynamic" : "static");
@@ -437,15 +432,11 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
              label);
     CHECK(ml_cuda_gemm_last_engine() == want_engine, "%s: ran on the %s engine (%s)", label,
           engine_name(want_engine), engine_name(ml_cuda_gemm_last_engine()));
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    CUDA_CHECK(cudaMemcpy(got, d_dst, dst_bytes, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(out, d_out, out_bytes, cudaMemcpyDeviceToHost));
-    gu_rows_check(label, p->row_expert, R, got, want, row, out, out_bytes);
+    gu_rows_verify(label, &t, p->row_expert, want, d_out, out, out_bytes, stream);
   }
-  gu_free(d_dst);
+  gu_rows_free(&t);
   gu_free(d_out);
-  gu_free(d_table);
-  free(idx), free(got), free(out);
+  free(out);
 }
 
 /* Both GEMMs of one case on one engine, checked against the references. */

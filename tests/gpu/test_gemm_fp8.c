@@ -550,18 +550,11 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
       continue;
     /* every run again with its rows stored through out_rows (gu_rows_table:
      * row r to row R - 1 - r of another buffer): the plain run's rows */
-    const size_t row = (size_t)k * 2, dst_bytes = (size_t)(R + 1) * row;
-    int32_t *idx = xmalloc((size_t)R * sizeof(int32_t));
-    if (si)
-      CUDA_CHECK(cudaMemcpy(idx, si, (size_t)R * sizeof(int32_t), cudaMemcpyDeviceToHost));
-    char *d_dst = gu_dev(dst_bytes);
-    void **d_table = gu_rows_table(p->row_expert, si ? idx : NULL, R, d_dst, row);
-    unsigned char *dst = xmalloc(dst_bytes);
+    gu_rows t = gu_rows_make(p->row_expert, si, 1, R, (size_t)k * 2);
     for (int rep = 0; rep < RUNS; ++rep) {
       ml_cuda_gemm_opts o = run_opts[rep];
-      o.out_rows = (void *const *)d_table;
-      CUDA_CHECK(cudaMemsetAsync(d_dst, 0xFF, dst_bytes, stream));
-      CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, bytes, stream));
+      o.out_rows = (void *const *)t.d_table;
+      gu_rows_poison(&t, d_out, bytes, stream);
       snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s)", c->name, en,
                run_name[rep]);
       CHECK_OK(ml_cuda_gemm_scaled_fp8(c->dt, d->h, d->hs, lda2, d->w2, d->w2s, k, n, d->tiles,
@@ -569,15 +562,9 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
                label);
       CHECK(ml_cuda_gemm_last_engine() == want2, "%s: on the %s engine (%s)", label,
             engine_name(want2), engine_name(ml_cuda_gemm_last_engine()));
-      CUDA_CHECK(cudaStreamSynchronize(stream));
-      CUDA_CHECK(cudaMemcpy(dst, d_dst, dst_bytes, cudaMemcpyDeviceToHost));
-      CUDA_CHECK(cudaMemcpy(got, d_out, bytes, cudaMemcpyDeviceToHost));
-      gu_rows_check(label, p->row_expert, R, dst, first, row, got, bytes);
+      gu_rows_verify(label, &t, p->row_expert, first, d_out, got, bytes, stream);
     }
-    free(dst);
-    free(idx);
-    gu_free(d_dst);
-    gu_free(d_table);
+    gu_rows_free(&t);
   }
   snprintf(label, sizeof label, "%s [%s]", c->name, en);
   gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
