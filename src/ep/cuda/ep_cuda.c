@@ -49,35 +49,41 @@
  *  6. (this rank's shared expert ran during 2-3) combine out[t] = sum_j
  *     ret[t*k + j] in slot order (+ gated shared expert), fp32, one
  *     rounding: the single-GPU layer's combine kernel.
- * Rounds mode (recv_capacity below n * max_tokens; R rows a round): after step 1 every
- * rank counts its pairs (token, slot) per expert, giving each its place
- * among its expert's pairs in pair order, and stores the counts into every
- * rank's cnt; one kernel then waits for all counts and orders each rank
- * d's incoming pairs by (d's local expert, source, place): pair p of that
- * order moves in round p / R, its token's row at p % R (the row of its first
- * pair in the round: pairs, hence rows, never share a place). The host reads
- * the rounds, max over d of ceil(pairs / R), the same on every rank (one
- * stream synchronization a step), then runs steps 2-5 once per round, each
- * round a call of the protocol below with only that round's pairs in the
- * meta, and step 6 once. With P pipes (MOELINK_EP_ROUND_PIPES, default 2)
- * R is recv_capacity / P: pipe p owns rows [p R, (p + 1) R) of the receive
- * arrays, signal cells, call count, plan, outputs and local layer of its
- * own, and runs rounds r = p mod P on a stream of its own (pipes >= 1 on
- * internal ones, forked from and joined into the caller's), each pipe its
- * own sequence of calls. A dispatch uses the whole buffer as one round. Each pair's output lands in
- * its own ret row in exactly one round, so the sums and their order do not change.
- * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the received rows left in
- * `rows` and their local ids and weights in the scratch; moelink_ep_combine is steps 5 (unfused)
- * and 6 without the shared expert, on the caller's expert outputs. An id outside [0, E) is an empty
- * slot: not sent, and (slot_rows -1) not added. Reuse is safe without further handshakes: a source
- * writes a destination's rows, meta and ARRIVE cell for call c + 1 only after it saw that
- * destination's RETURN of call c, which the destination sends after it has read them; a destination
- * writes a source's ret for call c + 1 only after that source's rows of call c + 1 arrived, which
- * it sends after its combine of call c. In rounds mode a rank writes the counts of step i + 2 into
- * the cnt that held step i's only after its schedule kernel of step i + 1 saw every rank's counts
- * of step i
- * + 1, which each rank sends after it read step i's (hence two cnt by parity). Every wait gives up
- * after MOELINK_COMM_TIMEOUT_MS.
+ * moelink_ep_dispatch is steps 1 (from the caller's routing) to 3, with the
+ * received rows left in `rows` and their local ids and weights in the
+ * scratch; moelink_ep_combine is steps 5 (unfused) and 6 without the shared
+ * expert, on the caller's expert outputs. An id outside [0, E) is an empty
+ * slot: not sent, and (slot_rows -1) not added.
+ *
+ * Rounds mode (recv_capacity below n * max_tokens; R rows a round): after
+ * step 1 every rank counts its pairs (token, slot) per expert, giving each
+ * its place among its expert's pairs in pair order, and stores the counts
+ * into every rank's cnt; one kernel then waits for all counts and orders each
+ * rank d's incoming pairs by (d's local expert, source, place): pair p of
+ * that order moves in round p / R, its token's row at p % R (the row of its
+ * first pair in the round: pairs, hence rows, never share a place). The host
+ * reads the rounds, max over d of ceil(pairs / R), the same on every rank
+ * (one stream synchronization a step), then runs steps 2-5 once per round,
+ * each round a call of the protocol below with only that round's pairs in
+ * the meta, and step 6 once. Each pair's output lands in its own ret row in
+ * exactly one round, so the sums and their order do not change. With P pipes
+ * (MOELINK_EP_ROUND_PIPES, default 2) R is recv_capacity / P: pipe p owns
+ * rows [p R, (p + 1) R) of the receive arrays, signal cells, call count,
+ * plan, outputs and local layer of its own, and runs rounds r = p mod P on a
+ * stream of its own (pipes >= 1 on internal ones, forked from and joined
+ * into the caller's), each pipe its own sequence of calls. A dispatch uses
+ * the whole buffer as one round.
+ *
+ * Reuse is safe without further handshakes: a source writes a destination's
+ * rows, meta and ARRIVE cell for call c + 1 only after it saw that
+ * destination's RETURN of call c, which the destination sends after it has
+ * read them; a destination writes a source's ret for call c + 1 only after
+ * that source's rows of call c + 1 arrived, which it sends after its combine
+ * of call c. In rounds mode a rank writes the counts of step i + 2 into the
+ * cnt that held step i's only after its schedule kernel of step i + 1 saw
+ * every rank's counts of step i + 1, which each rank sends after it read
+ * step i's (hence two cnt by parity). Every wait gives up after
+ * MOELINK_COMM_TIMEOUT_MS.
  *
  * Memory: the local layer's workspace, the symmetric buffer and the scratch
  * below, all from the config (cap rows: n * max_tokens fits every source's
@@ -636,17 +642,11 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
    * exchanges and plans run beside the others' GEMMs */
   int rounds = 0;
   ML_TRY(ml_epc_plan_rounds(ep, w, &w->pipe[0], w->ids, x, T, st, &rounds));
-  const int used = w->pipes < rounds ? w->pipes : rounds;
-  if (used > 1) {
-    cudaError_t e = cudaEventRecord(w->fork, st);
-    for (int p = 1; p < used && e == cudaSuccess; ++p)
-      e = cudaStreamWaitEvent(w->ps[p], w->fork, 0);
-    if (e != cudaSuccess)
-      return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): forking the round pipes: %s",
-                     cudaGetErrorString(e));
-  }
+  const int used = w->pipes < rounds ? w->pipes : rounds; /* rounds >= 1 */
+  for (int p = 1; p < used; ++p)
+    ML_TRY(ml_epc_event(w->fork, st, w->ps[p]));
   for (int r = 0; r < rounds; ++r) {
-    const int p = r % (used > 0 ? used : 1);
+    const int p = r % used;
     const cudaStream_t sp = p ? w->ps[p] : st;
     ml_epc_args ra = w->pipe[p];
     ra.round = r;

@@ -29,8 +29,13 @@ static __device__ __forceinline__ int32_t *ml_epc_meta(const ml_epc_args *a, int
  * side, so even a few rows keep many warps (and the link) busy. */
 #define ML_EPC_CHUNK 128
 
-static __device__ __forceinline__ int ml_epc_chunks(const ml_epc_args *a) {
-  return (int)(((size_t)a->H * (size_t)a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK);
+/* Work items of a row of `bytes` (a token row: H * es; a payload: H). */
+static __host__ __device__ __forceinline__ int ml_epc_chunks_of(size_t bytes) {
+  return (int)((bytes / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK);
+}
+
+static __host__ __device__ __forceinline__ int ml_epc_chunks(const ml_epc_args *a) {
+  return ml_epc_chunks_of((size_t)a->H * (size_t)a->es);
 }
 
 /* Chunk c of a row of `bytes` (16-byte aligned, both ends): dst = src, or
@@ -70,14 +75,16 @@ static __device__ __forceinline__ int ml_epc_last_cta(const ml_epc_args *a) {
 /* The part of a send work item (t, d, chunk c) that is not the row's bytes:
  * whether t goes to d (one of its experts lives there, and in rounds mode
  * one of those pairs is in this round; the warp agrees), slot_rows (once per
- * token, with slots), and chunk 0's meta (source and token, call, local ids,
- * weights). Returns d's row for t, or -1: me * max_tokens + t, or in rounds
- * mode the place in the round of t's first pair in it (pairs have places of
- * their own, so tokens do too); *lead: that pair's slot. Lane j < k looks at
+ * token, with slots, outside rounds mode: there ml_epc_order_kernel writes
+ * it), and chunk 0's meta (source and token, call, local ids, weights).
+ * Returns d's row for t, or -1: me * max_tokens + t, or in rounds mode the
+ * place in the round of t's first pair in it (pairs have places of their own,
+ * so tokens do too). lead >= 0 (an item per pair): -1 unless that first pair
+ * is slot lead, so that one item of each token moves it. Lane j < k looks at
  * slot j. */
 static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const int32_t *ids,
                                                   const float *weights, int t, int d, int c,
-                                                  uint64_t e, int lane, int slots, int *lead) {
+                                                  uint64_t e, int lane, int slots, int lead) {
   const int ex = lane < a->k ? ids[(size_t)t * a->k + lane] : -1;
   int here = ex >= 0 && ex / a->El == d; /* false for ex >= E: ex / El >= n */
   int p = 0;
@@ -85,14 +92,14 @@ static __device__ __forceinline__ int ml_epc_item(const ml_epc_args *a, const in
     p = a->offs[ex] + a->ord[(size_t)t * a->k + lane];
     here = p / a->cap == a->round;
   }
-  if (slots && lane < a->k)
+  if (slots && !a->rounds && lane < a->k)
     a->slot_rows[(size_t)t * a->k + lane] = ex >= 0 && ex < a->El * a->n ? t * a->k + lane : -1;
   const unsigned in = __ballot_sync(ML_EPC_FULL, here);
-  if (!in)
+  const int first = __ffs(in) - 1;
+  if (!in || (lead >= 0 && first != lead))
     return -1;
-  *lead = __ffs(in) - 1;
   const int row =
-      a->rounds ? __shfl_sync(ML_EPC_FULL, p, *lead) % a->cap : a->me * a->max_tokens + t;
+      a->rounds ? __shfl_sync(ML_EPC_FULL, p, first) % a->cap : a->me * a->max_tokens + t;
   if (c == 0) {
     int32_t *m = ml_epc_meta(a, d, row);
     if (lane == 0) {
@@ -169,8 +176,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    int lead;
-    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, &lead);
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, -1);
     if (row < 0)
       continue;
     ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes,
@@ -211,9 +217,8 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
       ++d;
     const int pair = a.slist[first[d] + q - pre[d]];
     const int t = pair / a.k, j = pair % a.k;
-    int lead = -1;
-    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, 0, &lead);
-    if (row < 0 || lead != j)
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, 0, j);
+    if (row < 0)
       continue;
     ml_epc_warp_chunk(a.base[d] + a.off_rows + (size_t)row * row_bytes, x + (size_t)t * row_bytes,
                       row_bytes, c, lane);
@@ -242,8 +247,7 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     float sc_f[256 / ML_MX_BLOCK];
     const uint2 b = ml_q_quantize8<FMT>(f, col - g * 256, live, sc_f, lane);
     for (int d = 0; d < a.n; ++d) {
-      int lead;
-      const int row = ml_epc_item(&a, ids, weights, t, d, g, e, lane, d == 0 && g == 0, &lead);
+      const int row = ml_epc_item(&a, ids, weights, t, d, g, e, lane, d == 0 && g == 0, -1);
       if (row < 0)
         continue;
       char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
@@ -269,14 +273,13 @@ __global__ void __launch_bounds__(ML_EPC_THREADS)
     ml_epc_send_pre_kernel(const __grid_constant__ ml_epc_args a, const uint8_t *xq,
                            const uint8_t *xs, const int32_t *ids, const float *weights, int T) {
   const uint64_t e = *a.epoch + 1;
-  const int nc = (int)(((size_t)a.H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK);
+  const int nc = ml_epc_chunks_of((size_t)a.H);
   ML_EPC_WARPS;
   const long long items = (long long)T * a.n * nc;
   for (long long i = gw; i < items; i += nw) {
     const int c = (int)(i % nc), td = (int)(i / nc);
     const int t = td / a.n, d = td % a.n;
-    int lead;
-    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, &lead);
+    const int row = ml_epc_item(&a, ids, weights, t, d, c, e, lane, d == 0 && c == 0, -1);
     if (row < 0)
       continue;
     char *prow = a.base[d] + a.off_qrows + (size_t)row * a.qrow;
@@ -622,15 +625,15 @@ static moelink_status_t ml_epc_send_launch(const ml_epc_args *a, const void *x, 
   const int fp8 = a->quant == MOELINK_QUANT_FP8;
   if (a->quant == MOELINK_QUANT_NONE && a->rounds) {
     /* at most cap pairs to each destination in a round */
-    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    const long long nc = ml_epc_chunks(a);
     ml_epc_send_list_kernel<<<ml_epc_grid(a, (long long)a->n * a->cap * nc, ML_EPC_THREADS / 32),
                               ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights);
   } else if (a->quant == MOELINK_QUANT_NONE) {
-    const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    const long long nc = ml_epc_chunks(a);
     ml_epc_send_kernel<LL><<<ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32),
                              ML_EPC_THREADS, 0, stream>>>(*a, (const char *)x, ids, weights, T);
   } else if (xq) {
-    const long long nc = ((long long)a->H / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+    const long long nc = ml_epc_chunks_of((size_t)a->H);
     const unsigned grid = ml_epc_grid(a, (long long)T * a->n * nc, ML_EPC_THREADS / 32);
     const uint8_t *s = (const uint8_t *)xs;
     if (fp8 && bf)
@@ -705,7 +708,7 @@ extern "C" moelink_status_t ml_epc_receive(const ml_epc_args *a, cudaStream_t st
 extern "C" moelink_status_t ml_epc_return(const ml_epc_args *a, const void *y,
                                           const int32_t *pair_rows, int pushed, void *out, int T,
                                           cudaStream_t stream) {
-  const long long nc = ((long long)a->H * a->es / 16 + ML_EPC_CHUNK - 1) / ML_EPC_CHUNK;
+  const long long nc = ml_epc_chunks(a);
   const long long pairs = pushed ? 0 : (long long)a->cap * a->kl;
   unsigned grid = ml_epc_grid(a, pairs * nc, ML_EPC_THREADS / 32);
   const char *yc = (const char *)y;
