@@ -633,7 +633,9 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
   const int fused = from > 0 && T >= from;
   const int32_t *pair_rows = NULL;
   if (!a->rounds) {
-    ML_TRY(ml_epc_dispatch_inner(ep, w, a, x, NULL, NULL, w->ids, w->wts, T, 1, st));
+    ml_epc_args fa = *a;
+    fa.fused = fused;
+    ML_TRY(ml_epc_dispatch_inner(ep, w, &fa, x, NULL, NULL, w->ids, w->wts, T, 1, st));
     ML_TRY(ml_epc_experts(w, 0, a, fused, &pair_rows, st));
     return ml_epc_combine_inner(ep, w, w->y, pair_rows, fused, x, T, out, st);
   }
@@ -650,6 +652,7 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
     const cudaStream_t sp = p ? w->ps[p] : st;
     ml_epc_args ra = w->pipe[p];
     ra.round = r;
+    ra.fused = fused;
     ML_TRY(ml_epc_dispatch_inner(ep, w, &ra, x, NULL, NULL, w->ids, w->wts, T, 0, sp));
     ML_TRY(ml_epc_experts(w, p, &ra, fused, &pair_rows, sp));
     ML_TRY(ml_epc_return(&ra, ml_epc_y_of(w, p), pair_rows, fused, NULL, 0, sp));

@@ -42,6 +42,8 @@ typedef struct ml_epc_args {
   int rounds; /* 1: rounds mode (recv_capacity below n * max_tokens; see ep_cuda.c) */
   int round;  /* rounds mode: the round this launch moves (set per launch) */
   int direct_plan; /* rounds mode, a pipe's view: the receive kernel writes the plan */
+  int fused;       /* set per launch: the down GEMM stores through dst (the receive
+                      kernel writes dst only then) */
   int E;
   int sms;           /* the device's SMs: grids take at most two CTAs each */
   int ll;            /* 1: the one-kernel exchanges may run (ml_epc_ll_ok, max_tokens at
@@ -89,7 +91,8 @@ typedef struct ml_epc_args {
   int32_t *npairs;   /* entries of plist (the send kernel clears it) */
   void **dst;        /* [cap * kl] of each valid received pair r * kl + q: its
                         return row in its source's ret (the down GEMM's output
-                        row when the return is fused into it) */
+                        row when the return is fused into it; written only
+                        then, fused) */
 } ml_epc_args;
 
 /* Rounds mode, before a step's rounds: counts this rank's pairs per expert

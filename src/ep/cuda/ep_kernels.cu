@@ -325,7 +325,8 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
       for (int u = 0; u < q; ++u) {
         const int ret = t * a.k + slots[u];
         a.plist[at + u] = make_int4(r * a.kl + u, src, ret, 0);
-        a.dst[(size_t)r * a.kl + u] = a.base[src] + a.off_ret + (size_t)ret * row_bytes;
+        if (a.fused)
+          a.dst[(size_t)r * a.kl + u] = a.base[src] + a.off_ret + (size_t)ret * row_bytes;
       }
     }
     for (; q < a.kl; ++q) {
