@@ -5,6 +5,7 @@
 
 #include "core/core.h"
 #include "moe/backend.h"
+#include "moelink_device.cuh"
 
 #include <cuda_runtime_api.h>
 
@@ -70,8 +71,39 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
  * all belong to expert 0. Operands are bf16 or f16 (dt); accumulation fp32.
  * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T.
  * opts: NULL (defaults), or how the sm_90a kernel schedules its work
- * (gemm/sm90.cuh); the other engines ignore it. */
+ * (gemm/sm90.cuh; the other engines ignore those fields), where rows go,
+ * and what to wait for before a tile's loads. */
 #define ML_CUDA_GEMM_SCHED_INTS 2
+
+/* Problem rows that land while a grouped GEMM runs (a peer's push over
+ * NVLink, a copy engine's copy): the GEMM waits for them tile by tile
+ * instead of the whole launch waiting for all of them. Rows are counted in
+ * the problem's numbering (the plan row r of a tile list, whose a_index
+ * entry names the A row; dense: the A row), in chunks of `rows`: chunk c =
+ * rows [c rows, (c + 1) rows) is ready once signal[c] >= *value (a 64-bit
+ * signal of moelink_device.cuh: whoever delivers the chunk's A rows, their
+ * a_index entries and, for FP8, their A scales sets or adds to it with
+ * release semantics; values only grow, e.g. an epoch). Before a tile's A
+ * loads, the GEMM waits (acquire, system scope) for every chunk the tile's
+ * rows touch, so a tile never reads a row of a chunk that is not ready.
+ * Everything else (the tile list, the weights, row scales, scale_index,
+ * out_rows) must be in place when the GEMM starts. A wait that runs past
+ * comm's limit, or finds that a wait of comm gave up before, records it in
+ * comm's control block (moelink_comm_check reports MOELINK_ERR_TIMEOUT,
+ * primitive ML_CUDA_PRIM_GEMM_ROWS) and lets the GEMM finish on whatever
+ * the rows hold. The rows must come without SMs the GEMM holds: from other
+ * GPUs, copy engines, or kernels already running (the GEMM's CTAs occupy
+ * every SM they get while they wait). */
+typedef struct ml_cuda_gemm_wait {
+  const uint64_t *signal; /* [chunks], device memory */
+  const uint64_t *value;  /* one device word, read by the GEMM when it runs */
+  int rows;               /* problem rows a chunk, >= 1 */
+  moelink_device_comm_t comm;
+} ml_cuda_gemm_wait;
+
+/* The primitive id a GEMM's row wait records when it gives up. */
+#define ML_CUDA_PRIM_GEMM_ROWS 60
+
 typedef struct ml_cuda_gemm_opts {
   /* NULL, or ML_CUDA_GEMM_SCHED_INTS zeroed device ints that the kernel hands
    * its work items out from (dynamic schedule) and leaves zeroed; launches
@@ -94,6 +126,10 @@ typedef struct ml_cuda_gemm_opts {
    * e.g. straight into the peer buffer that waits for it (the expert-parallel
    * layer's return). The SwiGLU GEMMs refuse it. */
   void *const *out_rows;
+  /* NULL, or rows that arrive while the GEMM runs (ml_cuda_gemm_wait; the
+   * sm_90a and tile engines, bf16/f16 and FP8 on sm_90a; the FP8 GEMMs'
+   * decode-kernel fallback refuses it). */
+  const ml_cuda_gemm_wait *wait;
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over

@@ -43,6 +43,7 @@ typedef struct ml_swiglu_args {
   const int32_t *tiles;
   const int32_t *num_tiles;
   int lda, a_div, n, k, dense_rows;
+  ml_cuda_gemm_wait wait; /* signal NULL: rows in place at launch */
 } ml_swiglu_args;
 
 typedef struct ml_scaled_args {
@@ -55,18 +56,31 @@ typedef struct ml_scaled_args {
   const int32_t *scale_index;
   void *const *out_rows; /* see ml_cuda_gemm_opts */
   int lda, n, k, dense_rows;
+  ml_cuda_gemm_wait wait; /* signal NULL: rows in place at launch */
 } ml_scaled_args;
+
+/* A tile-engine CTA's wait for its rows (ml_cuda_gemm_wait), before any of
+ * its A loads: warp 0 waits, then the CTA meets. */
+static __device__ __forceinline__ void ml_tile_wait(const ml_cuda_gemm_wait *w, int row0,
+                                                    int rows) {
+  if (w->signal == NULL)
+    return;
+  if (threadIdx.x < 32)
+    ml_gemm_wait_rows(w, row0, row0 + rows, (int)threadIdx.x, 32);
+  __syncthreads();
+}
 
 template <int DT>
 static __global__ void __launch_bounds__(ml_xs::THREADS)
-    ml_swiglu_kernel(const ml_swiglu_args p) {
+    ml_swiglu_kernel(const __grid_constant__ ml_swiglu_args p) {
   extern __shared__ __align__(128) char ml_gemm_smem[];
   int expert, row0, rows;
   if (!ml_gemm_tile_of<ml_xs::BM>(p.tiles, p.num_tiles, p.dense_rows, &expert, &row0, &rows))
     return;
+  ml_tile_wait(&p.wait, row0, rows);
   int j0 = (int)blockIdx.y * ML_SWIGLU_COLS;
   ml_gemm_rows<ml_xs::A_LOADS> a;
-  ml_gemm_a_gathered<ml_xs>(&a, p.a, p.lda, p.a_index, p.a_div, row0, rows);
+  ml_gemm_a_gathered<ml_xs>(&a, p.a, p.lda, p.a_index, p.a_div, row0, rows, p.wait.signal != NULL);
   ml_gemm_rows<ml_xs::B_LOADS> b;
   const char *w = (const char *)p.b + (size_t)expert * 2 * (size_t)p.n * (size_t)p.k * 2;
   ml_gemm_b_gate_up<ml_xs>(&b, w, p.n, p.k, j0);
@@ -77,11 +91,12 @@ static __global__ void __launch_bounds__(ml_xs::THREADS)
 
 template <int DT, int OUT_F32>
 static __global__ void __launch_bounds__(ml_xs::THREADS)
-    ml_scaled_kernel(const ml_scaled_args p) {
+    ml_scaled_kernel(const __grid_constant__ ml_scaled_args p) {
   extern __shared__ __align__(128) char ml_gemm_smem[];
   int expert, row0, rows;
   if (!ml_gemm_tile_of<ml_xs::BM>(p.tiles, p.num_tiles, p.dense_rows, &expert, &row0, &rows))
     return;
+  ml_tile_wait(&p.wait, row0, rows);
   int n0 = (int)blockIdx.y * ML_SCALED_COLS;
   ml_gemm_rows<ml_xs::A_LOADS> a;
   ml_gemm_a_dense<ml_xs>(&a, p.a, p.lda, row0, rows);
@@ -459,6 +474,7 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   o.counter = counter;
   o.fp8_tile = 0;
   o.out_rows = NULL;
+  o.wait = NULL;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
@@ -482,6 +498,34 @@ static moelink_status_t ml_out_rows_of(const char *what, const ml_cuda_gemm_opts
 static moelink_status_t ml_no_out_rows(const char *what, const ml_cuda_gemm_opts *opts) {
   if (opts != NULL && opts->out_rows != NULL)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: out_rows is for the scaled GEMMs only", what);
+  return MOELINK_SUCCESS;
+}
+
+/* opts->wait, checked (ml_cuda_gemm_wait): *w = the rows to wait for, or
+ * a wait with signal NULL where there are none. */
+static moelink_status_t ml_wait_of(const char *what, const ml_cuda_gemm_opts *opts,
+                                   ml_cuda_gemm_wait *w) {
+  memset(w, 0, sizeof *w);
+  if (opts == NULL || opts->wait == NULL)
+    return MOELINK_SUCCESS;
+  const ml_cuda_gemm_wait *x = opts->wait;
+  if (x->signal == NULL || x->value == NULL || x->rows < 1 ||
+      (((uintptr_t)x->signal | (uintptr_t)x->value) & 7u))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: a wait needs 8-byte aligned signals and value word and rows >= 1 "
+                   "(signal %p, value %p, rows %d)",
+                   what, (const void *)x->signal, (const void *)x->value, x->rows);
+  const moelink_device_comm_t *c = &x->comm;
+  int ctl_ok = c->nranks >= 1 && c->nranks <= MOELINK_DEVICE_MAX_RANKS && c->rank >= 0 &&
+               c->rank < c->nranks && c->timeout_ns > 0;
+  for (int r = 0; ctl_ok && r < c->nranks; ++r)
+    ctl_ok = c->ctl[r] != NULL;
+  if (!ctl_ok)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                   "%s: the wait's device communicator is not filled in (rank %d of %d, limit "
+                   "%llu ns, a control block for every rank)",
+                   what, c->rank, c->nranks, (unsigned long long)c->timeout_ns);
+  *w = *x;
   return MOELINK_SUCCESS;
 }
 
@@ -511,6 +555,8 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->max_tiles = max_tiles;
   q->dense_rows = dense_rows;
   q->sched = opts != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? opts->counter : NULL;
+  if (opts != NULL && opts->wait != NULL)
+    q->wait = *opts->wait;
 }
 
 extern "C" moelink_status_t
@@ -520,6 +566,8 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
                     cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu";
   ML_TRY(ml_no_out_rows(what, opts));
+  ml_cuda_gemm_wait wait;
+  ML_TRY(ml_wait_of(what, opts, &wait));
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
                        ML_SWIGLU_COLS, &gx, &gy));
@@ -556,6 +604,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
   p.n = n;
   p.k = k;
   p.dense_rows = dense_rows;
+  p.wait = wait;
   dim3 grid(gx, gy);
   if (dt == MOELINK_DTYPE_BF16) {
     ML_TRY(ml_gemm_allow_smem((const void *)ml_swiglu_kernel<MOELINK_DTYPE_BF16>,
@@ -595,6 +644,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
                        ML_SCALED_COLS, &gx, &gy));
   void *const *out_rows;
   ML_TRY(ml_out_rows_of(what, opts, n, out_f32, &out_rows));
+  ml_cuda_gemm_wait wait;
+  ML_TRY(ml_wait_of(what, opts, &wait));
   if (gx == 0 || gy == 0) return MOELINK_SUCCESS;
 
   int sm90 = 0, sms = 0;
@@ -631,6 +682,7 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
   p.n = n;
   p.k = k;
   p.dense_rows = dense_rows;
+  p.wait = wait;
   dim3 grid(gx, gy);
   if (dt == MOELINK_DTYPE_BF16)
     return out_f32 ? ml_scaled_launch<MOELINK_DTYPE_BF16, 1>(&p, grid, ML_K_SCALED_BF16_F32,
@@ -675,6 +727,16 @@ static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const 
   return MOELINK_SUCCESS;
 }
 
+/* The decode-kernel fallback of the FP8 GEMMs has no row wait. */
+static moelink_status_t ml_fp8_fallback_no_wait(const char *what, const ml_cuda_gemm_wait *w) {
+  if (w->signal != NULL)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: a row wait needs the sm_90a engine (this device or shape runs the "
+                   "decode kernel)",
+                   what);
+  return MOELINK_SUCCESS;
+}
+
 /* Options of a decode-kernel fallback: one split, so no scratch. */
 static ml_decode_opts ml_fp8_fallback_opts(void) {
   ml_decode_opts o;
@@ -700,6 +762,8 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                         cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
   ML_TRY(ml_no_out_rows(what, opts));
+  ml_cuda_gemm_wait wait;
+  ML_TRY(ml_wait_of(what, opts, &wait));
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: rows %d, max_tiles %d, tiles %p, num_tiles %p",
                    what, rows, max_tiles, (const void *)tiles, (const void *)num_tiles);
@@ -717,6 +781,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                      "%s: an e4m3 output needs the sm_90a engine (n %d, k %d; see "
                      "ml_cuda_gemm_swiglu_fp8_quantizes)",
                      what, n, k);
+    ML_TRY(ml_fp8_fallback_no_wait(what, &wait));
     const ml_decode_opts o = ml_fp8_fallback_opts();
     const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);
     ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, a, a_scale, lda, a_index, a_div, b, b_scale, n,
@@ -768,9 +833,12 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
   void *const *out_rows;
   ML_TRY(ml_out_rows_of(what, opts, n, out_f32, &out_rows));
+  ml_cuda_gemm_wait wait;
+  ML_TRY(ml_wait_of(what, opts, &wait));
   int sm90 = 0, sms = 0;
   ML_TRY(ml_sm90_pick(k, n, ml_sm90_cfg<1>::BN, &sm90, &sms));
   if (!sm90) {
+    ML_TRY(ml_fp8_fallback_no_wait(what, &wait));
     ml_decode_opts o = ml_fp8_fallback_opts();
     o.out_rows = out_rows;
     const int passes = tiles != NULL ? max_tiles : ml_cuda_decode_passes(rows, 1);

@@ -8,6 +8,7 @@
 
 #include "harness.h"
 #include "moelink.h"
+#include "moelink_device.cuh"
 #include "ref.h"
 
 #include <cuda_runtime_api.h>
@@ -232,6 +233,115 @@ GU_FN void gu_rows_free(gu_rows *t) {
 }
 
 /* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
+/* Rows that land while a GEMM runs (ml_cuda_gemm_wait of cuda/cuda.h): one
+ * 64-bit signal per chunk of `rows` problem rows, the awaited value in a
+ * device word, a control block for the waits' records, and a side stream
+ * that delivers the rows after a pause, chunk by chunk in a shuffled order,
+ * each chunk's signal copied in after its rows (stream order: the copy
+ * engine, no SM). The signals start one below the value, as if left by the
+ * previous use. */
+typedef struct gu_feed {
+  int chunks, rows;
+  uint64_t value;
+  uint64_t *d_signal; /* [chunks] */
+  uint64_t *d_value;
+  uint64_t *d_ctl;   /* MOELINK_CTL_* words */
+  uint64_t *h_value; /* pinned: the value, source of the signal copies */
+  cudaStream_t side;
+} gu_feed;
+
+GU_FN void gu_feed_reset(gu_feed *f) {
+  uint64_t *h = (uint64_t *)gu_host((size_t)f->chunks * sizeof(uint64_t));
+  for (int c = 0; c < f->chunks; ++c)
+    h[c] = f->value - 1;
+  gu_h2d(f->d_signal, h, (size_t)f->chunks * sizeof(uint64_t));
+  free(h);
+  GU_CUDA(cudaMemset(f->d_ctl, 0, 4 * sizeof(uint64_t)));
+}
+
+/* For R problem rows in chunks of `rows`; the GEMM waits for `value`. */
+GU_FN gu_feed gu_feed_make(int R, int rows, uint64_t value) {
+  gu_feed f;
+  memset(&f, 0, sizeof f);
+  f.rows = rows;
+  f.chunks = R > 0 ? (R + rows - 1) / rows : 1;
+  f.value = value;
+  f.d_signal = (uint64_t *)gu_dev((size_t)f.chunks * sizeof(uint64_t));
+  f.d_value = (uint64_t *)gu_dev(sizeof(uint64_t));
+  f.d_ctl = (uint64_t *)gu_dev(4 * sizeof(uint64_t));
+  gu_h2d(f.d_value, &value, sizeof value);
+  GU_CUDA(cudaMallocHost((void **)&f.h_value, sizeof(uint64_t)));
+  *f.h_value = value;
+  GU_CUDA(cudaStreamCreateWithFlags(&f.side, cudaStreamNonBlocking));
+  gu_feed_reset(&f);
+  return f;
+}
+
+/* The one-rank device communicator whose control block the waits use. */
+GU_FN moelink_device_comm_t gu_feed_comm(const gu_feed *f, uint64_t timeout_ns) {
+  moelink_device_comm_t c;
+  memset(&c, 0, sizeof c);
+  c.rank = 0;
+  c.nranks = 1;
+  c.timeout_ns = timeout_ns;
+  c.ctl[0] = f->d_ctl;
+  return c;
+}
+
+static void CUDART_CB gu_feed_pause(void *arg) {
+  (void)arg;
+  struct timespec ts = {0, 2000000}; /* 2 ms: the GEMM is well under way */
+  nanosleep(&ts, NULL);
+}
+
+/* A copy of problem rows [r0, r1) into place, enqueued on stream s. */
+typedef void (*gu_feed_copy_fn)(void *ctx, int r0, int r1, cudaStream_t s);
+
+/* Enqueues the delivery of R rows on the side stream (call it after the
+ * GEMM's launch): the pause, then every chunk in a shuffled order, its
+ * rows by copy(), then its signal. */
+GU_FN void gu_feed_run(gu_feed *f, int R, gu_feed_copy_fn copy, void *ctx, uint32_t seed) {
+  int *order = (int *)gu_host((size_t)f->chunks * sizeof(int));
+  for (int c = 0; c < f->chunks; ++c)
+    order[c] = c;
+  uint32_t x = seed * 2654435761u + 1u;
+  for (int c = f->chunks - 1; c > 0; --c) {
+    x = x * 1664525u + 1013904223u;
+    const int j = (int)((x >> 8) % (uint32_t)(c + 1));
+    const int t = order[c];
+    order[c] = order[j];
+    order[j] = t;
+  }
+  GU_CUDA(cudaLaunchHostFunc(f->side, gu_feed_pause, NULL));
+  for (int i = 0; i < f->chunks; ++i) {
+    const int c = order[i], r0 = c * f->rows, r1 = r0 + f->rows < R ? r0 + f->rows : R;
+    if (r1 > r0)
+      copy(ctx, r0, r1, f->side);
+    GU_CUDA(cudaMemcpyAsync(f->d_signal + c, f->h_value, sizeof(uint64_t), cudaMemcpyHostToDevice,
+                            f->side));
+  }
+  free(order);
+}
+
+/* After the GEMM's stream was synchronized: the delivery is done and no
+ * wait gave up (the control block is untouched). */
+GU_FN void gu_feed_check(gu_feed *f, const char *what) {
+  GU_CUDA(cudaStreamSynchronize(f->side));
+  uint64_t ctl[4];
+  gu_d2h(ctl, f->d_ctl, sizeof ctl);
+  CHECK(ctl[0] == 0 && ctl[2] == 0, "%s: no row wait gave up (control block %#llx %#llx)", what,
+        (unsigned long long)ctl[0], (unsigned long long)ctl[2]);
+}
+
+GU_FN void gu_feed_free(gu_feed *f) {
+  GU_CUDA(cudaStreamSynchronize(f->side));
+  GU_CUDA(cudaStreamDestroy(f->side));
+  GU_CUDA(cudaFreeHost(f->h_value));
+  gu_free(f->d_signal);
+  gu_free(f->d_value);
+  gu_free(f->d_ctl);
+}
+
 GU_FN void gu_poison(void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));
 }

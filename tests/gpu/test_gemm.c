@@ -24,7 +24,10 @@
  * experts and takes several work items. Every scaled case with a dtype output
  * and k % 8 == 0 runs again with its rows stored through a pointer table
  * (ml_cuda_gemm_opts.out_rows, the expert-parallel return's hook), rows
- * reversed: bitwise the plain run's rows, nothing else written. */
+ * reversed: bitwise the plain run's rows, nothing else written. Four cases
+ * run both GEMMs again with their A rows (and index entries) landing while
+ * the GEMM runs (ml_cuda_gemm_opts.wait, check_wait): bitwise the plain
+ * run's output, and a wait whose rows never come gives up and says so. */
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
 #include "gpu_util.h"
@@ -273,6 +276,7 @@ typedef struct gemm_case {
   int top_k;       /* a_div; 0: no gather */
   int scale_mode;  /* 0: no row_scale, 1: row_scale[r], 2: row_scale[scale_index[r]] */
   int graph;       /* replay the swiglu GEMM from a captured graph too */
+  int wait;        /* run both GEMMs again with rows that land while they run */
 } gemm_case;
 
 /* Set when the device runs the sm_90a kernel (compute capability 9.0). */
@@ -293,7 +297,7 @@ static const char *engine_name(int e) {
 
 static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
                             const void *d_w1, const void *d_w2, const void *d_h,
-                            const int32_t *d_index, const float *d_scale,
+                            const int32_t *d_index, const int32_t *h_index, const float *d_scale,
                             const int32_t *d_tiles, const int32_t *d_num, const double *ref1,
                             const double *ref2);
 
@@ -389,11 +393,11 @@ static void run_case(const gemm_case *c, const problem *p) {
     d_tiles = dev_copy(p->tiles, (size_t)3 * p->max_tiles * sizeof(int32_t));
     d_num = dev_copy(&p->num_tiles, sizeof(int32_t));
   }
-  run_case_engine(c, p, ML_GEMM_ENGINE_TILE, d_x, d_w1, d_w2, d_h, d_index, d_scale, d_tiles,
-                  d_num, ref1, ref2);
+  run_case_engine(c, p, ML_GEMM_ENGINE_TILE, d_x, d_w1, d_w2, d_h, d_index, a_index, d_scale,
+                  d_tiles, d_num, ref1, ref2);
   if (have_sm90)
-    run_case_engine(c, p, ML_GEMM_ENGINE_SM90, d_x, d_w1, d_w2, d_h, d_index, d_scale, d_tiles,
-                    d_num, ref1, ref2);
+    run_case_engine(c, p, ML_GEMM_ENGINE_SM90, d_x, d_w1, d_w2, d_h, d_index, a_index, d_scale,
+                    d_tiles, d_num, ref1, ref2);
   ml_cuda_gemm_set_engine(ML_GEMM_ENGINE_AUTO);
 
   cudaFree(d_x);
@@ -422,7 +426,7 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   char *d_out = gu_dev(out_bytes);
   unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table};
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL};
     gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
@@ -439,10 +443,124 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   free(out);
 }
 
+/* ---- rows that land while the GEMM runs ------------------------------------ */
+
+/* Where a wait run's row copies go and come from. */
+typedef struct wait_copy {
+  char *dst;
+  const char *src;
+  size_t row_bytes;   /* an A row, lda elements */
+  int32_t *dst_index; /* gathered A: the index entries too; NULL: dense */
+  const int32_t *src_index;
+  const int32_t *h_index; /* the rows they name: A row h_index[r] / div */
+  int div;
+  const int *row_expert; /* rows of no expert: no A row */
+} wait_copy;
+
+static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
+  const wait_copy *w = ctx;
+  const size_t rb = w->row_bytes;
+  if (w->dst_index == NULL) {
+    GU_CUDA(cudaMemcpyAsync(w->dst + (size_t)r0 * rb, w->src + (size_t)r0 * rb,
+                            (size_t)(r1 - r0) * rb, cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  GU_CUDA(cudaMemcpyAsync(w->dst_index + r0, w->src_index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
+                          cudaMemcpyDeviceToDevice, s));
+  for (int r = r0; r < r1; ++r) {
+    if (w->row_expert[r] < 0)
+      continue;
+    const size_t g = (size_t)(w->h_index[r] / w->div);
+    GU_CUDA(cudaMemcpyAsync(w->dst + g * rb, w->src + g * rb, rb, cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+/* One GEMM of a case (swiglu, or the scaled one with a dtype output) whose
+ * A rows (and, gathered, a_index entries) land while it runs, delivered by
+ * gu_feed in chunks of 24 problem rows after a 2 ms pause, over A filled
+ * with NaN and an index of zeros: the static schedule, then the dynamic one
+ * in clusters of two; each must give the bits of the plain run (`want`).
+ * Then a wait whose rows never come: the GEMM gives up after its 2 ms limit,
+ * records why in the control block and finishes; a second launch on the
+ * same control block stops at once. */
+static void check_wait(const gemm_case *c, const problem *p, const char *en, int swiglu,
+                       int want_engine, const void *d_a_real, size_t a_rows, size_t row_bytes,
+                       const int32_t *d_index, const int32_t *h_index, const void *d_w,
+                       const int32_t *d_tiles, const int32_t *d_num, const float *rs,
+                       const int32_t *si, int32_t *d_sched, const unsigned char *want,
+                       size_t out_bytes, cudaStream_t stream) {
+  const int n = c->n, k = c->k, R = p->R;
+  const int gathered = swiglu && c->top_k;
+  char *d_a = gu_dev(a_rows * row_bytes);
+  int32_t *d_idx = gathered ? gu_dev((size_t)R * sizeof(int32_t)) : NULL;
+  void *d_out = gu_dev(out_bytes);
+  unsigned char *got = malloc(out_bytes);
+  gu_feed f = gu_feed_make(R, 24, 7);
+  ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 10000000000ull)};
+  const wait_copy cp = {d_a, d_a_real, row_bytes, d_idx, d_index, h_index, c->top_k, p->row_expert};
+  const char *gemm = swiglu ? "swiglu" : "scaled";
+  char label[240];
+  for (int rep = 0; rep < 4; ++rep) {
+    /* 0 static, 1 dynamic in clusters, 2 no rows ever (limit 2 ms), 3 the
+     * same control block again */
+    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w};
+    if (rep < 3) {
+      gu_feed_reset(&f);
+      GU_CUDA(cudaMemset(d_a, 0xFF, a_rows * row_bytes));
+      if (d_idx)
+        GU_CUDA(cudaMemset(d_idx, 0, (size_t)R * sizeof(int32_t)));
+    }
+    /* rep 2 gives up after 2 ms; rep 3 would wait 10 s but must stop at
+     * once, the control block saying that a wait gave up */
+    w.comm.timeout_ns = rep == 2 ? 2000000ull : 10000000000ull;
+    GU_CUDA(cudaMemsetAsync(d_out, 0xFF, out_bytes, stream));
+    static const char *const what[4] = {"static", "dynamic, clusters of 2", "rows never come",
+                                        "after a wait gave up"};
+    snprintf(label, sizeof label, "%s [%s] %s, rows arriving while it runs (%s)", c->name, en, gemm,
+             what[rep]);
+    const double t0 = gu_now();
+    if (swiglu)
+      CHECK_OK(ml_cuda_gemm_swiglu(c->dt, d_a, k + c->lda_pad, d_idx, c->top_k, d_w, n, k, d_tiles,
+                                   d_num, p->max_tiles, R, d_out, &o, stream),
+               label);
+    else
+      CHECK_OK(ml_cuda_gemm_scaled(c->dt, d_a, n + c->lda_pad, d_w, k, n, d_tiles, d_num,
+                                   p->max_tiles, R, rs, si, d_out, 0, &o, stream),
+               label);
+    CHECK(ml_cuda_gemm_last_engine() == want_engine, "%s: ran on the %s engine (%s)", label,
+          engine_name(want_engine), engine_name(ml_cuda_gemm_last_engine()));
+    if (rep < 2)
+      gu_feed_run(&f, R, wait_copy_rows, (void *)&cp, (uint32_t)(rep + 1));
+    GU_CUDA(cudaStreamSynchronize(stream));
+    const double dt = gu_now() - t0;
+    if (rep < 2) {
+      gu_feed_check(&f, label);
+      gu_d2h(got, d_out, out_bytes);
+      CHECK(memcmp(got, want, out_bytes) == 0, "%s: bitwise the plain run's output (%.1f ms)",
+            label, dt * 1e3);
+      continue;
+    }
+    uint64_t ctl[4];
+    gu_d2h(ctl, f.d_ctl, sizeof ctl);
+    const unsigned prim = (unsigned)((ctl[0] >> 32) & 0xffffu);
+    CHECK((ctl[0] & MOELINK_CTL_INFO_VALID) && prim == ML_CUDA_PRIM_GEMM_ROWS && ctl[1] == 7 &&
+              ctl[2] == 1 && dt < 1.0,
+          "%s: the wait gave up and said so (info %#llx: primitive %u, value %llu; abort %llu; "
+          "%.1f ms)",
+          label, (unsigned long long)ctl[0], prim, (unsigned long long)ctl[1],
+          (unsigned long long)ctl[2], dt * 1e3);
+  }
+  gu_feed_free(&f);
+  gu_free(d_a);
+  gu_free(d_idx);
+  gu_free(d_out);
+  free(got);
+}
+
 /* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
                             const void *d_w1, const void *d_w2, const void *d_h,
-                            const int32_t *d_index, const float *d_scale,
+                            const int32_t *d_index, const int32_t *h_index, const float *d_scale,
                             const int32_t *d_tiles, const int32_t *d_num, const double *ref1,
                             const double *ref2) {
   moelink_dtype_t dt = c->dt;
@@ -467,7 +585,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   const ml_cuda_gemm_opts run_opts[3] = {
-      {NULL, 1, 0, NULL}, {d_sched, 1, 0, NULL}, {d_sched, 2, 0, NULL}};
+      {NULL, 1, 0, NULL, NULL}, {d_sched, 1, 0, NULL, NULL}, {d_sched, 2, 0, NULL, NULL}};
   static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
   const float *rs = c->scale_mode ? d_scale : NULL;
@@ -517,6 +635,11 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   snprintf(label, sizeof label, "%s [%s] swiglu (%s, n %d, k %d, lda %d)", c->name, en,
            moelink_dtype_name(dt), n, k, lda1);
   check_output(label, p, n, first, dt, 0, ref1);
+  if (c->wait) {
+    const int xrows = c->top_k ? (p->real_rows + c->top_k - 1) / c->top_k : R;
+    check_wait(c, p, en, 1, want1, d_x, (size_t)xrows, (size_t)lda1 * 2, d_index, h_index, d_w1,
+               d_tiles, d_num, NULL, NULL, d_sched, first, out1_bytes, stream);
+  }
   if (graph_out) {
     CHECK(memcmp(first, graph_out, out1_bytes) == 0,
           "%s [%s] swiglu: graph replay bitwise equal to a direct run", c->name, en);
@@ -548,6 +671,9 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
              c->name, en, moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2,
              c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
+    if (!f32 && c->wait)
+      check_wait(c, p, en, 0, want2, d_h, (size_t)R, (size_t)lda2 * 2, NULL, NULL, d_w2, d_tiles,
+                 d_num, rs, si, d_sched, first, bytes, stream);
     if (!f32 && k % 8 == 0)
       check_out_rows(c, p, en, want2, d_h, d_w2, d_tiles, d_num, rs, si, d_sched, first, stream);
   }
@@ -600,12 +726,39 @@ static void check_rejections(void) {
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
   {
     /* output rows by pointer: the scaled GEMMs with a dtype output only */
-    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000)};
+    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL};
     CHECK_STATUS(
         ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, &ro, 0),
         MOELINK_ERR_UNSUPPORTED, "scaled f32 out with out_rows");
     CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &ro, 0),
                  MOELINK_ERR_INVALID_ARGUMENT, "swiglu with out_rows");
+  }
+  {
+    /* row waits: signals, a value word, rows >= 1 and a filled-in device
+     * communicator, or INVALID_ARGUMENT before anything runs */
+    uint64_t *sig = (uint64_t *)(b + 48000);
+    moelink_device_comm_t dc;
+    memset(&dc, 0, sizeof dc);
+    dc.nranks = 1;
+    dc.timeout_ns = 1000000;
+    dc.ctl[0] = sig + 8;
+    const ml_cuda_gemm_wait bad_rows = {sig, sig + 4, 0, dc};
+    const ml_cuda_gemm_wait bad_value = {sig, NULL, 16, dc};
+    ml_cuda_gemm_wait bad_comm = {sig, sig + 4, 16, dc};
+    bad_comm.comm.ctl[0] = NULL;
+    const ml_cuda_gemm_wait *bad[3] = {&bad_rows, &bad_value, &bad_comm};
+    static const char *const why[3] = {"rows 0", "no value word", "no control block"};
+    for (int i = 0; i < 3; ++i) {
+      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i]};
+      char what[80];
+      snprintf(what, sizeof what, "swiglu with a row wait of %s", why[i]);
+      CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &wo, 0),
+                   MOELINK_ERR_INVALID_ARGUMENT, what);
+      snprintf(what, sizeof what, "scaled with a row wait of %s", why[i]);
+      CHECK_STATUS(
+          ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 0, &wo, 0),
+          MOELINK_ERR_INVALID_ARGUMENT, what);
+    }
   }
   /* nothing to do: succeeds without touching out */
   CUDA_CHECK(cudaMemset(b, 0xFF, 4096));
@@ -654,11 +807,11 @@ int main(void) {
   problem_dense(&pd, 77);
 
   static const gemm_case cases[] = {
-      {"tiles bf16", MOELINK_DTYPE_BF16, 200, 136, 8, 2, 2, 1},
-      {"tiles f16", MOELINK_DTYPE_F16, 200, 136, 8, 2, 2, 1},
-      {"tiles bf16 n 8 k 8", MOELINK_DTYPE_BF16, 8, 8, 0, 1, 1, 0},
-      {"qwen3 bf16", MOELINK_DTYPE_BF16, 768, 2048, 0, 8, 2, 0},
-      {"qwen3 f16", MOELINK_DTYPE_F16, 768, 2048, 16, 8, 2, 0},
+      {"tiles bf16", MOELINK_DTYPE_BF16, 200, 136, 8, 2, 2, 1, 1},
+      {"tiles f16", MOELINK_DTYPE_F16, 200, 136, 8, 2, 2, 1, 0},
+      {"tiles bf16 n 8 k 8", MOELINK_DTYPE_BF16, 8, 8, 0, 1, 1, 0, 0},
+      {"qwen3 bf16", MOELINK_DTYPE_BF16, 768, 2048, 0, 8, 2, 0, 1},
+      {"qwen3 f16", MOELINK_DTYPE_F16, 768, 2048, 16, 8, 2, 0, 0},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; ++i)
     run_case(&cases[i], i < 3 ? &pa : &pb);
@@ -669,8 +822,8 @@ int main(void) {
    * unit although the second does not start 64 rows after the first;
    * expert 5's third tile (2 rows) is alone in its unit. */
   static const gemm_case odd[] = {
-      {"odd bf16", MOELINK_DTYPE_BF16, 200, 328, 8, 2, 2, 1},
-      {"odd f16", MOELINK_DTYPE_F16, 200, 328, 0, 4, 1, 0},
+      {"odd bf16", MOELINK_DTYPE_BF16, 200, 328, 8, 2, 2, 1, 0},
+      {"odd f16", MOELINK_DTYPE_F16, 200, 328, 0, 4, 1, 0, 0},
   };
   for (size_t i = 0; i < sizeof odd / sizeof odd[0]; ++i) run_case(&odd[i], &pa);
 
@@ -689,14 +842,15 @@ int main(void) {
     count[9] = 128;
     problem pm;
     problem_counts(&pm, ME, count, gap, 4);
-    static const gemm_case many = {"many experts bf16", MOELINK_DTYPE_BF16, 384, 640, 0, 8, 2, 0};
+    static const gemm_case many = {
+        "many experts bf16", MOELINK_DTYPE_BF16, 384, 640, 0, 8, 2, 0, 1};
     run_case(&many, &pm);
     problem_free(&pm);
   }
 
   static const gemm_case dense[] = {
-      {"dense bf16", MOELINK_DTYPE_BF16, 328, 264, 0, 0, 1, 0},
-      {"dense f16", MOELINK_DTYPE_F16, 64, 64, 8, 0, 0, 0},
+      {"dense bf16", MOELINK_DTYPE_BF16, 328, 264, 0, 0, 1, 0, 1},
+      {"dense f16", MOELINK_DTYPE_F16, 64, 64, 8, 0, 0, 0, 0},
   };
   for (size_t i = 0; i < sizeof dense / sizeof dense[0]; ++i) run_case(&dense[i], &pd);
 

@@ -23,7 +23,10 @@
  * back to the decode kernel; pinned to SM90 on a compute capability 9.0
  * device they run the sm_90a FP8 kernel. After each launch the test checks
  * which one ran. Error paths: shapes that are not multiples of 128, NULL
- * scales, an unsupported output dtype, and launches with nothing to do. */
+ * scales, an unsupported output dtype, and launches with nothing to do. On
+ * the sm_90a engine every case's swiglu GEMM also runs with its A rows,
+ * scales and index entries landing while it runs (ml_cuda_gemm_opts.wait):
+ * bitwise the plain run; the decode-kernel fallback refuses such a wait. */
 #include "core/fp8.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/sm90_engine.cuh"
@@ -330,6 +333,8 @@ typedef struct dev_ops {
   const float *xs, *w1s, *hs, *w2s;
   const int32_t *index, *tiles, *num;
   const float *row_scale;
+  const int32_t *h_index; /* index on the host */
+  int xrows;              /* rows of x */
 } dev_ops;
 
 /* Set when the device runs the sm_90a kernel (compute capability 9.0). */
@@ -363,6 +368,90 @@ static void check_tile(const char *what, const ml_cuda_gemm_opts *o, int engine,
         ml_cuda_gemm_last_sm90_tile());
 }
 
+/* ---- rows that land while the GEMM runs ------------------------------------ */
+
+/* Where a wait run's copies go and come from: A rows and their scales, and,
+ * gathered, the index entries. */
+typedef struct wait_copy {
+  uint8_t *x;
+  float *xs;
+  int32_t *index; /* NULL: dense */
+  const dev_ops *d;
+  const problem *p;
+  int lda, ls, div;
+} wait_copy;
+
+static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
+  const wait_copy *w = ctx;
+  const size_t sb = (size_t)w->ls * sizeof(float);
+  if (w->index == NULL) {
+    GU_CUDA(cudaMemcpyAsync(w->x + (size_t)r0 * w->lda, w->d->x + (size_t)r0 * w->lda,
+                            (size_t)(r1 - r0) * w->lda, cudaMemcpyDeviceToDevice, s));
+    GU_CUDA(cudaMemcpyAsync((char *)w->xs + (size_t)r0 * sb,
+                            (const char *)w->d->xs + (size_t)r0 * sb, (size_t)(r1 - r0) * sb,
+                            cudaMemcpyDeviceToDevice, s));
+    return;
+  }
+  GU_CUDA(cudaMemcpyAsync(w->index + r0, w->d->index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
+                          cudaMemcpyDeviceToDevice, s));
+  for (int r = r0; r < r1; ++r) {
+    if (w->p->row_expert[r] < 0)
+      continue;
+    const size_t g = (size_t)(w->d->h_index[r] / w->div);
+    GU_CUDA(cudaMemcpyAsync(w->x + g * w->lda, w->d->x + g * w->lda, (size_t)w->lda,
+                            cudaMemcpyDeviceToDevice, s));
+    GU_CUDA(cudaMemcpyAsync((char *)w->xs + g * sb, (const char *)w->d->xs + g * sb, sb,
+                            cudaMemcpyDeviceToDevice, s));
+  }
+}
+
+/* The FP8 swiglu GEMM (fp32 out, sm_90a engine) with its A rows, their
+ * scales and (gathered) index entries landing while it runs (ml_cuda_gemm_
+ * opts.wait; gu_feed, chunks of 24 rows after a 2 ms pause, over NaN codes,
+ * NaN scales and an index of zeros), static schedule and dynamic: bitwise
+ * the plain run's output (want). */
+static void check_wait(const fcase *c, const problem *p, const char *en, const dev_ops *d,
+                       int32_t *d_sched, const unsigned char *want, size_t out_bytes,
+                       cudaStream_t stream) {
+  const int n = c->n, k = c->k, R = p->R, lda = k + c->lda_pad, ls = lda / 128;
+  uint8_t *x = gu_dev((size_t)d->xrows * lda);
+  float *xs = gu_dev((size_t)d->xrows * ls * sizeof(float));
+  int32_t *index = c->top_k ? gu_dev((size_t)R * sizeof(int32_t)) : NULL;
+  void *out = gu_dev(out_bytes);
+  unsigned char *got = xmalloc(out_bytes);
+  gu_feed f = gu_feed_make(R, 24, 7);
+  const ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 10000000000ull)};
+  const wait_copy cp = {x, xs, index, d, p, lda, ls, c->top_k};
+  for (int rep = 0; rep < 2; ++rep) {
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, NULL, &w};
+    gu_feed_reset(&f);
+    GU_CUDA(cudaMemset(x, 0x7f, (size_t)d->xrows * lda));
+    GU_CUDA(cudaMemset(xs, 0xFF, (size_t)d->xrows * ls * sizeof(float)));
+    if (index)
+      GU_CUDA(cudaMemset(index, 0, (size_t)R * sizeof(int32_t)));
+    GU_CUDA(cudaMemsetAsync(out, 0xFF, out_bytes, stream));
+    char label[240];
+    snprintf(label, sizeof label, "%s [%s] swiglu, rows arriving while it runs (%s)", c->name, en,
+             rep ? "dynamic" : "static");
+    CHECK_OK(ml_cuda_gemm_swiglu_fp8(x, xs, lda, index, c->top_k, d->w1, d->w1s, n, k, d->tiles,
+                                     d->num, p->max_tiles, R, (float *)out, NULL, &o, stream),
+             label);
+    CHECK(ml_cuda_gemm_last_engine() == ML_GEMM_ENGINE_SM90, "%s: ran on the sm90 engine (%s)",
+          label, engine_name(ml_cuda_gemm_last_engine()));
+    gu_feed_run(&f, R, wait_copy_rows, (void *)&cp, (uint32_t)(rep + 11));
+    GU_CUDA(cudaStreamSynchronize(stream));
+    gu_feed_check(&f, label);
+    gu_d2h(got, out, out_bytes);
+    CHECK(memcmp(got, want, out_bytes) == 0, "%s: bitwise the plain run's output", label);
+  }
+  gu_feed_free(&f);
+  gu_free(x);
+  gu_free(xs);
+  gu_free(index);
+  gu_free(out);
+  free(got);
+}
+
 /* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const fcase *c, const problem *p, int engine, const dev_ops *d,
                             const double *ref1, const double *tol1, const double *ref2,
@@ -388,11 +477,11 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
    * 128- and the 256-column tile: the same bits, and the counter left at
    * zero */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[RUNS] = {{NULL, 1, 0, NULL},
-                                            {d_sched, 1, 0, NULL},
-                                            {d_sched, 2, 0, NULL},
-                                            {d_sched, 1, 128, NULL},
-                                            {d_sched, 1, 256, NULL}};
+  const ml_cuda_gemm_opts run_opts[RUNS] = {{NULL, 1, 0, NULL, NULL},
+                                            {d_sched, 1, 0, NULL, NULL},
+                                            {d_sched, 2, 0, NULL, NULL},
+                                            {d_sched, 1, 128, NULL, NULL},
+                                            {d_sched, 1, 256, NULL, NULL}};
   static const char *const run_name[RUNS] = {"static", "dynamic", "dynamic, clusters of 2",
                                              "dynamic, 128-column tile",
                                              "dynamic, 256-column tile"};
@@ -422,6 +511,21 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
       CHECK(memcmp(first, got, out1_bytes) == 0,
             "%s [%s] swiglu: static schedule and %s bitwise equal", c->name, en, run_name[rep]);
     }
+  }
+  if (want1 == ML_GEMM_ENGINE_SM90) {
+    check_wait(c, p, en, d, d_sched, first, out1_bytes, stream);
+  } else {
+    /* the decode-kernel fallback has no row wait: refused, nothing run */
+    gu_feed f = gu_feed_make(R, 24, 7);
+    const ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 1000000ull)};
+    const ml_cuda_gemm_opts o = {NULL, 1, 0, NULL, &w};
+    snprintf(label, sizeof label, "%s [%s] swiglu with a row wait off the sm_90a engine", c->name,
+             en);
+    CHECK_STATUS(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k,
+                                         d->tiles, d->num, p->max_tiles, R, (float *)d_out, NULL,
+                                         &o, stream),
+                 MOELINK_ERR_UNSUPPORTED, label);
+    gu_feed_free(&f);
   }
 
   /* swiglu with the output quantized in the epilogue (sm_90a engine): the
@@ -704,6 +808,8 @@ static void run_case(const fcase *c, const problem *p) {
   d.w2s = dev_copy(w2s, s2n * sizeof(float));
   d.index = dev_copy(a_index, (size_t)R * sizeof(int32_t));
   d.row_scale = dev_copy(row_scale, (size_t)nscale * sizeof(float));
+  d.h_index = a_index;
+  d.xrows = xrows;
   d.tiles = NULL;
   d.num = NULL;
   if (p->tiles) {

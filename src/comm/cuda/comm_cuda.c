@@ -237,6 +237,8 @@ static const char *ml_ccu_prim_name(unsigned prim, char *buf, size_t size) {
   case MOELINK_PRIM_BARRIER: return "a barrier (moelink_barrier)";
   case ML_CCU_PRIM_AR_ONESHOT: return "one-shot all-reduce data";
   case ML_CCU_PRIM_AR_LL: return "low-latency all-reduce data";
+  case ML_CUDA_PRIM_GEMM_ROWS:
+    return "a GEMM's rows (ml_cuda_gemm_wait)";
   case ML_CCU_PRIM_AR_RS: return "two-shot all-reduce data (reduce-scatter round)";
   case ML_CCU_PRIM_AR_AG: return "two-shot all-reduce data (all-gather round)";
   case ML_CCU_PRIM_ALLGATHER: return "all-gather data";

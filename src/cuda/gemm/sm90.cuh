@@ -95,6 +95,7 @@
 #define MOELINK_CUDA_GEMM_SM90_CUH
 
 #include "cuda/gemm/ptx.cuh"
+#include "cuda/gemm/wait.cuh"
 #include "cuda/quant.cuh"
 
 #include <cuda.h>
@@ -262,6 +263,9 @@ typedef struct ml_sm90_args {
    * row r goes to the row out_rows[scale_index[r]] (scale_index NULL:
    * out_rows[r]; 16-byte aligned, n_out % 8 == 0), e.g. a peer's buffer */
   void *const *out_rows;
+  /* rows that arrive while the kernel runs (signal NULL: none): the
+   * producer waits for an item's chunks before its A loads */
+  ml_cuda_gemm_wait wait;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -653,12 +657,47 @@ static __device__ __forceinline__ uint32_t ml_sm90_rows(const ml_sm90_args *p,
     int g = 0;
     if (ok) {
       g = it->row0[h] + rr;
-      if (p->a_index != NULL) g = __ldg(p->a_index + g) / p->a_div;
+      if (p->a_index != NULL)
+        g = (p->wait.signal != NULL ? ml_gemm_ld_index(p->a_index + g) : __ldg(p->a_index + g)) /
+            p->a_div;
     }
     src[i] = g;
     valid |= (uint32_t)ok << i;
   }
   return valid;
+}
+
+/* Before an item's A loads (and its a_index reads): the chunks of rows its
+ * unit's tiles touch are ready (ml_cuda_gemm_wait). Warp 0 of the producer
+ * waits, then the producer warpgroup meets; every producer thread calls it
+ * for the same items. */
+static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
+                                                         const ml_sm90_item *it, int tid) {
+  if (p->wait.signal == NULL)
+    return;
+  if (tid < 32)
+    for (int h = 0; h < 2; ++h)
+      ml_gemm_wait_rows(&p->wait, it->row0[h], it->row0[h] + it->rows[h], tid, 32);
+  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+}
+
+/* Whether every chunk of rows the item's tiles touch is ready now (one look
+ * each, no wait): 1 for all producer threads or for none. */
+static __device__ __forceinline__ int ml_sm90_item_ready(const ml_sm90_args *p,
+                                                         const ml_sm90_item *it, int tid) {
+  if (p->wait.signal == NULL)
+    return 1;
+  int ok = 1;
+  if (tid < 32)
+    for (int h = 0; h < 2; ++h)
+      ok &= ml_gemm_rows_ready(&p->wait, it->row0[h], it->row0[h] + it->rows[h], tid, 32);
+  int all;
+  asm volatile("{\n .reg .pred q, r;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred r, 1, 128, q;\n"
+               " selp.s32 %0, 1, 0, r;\n}\n"
+               : "=r"(all)
+               : "r"(ok)
+               : "memory");
+  return all;
 }
 
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
@@ -698,6 +737,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   ml_sm90_item it;
   int have = ml_sm90_next<CL>(p, &walk, w, &it, rank);
   int32_t src[ML_SM90_ROWS];
+  if (have)
+    ml_sm90_wait_item(p, &it, tid);
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
    * last-but-one load (dynamic: a claim as late as the loads allow) */
@@ -730,7 +771,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     ml_sm90_item nx;
     int32_t src_n[ML_SM90_ROWS];
     uint32_t valid_n = 0;
-    int have_n = 0;
+    int have_n = 0, rows_n = 0;
     int w_n = w + grid;
     for (int st = 0; st < steps; ++st) {
       /* sub-item sub (ml_sm90_cfg<2>) of the item, its k block kt; nbs the
@@ -870,8 +911,16 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ++claims;
         }
         have_n = ml_sm90_next<CL>(p, &walk, w_n, &nx, rank);
-        if (have_n) valid_n = ml_sm90_rows(p, &nx, r0, src_n);
+        /* rows that are still on their way: wait for them after this
+         * item's last load instead, not with one of its stages unissued */
+        rows_n = have_n && ml_sm90_item_ready(p, &nx, tid);
+        if (rows_n)
+          valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
+    }
+    if (have_n && !rows_n) {
+      ml_sm90_wait_item(p, &nx, tid);
+      valid_n = ml_sm90_rows(p, &nx, r0, src_n);
     }
     w = w_n;
     have = have_n;

@@ -30,6 +30,7 @@
 #define MOELINK_CUDA_GEMM_TILE_CUH
 
 #include "cuda/gemm/ptx.cuh"
+#include "cuda/gemm/wait.cuh"
 
 #include <stddef.h>
 #include <stdint.h>
@@ -129,10 +130,9 @@ static __device__ __forceinline__ void ml_gemm_a_dense(ml_gemm_rows<S::A_LOADS> 
  * div = top_k) without a permuted copy of the activations. index == NULL
  * means the identity. */
 template <class S>
-static __device__ __forceinline__ void ml_gemm_a_gathered(ml_gemm_rows<S::A_LOADS> *src,
-                                                          const void *a, int ld,
-                                                          const int32_t *index, int div,
-                                                          int row0, int rows) {
+static __device__ __forceinline__ void
+ml_gemm_a_gathered(ml_gemm_rows<S::A_LOADS> *src, const void *a, int ld, const int32_t *index,
+                   int div, int row0, int rows, int fresh) {
   const char *base = (const char *)a;
   src->valid = 0;
 #pragma unroll
@@ -141,7 +141,10 @@ static __device__ __forceinline__ void ml_gemm_a_gathered(ml_gemm_rows<S::A_LOAD
     int ok = r < rows;
     const char *p = base;
     if (ok) {
-      int g = index != NULL ? __ldg(index + row0 + r) / div : row0 + r;
+      /* fresh: the index may have been written while the kernel runs */
+      int g = index == NULL ? row0 + r
+              : fresh       ? ml_gemm_ld_index(index + row0 + r) / div
+                            : __ldg(index + row0 + r) / div;
       p = base + (size_t)g * (size_t)ld * 2;
     }
     src->ptr[i] = p;
