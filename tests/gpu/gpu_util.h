@@ -237,9 +237,11 @@ GU_FN void gu_rows_free(gu_rows *t) {
  * 64-bit signal per chunk of `rows` problem rows, the awaited value in a
  * device word, a control block for the waits' records, and a side stream
  * that delivers the rows after a pause, chunk by chunk in a shuffled order,
- * each chunk's signal copied in after its rows (stream order: the copy
- * engine, no SM). The signals start one below the value, as if left by the
- * previous use. */
+ * each chunk's signal copied in after its rows (stream order). Nothing of
+ * the delivery may need an SM, which the waiting GEMM may hold all of: the
+ * signals come from pinned host memory, and the caller's row copies must
+ * too (a copy between two buffers of the device may run as a kernel). The
+ * signals start one below the value, as if left by the previous use. */
 typedef struct gu_feed {
   int chunks, rows;
   uint64_t value;

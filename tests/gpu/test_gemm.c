@@ -445,7 +445,8 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
 
 /* ---- rows that land while the GEMM runs ------------------------------------ */
 
-/* Where a wait run's row copies go and come from. */
+/* Where a wait run's row copies go and come from (src, src_index: pinned
+ * host memory). */
 typedef struct wait_copy {
   char *dst;
   const char *src;
@@ -462,16 +463,16 @@ static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
   const size_t rb = w->row_bytes;
   if (w->dst_index == NULL) {
     GU_CUDA(cudaMemcpyAsync(w->dst + (size_t)r0 * rb, w->src + (size_t)r0 * rb,
-                            (size_t)(r1 - r0) * rb, cudaMemcpyDeviceToDevice, s));
+                            (size_t)(r1 - r0) * rb, cudaMemcpyHostToDevice, s));
     return;
   }
   GU_CUDA(cudaMemcpyAsync(w->dst_index + r0, w->src_index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
-                          cudaMemcpyDeviceToDevice, s));
+                          cudaMemcpyHostToDevice, s));
   for (int r = r0; r < r1; ++r) {
     if (w->row_expert[r] < 0)
       continue;
     const size_t g = (size_t)(w->h_index[r] / w->div);
-    GU_CUDA(cudaMemcpyAsync(w->dst + g * rb, w->src + g * rb, rb, cudaMemcpyDeviceToDevice, s));
+    GU_CUDA(cudaMemcpyAsync(w->dst + g * rb, w->src + g * rb, rb, cudaMemcpyHostToDevice, s));
   }
 }
 
@@ -497,7 +498,18 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   unsigned char *got = malloc(out_bytes);
   gu_feed f = gu_feed_make(R, 24, 7);
   ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 10000000000ull)};
-  const wait_copy cp = {d_a, d_a_real, row_bytes, d_idx, d_index, h_index, c->top_k, p->row_expert};
+  /* the rows come from pinned host copies: a copy between two buffers of
+   * the device may run as a kernel, which would need the SMs the waiting
+   * GEMM holds */
+  char *h_a = NULL;
+  int32_t *h_idx = NULL;
+  GU_CUDA(cudaMallocHost((void **)&h_a, a_rows * row_bytes));
+  gu_d2h(h_a, d_a_real, a_rows * row_bytes);
+  if (gathered) {
+    GU_CUDA(cudaMallocHost((void **)&h_idx, (size_t)R * sizeof(int32_t)));
+    gu_d2h(h_idx, d_index, (size_t)R * sizeof(int32_t));
+  }
+  const wait_copy cp = {d_a, h_a, row_bytes, d_idx, h_idx, h_index, c->top_k, p->row_expert};
   const char *gemm = swiglu ? "swiglu" : "scaled";
   char label[240];
   for (int rep = 0; rep < 4; ++rep) {
@@ -551,6 +563,9 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
           (unsigned long long)ctl[2], dt * 1e3);
   }
   gu_feed_free(&f);
+  GU_CUDA(cudaFreeHost(h_a));
+  if (h_idx)
+    GU_CUDA(cudaFreeHost(h_idx));
   gu_free(d_a);
   gu_free(d_idx);
   gu_free(d_out);

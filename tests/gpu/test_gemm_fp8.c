@@ -376,6 +376,12 @@ typedef struct wait_copy {
   uint8_t *x;
   float *xs;
   int32_t *index; /* NULL: dense */
+  /* the real rows, scales and index: pinned host copies (a copy between
+   * two buffers of the device may run as a kernel, which would need the
+   * SMs the waiting GEMM holds) */
+  const uint8_t *hx;
+  const float *hxs;
+  const int32_t *hindex;
   const dev_ops *d;
   const problem *p;
   int lda, ls, div;
@@ -385,23 +391,22 @@ static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
   const wait_copy *w = ctx;
   const size_t sb = (size_t)w->ls * sizeof(float);
   if (w->index == NULL) {
-    GU_CUDA(cudaMemcpyAsync(w->x + (size_t)r0 * w->lda, w->d->x + (size_t)r0 * w->lda,
-                            (size_t)(r1 - r0) * w->lda, cudaMemcpyDeviceToDevice, s));
-    GU_CUDA(cudaMemcpyAsync((char *)w->xs + (size_t)r0 * sb,
-                            (const char *)w->d->xs + (size_t)r0 * sb, (size_t)(r1 - r0) * sb,
-                            cudaMemcpyDeviceToDevice, s));
+    GU_CUDA(cudaMemcpyAsync(w->x + (size_t)r0 * w->lda, w->hx + (size_t)r0 * w->lda,
+                            (size_t)(r1 - r0) * w->lda, cudaMemcpyHostToDevice, s));
+    GU_CUDA(cudaMemcpyAsync((char *)w->xs + (size_t)r0 * sb, (const char *)w->hxs + (size_t)r0 * sb,
+                            (size_t)(r1 - r0) * sb, cudaMemcpyHostToDevice, s));
     return;
   }
-  GU_CUDA(cudaMemcpyAsync(w->index + r0, w->d->index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
-                          cudaMemcpyDeviceToDevice, s));
+  GU_CUDA(cudaMemcpyAsync(w->index + r0, w->hindex + r0, (size_t)(r1 - r0) * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, s));
   for (int r = r0; r < r1; ++r) {
     if (w->p->row_expert[r] < 0)
       continue;
     const size_t g = (size_t)(w->d->h_index[r] / w->div);
-    GU_CUDA(cudaMemcpyAsync(w->x + g * w->lda, w->d->x + g * w->lda, (size_t)w->lda,
-                            cudaMemcpyDeviceToDevice, s));
-    GU_CUDA(cudaMemcpyAsync((char *)w->xs + g * sb, (const char *)w->d->xs + g * sb, sb,
-                            cudaMemcpyDeviceToDevice, s));
+    GU_CUDA(cudaMemcpyAsync(w->x + g * w->lda, w->hx + g * w->lda, (size_t)w->lda,
+                            cudaMemcpyHostToDevice, s));
+    GU_CUDA(cudaMemcpyAsync((char *)w->xs + g * sb, (const char *)w->hxs + g * sb, sb,
+                            cudaMemcpyHostToDevice, s));
   }
 }
 
@@ -421,7 +426,18 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
   unsigned char *got = xmalloc(out_bytes);
   gu_feed f = gu_feed_make(R, 24, 7);
   const ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 10000000000ull)};
-  const wait_copy cp = {x, xs, index, d, p, lda, ls, c->top_k};
+  uint8_t *hx = NULL;
+  float *hxs = NULL;
+  int32_t *hindex = NULL;
+  GU_CUDA(cudaMallocHost((void **)&hx, (size_t)d->xrows * lda));
+  GU_CUDA(cudaMallocHost((void **)&hxs, (size_t)d->xrows * ls * sizeof(float)));
+  gu_d2h(hx, d->x, (size_t)d->xrows * lda);
+  gu_d2h(hxs, d->xs, (size_t)d->xrows * ls * sizeof(float));
+  if (index) {
+    GU_CUDA(cudaMallocHost((void **)&hindex, (size_t)R * sizeof(int32_t)));
+    gu_d2h(hindex, d->index, (size_t)R * sizeof(int32_t));
+  }
+  const wait_copy cp = {x, xs, index, hx, hxs, hindex, d, p, lda, ls, c->top_k};
   for (int rep = 0; rep < 2; ++rep) {
     const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, NULL, &w};
     gu_feed_reset(&f);
@@ -445,6 +461,10 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
     CHECK(memcmp(got, want, out_bytes) == 0, "%s: bitwise the plain run's output", label);
   }
   gu_feed_free(&f);
+  GU_CUDA(cudaFreeHost(hx));
+  GU_CUDA(cudaFreeHost(hxs));
+  if (hindex)
+    GU_CUDA(cudaFreeHost(hindex));
   gu_free(x);
   gu_free(xs);
   gu_free(index);
