@@ -265,6 +265,39 @@ static moelink_status_t ml_sm90_encoder(PFN_cuTensorMapEncodeTiled_v12000 *fn) {
   return MOELINK_SUCCESS;
 }
 
+/* 1: full 64-row tiles of the bf16/f16 kernel leave through shared memory
+ * and TMA stores (ml_sm90_store_tma); 0: every row by the consumers' own
+ * stores. */
+MOELINK_PARAM(GEMM_SM90_TMA_STORE, 1)
+
+/* Rows of the output map: a bound no tile reaches (only the kernel's own
+ * tiles' coordinates are ever written). */
+#define ML_SM90_OUT_MAP_ROWS (1u << 30)
+
+/* The TMA-store epilogue's map of out [rows][n] (16-bit dt): boxes of 64
+ * rows x 64 columns in the 128-byte swizzle. Returns 1, or 0 (the kernel
+ * then stores as before) where MOELINK_GEMM_SM90_TMA_STORE is 0 or the
+ * driver does not take the map. */
+static int ml_sm90_map_out(CUtensorMap *map, moelink_dtype_t dt, void *out, int n) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
+  if (ml_param_GEMM_SM90_TMA_STORE() == 0 || ml_sm90_encoder(&encode) != MOELINK_SUCCESS)
+    return 0;
+  cuuint64_t dims[2] = {(cuuint64_t)n, (cuuint64_t)ML_SM90_OUT_MAP_ROWS};
+  cuuint64_t strides[1] = {(cuuint64_t)n * 2};
+  cuuint32_t box[2] = {64, 64};
+  cuuint32_t unit[2] = {1, 1};
+  const CUresult r = encode(
+      map,
+      dt == MOELINK_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      2, out, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    memset(map, 0, sizeof *map);
+    return 0;
+  }
+  return 1;
+}
+
 /* Experts a tile list may name: the map's outermost extent. Only coordinates
  * the kernel asks for are ever read, so a generous bound costs nothing. */
 #define ML_SM90_MAX_EXPERTS 65536
@@ -392,6 +425,8 @@ static moelink_status_t ml_sm90_cl_dt(moelink_dtype_t dt, const ml_cuda_gemm_opt
   return ml_sm90_cl<MOELINK_DTYPE_F16, MODE, OUT_F32>(opts, cl);
 }
 
+/* map: the kernel's two maps, B's then the output's (zeros unless
+ * p->tma_out). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
                                        cudaStream_t stream) {
@@ -419,7 +454,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     unsigned clusters = (grid + 1) / 2;
     if (room > 0 && clusters > (unsigned)room)
       clusters = (unsigned)room;
-    void *args[] = {(void *)map, (void *)p};
+    void *args[] = {(void *)map, (void *)(map + 1), (void *)p};
     const cudaError_t e = ml_launch_kernel_ex(
         (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(2 * clusters, 1, 1),
         dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 0, 2, stream, args);
@@ -429,7 +464,8 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
                      cudaGetErrorString(e));
     }
   } else {
-    ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL><<<grid, ML_SM90_THREADS, smem, stream>>>(*map, *p);
+    ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>
+        <<<grid, ML_SM90_THREADS, smem, stream>>>(map[0], map[1], *p);
     ML_CUDA_LAUNCHED(name);
   }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
@@ -582,14 +618,16 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
     int cl = 1;
     ML_TRY((ml_sm90_cl_dt<ML_SM90_SWIGLU, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is the gate or the up half of the tile's rows */
-    CUtensorMap map;
-    ML_TRY(ml_sm90_map_b_box(&map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
+    CUtensorMap map[2];
+    memset(&map[1], 0, sizeof map[1]);
+    ML_TRY(ml_sm90_map_b_box(map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
                              cl > 1 ? 1 : 2, what));
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
                       max_tiles, dense_rows, opts);
+    q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
-        dt, &map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), cl, stream);
+        dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), cl, stream);
   }
 
   ml_swiglu_args p;
@@ -658,15 +696,18 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     else
       ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is half the tile's rows */
-    CUtensorMap map;
-    ML_TRY(ml_sm90_map_b(&map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
+    CUtensorMap map[2];
+    memset(&map[1], 0, sizeof map[1]);
+    ML_TRY(ml_sm90_map_b(map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
                          cl > 1 ? cols / 2 : cols, what));
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
-    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, &map, &q, grid, cl, stream)
-                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, &map, &q, grid, cl, stream);
+    if (!out_f32 && out_rows == NULL)
+      q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
+    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, stream)
+                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, map, &q, grid, cl, stream);
   }
 
   ml_scaled_args p;
@@ -805,16 +846,17 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   q.out_scale = out_scale;
   /* clusters: a CTA's box is the gate or the up half of the tile's rows */
-  CUtensorMap map;
-  ML_TRY(ml_sm90_map_b_box(&map, MOELINK_DTYPE_F32, b, k, n, 2,
+  CUtensorMap map[2];
+  memset(&map[1], 0, sizeof map[1]);
+  ML_TRY(ml_sm90_map_b_box(map, MOELINK_DTYPE_F32, b, k, n, 2,
                            tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, cl > 1 ? 1 : 2, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (out_scale != NULL)
-    return wide ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 4>(&map, &q, grid, stream)
-                : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(&map, &q, grid, stream);
+    return wide ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 4>(map, &q, grid, stream)
+                : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(map, &q, grid, stream);
   if (wide)
-    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 3>(&map, &q, grid, stream);
-  return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(cl, &map, &q, grid, stream);
+    return ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 3>(map, &q, grid, stream);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 1, 1>(cl, map, &q, grid, stream);
 }
 
 extern "C" moelink_status_t
@@ -863,19 +905,19 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
                     max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   /* clusters: a CTA's box is half the tile's rows */
-  CUtensorMap map;
-  ML_TRY(ml_sm90_map_b(&map, MOELINK_DTYPE_F32, b, k, n, 1,
-                       tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cl > 1 ? cols / 2 : cols, what));
+  CUtensorMap map[2];
+  memset(&map[1], 0, sizeof map[1]);
+  ML_TRY(ml_sm90_map_b(map, MOELINK_DTYPE_F32, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
+                       cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
   if (wide)
-    return out_f32
-               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 3>(&map, &q, grid, stream)
+    return out_f32 ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 3>(map, &q, grid, stream)
            : out_dt == MOELINK_DTYPE_BF16
-               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 3>(&map, &q, grid, stream)
-               : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 3>(&map, &q, grid, stream);
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 3>(map, &q, grid, stream)
+               : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 3>(map, &q, grid, stream);
   if (out_f32)
-    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(cl, &map, &q, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 1>(cl, map, &q, grid, stream);
   if (out_dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(cl, &map, &q, grid, stream);
-  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(cl, &map, &q, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 1>(cl, map, &q, grid, stream);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 1>(cl, map, &q, grid, stream);
 }

@@ -4,7 +4,8 @@
  * CTAs walking the plan's tile list.
  *
  * CTA tile 128 x 256 x 64, four 48 KiB stages (192 KiB of shared memory,
- * one CTA per SM), three warpgroups of 128 threads:
+ * 224 KiB with the output buffers; one CTA per SM), three warpgroups of 128
+ * threads:
  *   warpgroup 0   producer (setmaxnreg down to 88): each k step it waits
  *                 for a free stage, thread 0 starts one TMA box for the B
  *                 tile (256 weight rows x 64 k) and all 128 threads gather
@@ -89,6 +90,12 @@
  * load. ml_sm90_cfg<2> and <4> (below) also quantize the SwiGLU output in
  * the epilogue.
  *
+ * Output (bf16/f16 kernel, 16-bit output into out): a consumer whose tile
+ * has all 64 rows writes its rounded output into a 16 KiB shared-memory
+ * buffer of its own and sends it out with TMA stores (ml_sm90_store_tma),
+ * which drain while it goes on to its next item; partial tiles, fp32
+ * outputs and rows by pointer (out_rows) are stored by the threads.
+ *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
 #ifndef MOELINK_CUDA_GEMM_SM90_CUH
@@ -123,10 +130,13 @@ enum {
   ML_SM90_STAGE_BYTES = 48 * 1024, /* A + B */
   /* per stage: the item header (see ml_sm90_producer), 8 ints */
   ML_SM90_HEADER_INTS = 8,
-  /* stages, 2 x STAGES mbarriers, STAGES headers; 1 KiB of slack to align
-   * the base */
-  ML_SM90_SMEM_BYTES = ML_SM90_STAGES * ML_SM90_STAGE_BYTES + 2 * ML_SM90_STAGES * 8 +
-                       ML_SM90_STAGES * ML_SM90_HEADER_INTS * 4 + 1024,
+  /* the TMA-store epilogue's buffers: 16 KiB a consumer (64 rows x 128
+   * columns of 16-bit output, two 64 x 64 boxes in the 128-byte swizzle) */
+  ML_SM90_OUT_BYTES = 2 * 16 * 1024,
+  /* stages, output buffers, 2 x STAGES mbarriers, STAGES headers; 1 KiB of
+   * slack to align the base */
+  ML_SM90_SMEM_BYTES = ML_SM90_STAGES * ML_SM90_STAGE_BYTES + ML_SM90_OUT_BYTES +
+                       2 * ML_SM90_STAGES * 8 + ML_SM90_STAGES * ML_SM90_HEADER_INTS * 4 + 1024,
   /* full barrier: 128 producer threads' cp.async arrivals + thread 0's
    * expect_tx arrival; empty barrier: one arrival per consumer warp */
   ML_SM90_FULL_COUNT = 129,
@@ -165,7 +175,7 @@ template <> struct ml_sm90_cfg<0> {
   static constexpr int ES = 2, BK = ML_SM90_BK, BN = ML_SM90_BN, STAGES = ML_SM90_STAGES;
   static constexpr int A_BYTES = ML_SM90_A_BYTES, B_BYTES = ML_SM90_B_BYTES;
   static constexpr int STAGE_BYTES = ML_SM90_STAGE_BYTES, SCALE_BYTES = 0, A_SCALE_ROW = 0;
-  static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES;
+  static constexpr int SMEM_BYTES = ML_SM90_SMEM_BYTES, OUT_BYTES = ML_SM90_OUT_BYTES;
   /* registers a thread: producer, consumers (one 64 x 256 accumulator) */
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;
   static constexpr int SUBS = 1, STASH_BYTES = 0; /* see ml_sm90_cfg<2> */
@@ -184,6 +194,7 @@ template <> struct ml_sm90_cfg<1> {
    * the group released. */
   static constexpr int A_SCALE_ROW = 16;
   static constexpr int SCALE_BYTES = ML_SM90_BM * A_SCALE_ROW + 16;
+  static constexpr int OUT_BYTES = 0; /* no TMA-store epilogue */
   static constexpr int SMEM_BYTES = ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0);
   /* the consumers hold two 64 x 128 accumulators (total, block) */
   static constexpr int PRODUCER_REGS = 64, CONSUMER_REGS = 216;
@@ -230,6 +241,8 @@ static_assert(ml_sm90_regs_fit<ml_sm90_cfg<0>>() && ml_sm90_regs_fit<ml_sm90_cfg
                   ml_sm90_regs_fit<ml_sm90_cfg<2>>() && ml_sm90_regs_fit<ml_sm90_cfg<3>>() &&
                   ml_sm90_regs_fit<ml_sm90_cfg<4>>(),
               "warpgroup register budgets exceed the register file");
+static_assert(ml_sm90_cfg<0>::SMEM_BYTES <= 227 * 1024,
+              "stages and output buffers exceed shared memory");
 static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed shared memory");
 static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
               "FP8 stages and stash exceed shared memory");
@@ -266,6 +279,10 @@ typedef struct ml_sm90_args {
   /* rows that arrive while the kernel runs (signal NULL: none): the
    * producer waits for an item's chunks before its A loads */
   ml_cuda_gemm_wait wait;
+  /* bf16/f16 kernel, DT output into out: full 64-row tiles leave through
+   * shared memory and TMA stores (the kernel's output map), others as
+   * before */
+  int tma_out;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -393,6 +410,35 @@ static __device__ __forceinline__ void ml_tma_load_4d_mc(uint32_t dst, const CUt
                ".multicast::cluster [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
                "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(mask)
                : "memory");
+}
+
+/* A 2D TMA store of the box at shared address src to coordinates (c0
+ * innermost, c1) of map, in this thread's bulk-async group. */
+static __device__ __forceinline__ void ml_tma_store_2d(const CUtensorMap *map, uint32_t src, int c0,
+                                                       int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          (uint64_t)map),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+static __device__ __forceinline__ void ml_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+/* This thread's bulk stores have read their shared memory (it may be
+ * rewritten); _all: they are complete. */
+static __device__ __forceinline__ void ml_bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void ml_bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
+/* The 128 threads of a consumer warpgroup meet at named barrier id. */
+static __device__ __forceinline__ void ml_wg_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
 /* Shared-memory matrix descriptor: K-major rows of 128 bytes in the 128-byte
@@ -1088,10 +1134,70 @@ static __device__ __forceinline__ void ml_sm90_store(const ml_sm90_args *p, cons
   }
 }
 
+/* The epilogue of a full 64-row tile (p->tma_out) through shared memory:
+ * the consumer writes its output, rounded to DT, into its 16 KiB buffer
+ * (64 rows x 128 columns as two 64 x 64 boxes in the 128-byte swizzle:
+ * chunk c of row r at c ^ (r & 7), so a warp's 32 lanes hit 32 banks), and
+ * its thread 0 sends each box out with one TMA store, which runs on while
+ * the consumer goes on to its next item's wgmma. The scaled epilogue's 256
+ * columns take two passes. Before a pass rewrites the buffer, the stores of
+ * the one before (this item's or the previous item's) must have read it;
+ * the kernel waits for them all before it ends. Columns past n_out are
+ * clipped by the map. */
+template <class C, int DT, int MODE>
+static __device__ __forceinline__ void
+ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d, int nb, int row0,
+                  int rl, int cq, const float sc[2], uint32_t buf, int cw) {
+  if (ML_SM90_PROBE & 8)
+    return;
+  const int t = (int)threadIdx.x & 127;
+  constexpr int PASSES = MODE == ML_SM90_SWIGLU ? 1 : 2;
+  constexpr int HALF = C::BN / 16; /* SwiGLU: n8 blocks of gate columns */
+  const int col0 = MODE == ML_SM90_SWIGLU ? nb * (C::BN / 2) : nb * C::BN;
+#pragma unroll
+  for (int pass = 0; pass < PASSES; ++pass) {
+    if (t == 0)
+      ml_bulk_wait_read();
+    ml_wg_sync(2 + cw);
+#pragma unroll
+    for (int jb = 0; jb < 16; ++jb) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = rl + 8 * h;
+        float v0, v1;
+        if (MODE == ML_SM90_SWIGLU) {
+          v0 = ml_sm90_silu_mul(d[4 * jb + 2 * h], d[4 * (jb + HALF) + 2 * h]);
+          v1 = ml_sm90_silu_mul(d[4 * jb + 2 * h + 1], d[4 * (jb + HALF) + 2 * h + 1]);
+        } else {
+          const int j = pass * 16 + jb;
+          v0 = d[4 * j + 2 * h] * sc[h];
+          v1 = d[4 * j + 2 * h + 1] * sc[h];
+        }
+        const uint32_t at = buf + (uint32_t)((jb >> 3) * 8192 + r * 128 +
+                                             ((((jb & 7) ^ (r & 7)) << 4) | (cq << 1)));
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(ml_pack2<DT>(v0, v1)) : "memory");
+      }
+    }
+    /* the generic-proxy writes, visible to the TMA unit (async proxy) */
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ml_wg_sync(2 + cw);
+    if (t == 0) {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int c = col0 + pass * 128 + b * 64;
+        if (c < p->n_out)
+          ml_tma_store_2d(map, buf + (uint32_t)(b * 8192), c, row0);
+      }
+      ml_bulk_commit();
+    }
+  }
+}
+
 /* The bf16/f16 consumer (see the top of the file). */
 template <int DT, int MODE, int OUT_F32, int CL>
 static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, uint32_t base,
-                                                        uint32_t bars, const int *headers, int cw) {
+                                                        uint32_t bars, const int *headers, int cw,
+                                                        const CUtensorMap *map_o, uint32_t obuf) {
   typedef ml_sm90_cfg<0> C;
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
@@ -1146,8 +1252,15 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     ml_acc_fence<128>(d);
     if (!active) continue;
     ml_sm90_release<C, CL>(bars, prev);
-    ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+    if (!OUT_F32 && p->tma_out && rows == 64)
+      ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
+                                     obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
+    else
+      ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
   }
+  /* the TMA stores are complete before the kernel ends */
+  if (!OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
+    ml_bulk_wait_all();
 }
 
 /* The FP8 consumer's steps of a k block. Issue: wgmma of its stage's A
@@ -1412,6 +1525,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
+                   const __grid_constant__ CUtensorMap map_o,
                    const __grid_constant__ ml_sm90_args p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   typedef ml_sm90_cfg<FP8> C;
@@ -1421,7 +1535,9 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   extern __shared__ __align__(1024) char ml_sm90_smem[];
   const uint32_t raw = ml_smem_u32(ml_sm90_smem);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t scales = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
+  /* the TMA-store epilogue's buffers (bf16/f16 kernel), 1024-byte aligned */
+  const uint32_t obuf = base + (uint32_t)(C::STAGES * C::STAGE_BYTES);
+  const uint32_t scales = obuf + (uint32_t)C::OUT_BYTES;
   const uint32_t bars = scales + (uint32_t)(C::STAGES * C::SCALE_BYTES);
   int *headers = (int *)(ml_sm90_smem + (bars - raw) + 2 * C::STAGES * 8);
   /* ml_sm90_cfg<2>: the consumers' stash, after the headers */
@@ -1444,6 +1560,8 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
      * and to the cluster */
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_b) : "memory");
+    if (p.tma_out)
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_o) : "memory");
   }
   if (CL > 1)
     ml_cluster_sync(); /* the other CTA's barriers exist before anyone uses them */
@@ -1458,7 +1576,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     if constexpr (FP8)
       ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1);
     else
-      ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1);
+      ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1, &map_o, obuf);
   }
   /* no CTA leaves while the other may still arrive on its barriers */
   if (CL > 1)
