@@ -122,12 +122,13 @@ enum {
   ML_K_SCALED_BF16_F32,
   ML_K_SCALED_F16,
   ML_K_SCALED_F16_F32,
-  ML_K_SM90,                                 /* 6 sm_90a kernels from here: see ml_sm90_which */
-  ML_K_SM90_FP8 = ML_K_SM90 + 6,             /* 5 FP8 ones: see ml_sm90_which */
-  ML_K_SM90_CL = ML_K_SM90_FP8 + 5,          /* 6 in clusters of two: see ml_sm90_which */
-  ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6,       /* 4 FP8 ones in clusters of two */
-  ML_K_SM90_FP8_WIDE = ML_K_SM90_FP8_CL + 4, /* 5 with the wide FP8 tile */
-  ML_K_COUNT = ML_K_SM90_FP8_WIDE + 5
+  ML_K_SM90,                                  /* 6 sm_90a kernels from here: see ml_sm90_which */
+  ML_K_SM90_FP8 = ML_K_SM90 + 6,              /* 5 FP8 ones: see ml_sm90_which */
+  ML_K_SM90_CL = ML_K_SM90_FP8 + 5,           /* 6 in clusters of two: see ml_sm90_which */
+  ML_K_SM90_FP8_CL = ML_K_SM90_CL + 6,        /* 4 FP8 ones in clusters of two */
+  ML_K_SM90_FP8_WIDE = ML_K_SM90_FP8_CL + 4,  /* 5 with the wide FP8 tile */
+  ML_K_SM90_FP8_TMA = ML_K_SM90_FP8_WIDE + 5, /* 2: its scaled GEMM with TMA stores */
+  ML_K_COUNT = ML_K_SM90_FP8_TMA + 2
 };
 #define ML_GEMM_MAX_DEVICES 64
 static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
@@ -352,6 +353,8 @@ static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows
  * fp32. CL 2: the cluster ones (the cluster slots, ML_K_SM90_CL up to
  * ML_K_SM90_FP8_WIDE, are also ml_sm90_cluster_room's). */
 template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90_which(void) {
+  if (FP8 == 5) /* the wide scaled GEMM with TMA stores: bf16 or f16 out */
+    return ML_K_SM90_FP8_TMA + (DT == MOELINK_DTYPE_F16);
   if (FP8 == 2 || FP8 == 4) /* SwiGLU, e4m3 output */
     return FP8 == 2 ? ML_K_SM90_FP8 + 4 : ML_K_SM90_FP8_WIDE + 4;
   if (FP8)
@@ -439,7 +442,8 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
                             : FP8           ? "ml_sm90_kernel (fp8, swiglu)"
                             : CL > 1        ? "ml_sm90_kernel (swiglu, clusters of 2)"
                                             : "ml_sm90_kernel (swiglu)")
-                         : (FP8 == 3        ? "ml_sm90_kernel (fp8 wide, scaled)"
+                         : (FP8 == 5        ? "ml_sm90_kernel (fp8 wide, scaled, TMA stores)"
+                            : FP8 == 3      ? "ml_sm90_kernel (fp8 wide, scaled)"
                             : FP8 && CL > 1 ? "ml_sm90_kernel (fp8, scaled, clusters of 2)"
                             : FP8           ? "ml_sm90_kernel (fp8, scaled)"
                             : CL > 1        ? "ml_sm90_kernel (scaled, clusters of 2)"
@@ -910,6 +914,14 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   ML_TRY(ml_sm90_map_b(map, MOELINK_DTYPE_F32, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
                        cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  /* a 16-bit output into out: the TMA-store epilogue's kernel (a stage
+   * fewer) */
+  if (wide && !out_f32 && out_rows == NULL && ml_sm90_map_out(&map[1], out_dt, out, n)) {
+    q.tma_out = 1;
+    return out_dt == MOELINK_DTYPE_BF16
+               ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 0, 5>(map, &q, grid, stream)
+               : ml_sm90_launch<MOELINK_DTYPE_F16, ML_SM90_SCALED, 0, 5>(map, &q, grid, stream);
+  }
   if (wide)
     return out_f32 ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SCALED, 1, 3>(map, &q, grid, stream)
            : out_dt == MOELINK_DTYPE_BF16

@@ -232,6 +232,13 @@ template <> struct ml_sm90_cfg<3> : ml_sm90_cfg<1> {
  * output columns are one quantization block already (no sub-items, no
  * stash). */
 template <> struct ml_sm90_cfg<4> : ml_sm90_cfg<3> { static constexpr int QOUT = 1; };
+/* The wide tile's scaled GEMM into a 16-bit out through the TMA-store
+ * epilogue (ml_sm90_store_tma): the output buffers take a stage. */
+template <> struct ml_sm90_cfg<5> : ml_sm90_cfg<3> {
+  static constexpr int STAGES = 3, OUT_BYTES = ML_SM90_OUT_BYTES;
+  static constexpr int SMEM_BYTES =
+      ml_sm90_fp8_smem(STAGES, STAGE_BYTES, SCALE_BYTES, 0) + OUT_BYTES;
+};
 /* Register budget: the whole CTA starts at 65536 / 384 = 170, rounded down
  * to 168 a thread, and setmaxnreg only moves registers between warpgroups. */
 template <class C> constexpr bool ml_sm90_regs_fit() {
@@ -239,7 +246,7 @@ template <class C> constexpr bool ml_sm90_regs_fit() {
 }
 static_assert(ml_sm90_regs_fit<ml_sm90_cfg<0>>() && ml_sm90_regs_fit<ml_sm90_cfg<1>>() &&
                   ml_sm90_regs_fit<ml_sm90_cfg<2>>() && ml_sm90_regs_fit<ml_sm90_cfg<3>>() &&
-                  ml_sm90_regs_fit<ml_sm90_cfg<4>>(),
+                  ml_sm90_regs_fit<ml_sm90_cfg<4>>() && ml_sm90_regs_fit<ml_sm90_cfg<5>>(),
               "warpgroup register budgets exceed the register file");
 static_assert(ml_sm90_cfg<0>::SMEM_BYTES <= 227 * 1024,
               "stages and output buffers exceed shared memory");
@@ -247,6 +254,8 @@ static_assert(ml_sm90_cfg<1>::SMEM_BYTES <= 227 * 1024, "FP8 stages exceed share
 static_assert(ml_sm90_cfg<2>::SMEM_BYTES <= 227 * 1024,
               "FP8 stages and stash exceed shared memory");
 static_assert(ml_sm90_cfg<3>::SMEM_BYTES <= 227 * 1024, "FP8 wide stages exceed shared memory");
+static_assert(ml_sm90_cfg<5>::SMEM_BYTES <= 227 * 1024,
+              "FP8 wide stages and output buffers exceed shared memory");
 static_assert(ml_sm90_cfg<1>::STAGE_BYTES % 1024 == 0 && ml_sm90_cfg<3>::STAGE_BYTES % 1024 == 0,
               "FP8 stages must stay 1024-byte aligned");
 
@@ -1148,6 +1157,7 @@ template <class C, int DT, int MODE>
 static __device__ __forceinline__ void
 ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d, int nb, int row0,
                   int rl, int cq, const float sc[2], uint32_t buf, int cw) {
+  static_assert(C::BN == 256, "the TMA-store epilogue is written for 256 B rows a tile");
   if (ML_SM90_PROBE & 8)
     return;
   const int t = (int)threadIdx.x & 127;
@@ -1159,11 +1169,13 @@ ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d,
     if (t == 0)
       ml_bulk_wait_read();
     ml_wg_sync(2 + cw);
+    /* row rl's line, and rl + 8's 1024 bytes on; (rl + 8) & 7 == rl & 7 */
+    const uint32_t rb = buf + (uint32_t)(rl * 128 + 2 * cq), x = (uint32_t)(rl & 7);
 #pragma unroll
     for (int jb = 0; jb < 16; ++jb) {
+      const uint32_t at = rb + (uint32_t)((jb >> 3) * 8192) + ((((uint32_t)jb & 7u) ^ x) << 4);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = rl + 8 * h;
         float v0, v1;
         if (MODE == ML_SM90_SWIGLU) {
           v0 = ml_sm90_silu_mul(d[4 * jb + 2 * h], d[4 * (jb + HALF) + 2 * h]);
@@ -1173,9 +1185,9 @@ ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d,
           v0 = d[4 * j + 2 * h] * sc[h];
           v1 = d[4 * j + 2 * h + 1] * sc[h];
         }
-        const uint32_t at = buf + (uint32_t)((jb >> 3) * 8192 + r * 128 +
-                                             ((((jb & 7) ^ (r & 7)) << 4) | (cq << 1)));
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(ml_pack2<DT>(v0, v1)) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at + (uint32_t)(h * 1024)),
+                     "r"(ml_pack2<DT>(v0, v1))
+                     : "memory");
       }
     }
     /* the generic-proxy writes, visible to the TMA unit (async proxy) */
@@ -1417,7 +1429,8 @@ static __device__ __forceinline__ void ml_sm90_store_q(const ml_sm90_args *p, co
 template <class C, int DT, int MODE, int OUT_F32, int CL>
 static __device__ __forceinline__ void
 ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint32_t bars,
-                     const int *headers, uint32_t stash, int cw) {
+                     const int *headers, uint32_t stash, int cw, const CUtensorMap *map_o,
+                     uint32_t obuf) {
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
   const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
@@ -1508,10 +1521,19 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
       ml_sm90_swiglu32<0, 16>(d, v0);
       ml_sm90_swiglu32<8, 16>(d, v1);
       ml_sm90_store_q(p, v0, v1, nb, row0, rows, rl, cq);
+    } else if constexpr (C::SUBS == 1 && C::OUT_BYTES > 0 && !OUT_F32) {
+      if (p->tma_out && rows == 64)
+        ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
+                                       obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
+      else
+        ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
     } else if constexpr (C::SUBS == 1) {
       ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
     }
   }
+  /* the TMA stores are complete before the kernel ends */
+  if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
+    ml_bulk_wait_all();
 }
 
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
@@ -1520,6 +1542,7 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
  * PTX fallback) its body is empty and the host never launches it there.
  * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype; FP8 = 2
  * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>);
+ * FP8 = 5 the wide tile's scaled GEMM with TMA stores (ml_sm90_cfg<5>),
  * FP8 = 3 the wide e4m3 tile (ml_sm90_cfg<3>, one CTA), FP8 = 4 the same
  * with e4m3 output (ml_sm90_cfg<4>). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
@@ -1574,7 +1597,8 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(C::CONSUMER_REGS) : "memory");
     if constexpr (FP8)
-      ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1);
+      ml_sm90_consumer_fp8<C, DT, MODE, OUT_F32, CL>(&p, base, scales, bars, headers, stash, wg - 1,
+                                                     &map_o, obuf);
     else
       ml_sm90_consumer<DT, MODE, OUT_F32, CL>(&p, base, bars, headers, wg - 1, &map_o, obuf);
   }
