@@ -736,25 +736,6 @@ static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
   asm volatile("bar.sync 1, 128;\n" ::: "memory");
 }
 
-/* Whether every chunk of rows the item's tiles touch is ready now (one look
- * each, no wait): 1 for all producer threads or for none. */
-static __device__ __forceinline__ int ml_sm90_item_ready(const ml_sm90_args *p,
-                                                         const ml_sm90_item *it, int tid) {
-  if (p->wait.signal == NULL)
-    return 1;
-  int ok = 1;
-  if (tid < 32)
-    for (int h = 0; h < 2; ++h)
-      ok &= ml_gemm_rows_ready(&p->wait, it->row0[h], it->row0[h] + it->rows[h], tid, 32);
-  int all;
-  asm volatile("{\n .reg .pred q, r;\n setp.ne.s32 q, %1, 0;\n bar.red.and.pred r, 1, 128, q;\n"
-               " selp.s32 %0, 1, 0, r;\n}\n"
-               : "=r"(all)
-               : "r"(ok)
-               : "memory");
-  return all;
-}
-
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
  * row and [3 + i] rows of the unit's tile i. Written by producer thread 0
  * before its arrival on the stage's full barrier (a release), read by the
@@ -966,9 +947,9 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ++claims;
         }
         have_n = ml_sm90_next<CL>(p, &walk, w_n, &nx, rank);
-        /* rows that are still on their way: wait for them after this
-         * item's last load instead, not with one of its stages unissued */
-        rows_n = have_n && ml_sm90_item_ready(p, &nx, tid);
+        /* with a row wait, the next item's rows after this item's last
+         * load (below), not with one of its stages unissued */
+        rows_n = have_n && p->wait.signal == NULL;
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }

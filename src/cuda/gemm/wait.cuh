@@ -25,26 +25,10 @@ static __device__ __forceinline__ void ml_gemm_wait_rows(const ml_cuda_gemm_wait
     return;
   uint64_t value;
   asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(w->value) : "memory");
+  /* (the out-of-line slow path: the inline poll's registers spill the FP8
+   * producer's, which has few) */
   for (; c <= c1; c += n)
     moelink_signal_wait(&w->comm, w->signal + c, value, -1, ML_CUDA_PRIM_GEMM_ROWS);
-}
-
-/* Whether thread t's share of those chunks is ready now: one acquire load
- * each, no waiting. */
-static __device__ __forceinline__ int ml_gemm_rows_ready(const ml_cuda_gemm_wait *w, int r0, int r1,
-                                                         int t, int n) {
-  if (r1 <= r0)
-    return 1;
-  const int c1 = (r1 - 1) / w->rows;
-  int c = r0 / w->rows + t;
-  if (c > c1)
-    return 1;
-  uint64_t value;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(w->value) : "memory");
-  for (; c <= c1; c += n)
-    if (moelink_signal_load(w->signal + c) < value)
-      return 0;
-  return 1;
 }
 
 /* An index entry that may have been written while the kernel runs (after
