@@ -233,6 +233,20 @@ GU_FN void gu_rows_free(gu_rows *t) {
 }
 
 /* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
+/* A pinned host copy of `bytes` of device memory (a copy engine's source:
+ * host-to-device copies need no SM); free with gu_pinned_free. */
+GU_FN void *gu_pinned_copy(const void *d, size_t bytes) {
+  void *h = NULL;
+  GU_CUDA(cudaMallocHost(&h, bytes ? bytes : 1));
+  gu_d2h(h, d, bytes);
+  return h;
+}
+
+GU_FN void gu_pinned_free(void *h) {
+  if (h)
+    GU_CUDA(cudaFreeHost(h));
+}
+
 /* Rows that land while a GEMM runs (ml_cuda_gemm_wait of cuda/cuda.h): one
  * 64-bit signal per chunk of `rows` problem rows, the awaited value in a
  * device word, a control block for the waits' records, and a side stream

@@ -501,14 +501,8 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   /* the rows come from pinned host copies: a copy between two buffers of
    * the device may run as a kernel, which would need the SMs the waiting
    * GEMM holds */
-  char *h_a = NULL;
-  int32_t *h_idx = NULL;
-  GU_CUDA(cudaMallocHost((void **)&h_a, a_rows * row_bytes));
-  gu_d2h(h_a, d_a_real, a_rows * row_bytes);
-  if (gathered) {
-    GU_CUDA(cudaMallocHost((void **)&h_idx, (size_t)R * sizeof(int32_t)));
-    gu_d2h(h_idx, d_index, (size_t)R * sizeof(int32_t));
-  }
+  char *h_a = gu_pinned_copy(d_a_real, a_rows * row_bytes);
+  int32_t *h_idx = gathered ? gu_pinned_copy(d_index, (size_t)R * sizeof(int32_t)) : NULL;
   const wait_copy cp = {d_a, h_a, row_bytes, d_idx, h_idx, h_index, c->top_k, p->row_expert};
   const char *gemm = swiglu ? "swiglu" : "scaled";
   char label[240];
@@ -563,9 +557,8 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
           (unsigned long long)ctl[2], dt * 1e3);
   }
   gu_feed_free(&f);
-  GU_CUDA(cudaFreeHost(h_a));
-  if (h_idx)
-    GU_CUDA(cudaFreeHost(h_idx));
+  gu_pinned_free(h_a);
+  gu_pinned_free(h_idx);
   gu_free(d_a);
   gu_free(d_idx);
   gu_free(d_out);

@@ -426,17 +426,9 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
   unsigned char *got = xmalloc(out_bytes);
   gu_feed f = gu_feed_make(R, 24, 7);
   const ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 10000000000ull)};
-  uint8_t *hx = NULL;
-  float *hxs = NULL;
-  int32_t *hindex = NULL;
-  GU_CUDA(cudaMallocHost((void **)&hx, (size_t)d->xrows * lda));
-  GU_CUDA(cudaMallocHost((void **)&hxs, (size_t)d->xrows * ls * sizeof(float)));
-  gu_d2h(hx, d->x, (size_t)d->xrows * lda);
-  gu_d2h(hxs, d->xs, (size_t)d->xrows * ls * sizeof(float));
-  if (index) {
-    GU_CUDA(cudaMallocHost((void **)&hindex, (size_t)R * sizeof(int32_t)));
-    gu_d2h(hindex, d->index, (size_t)R * sizeof(int32_t));
-  }
+  uint8_t *hx = gu_pinned_copy(d->x, (size_t)d->xrows * lda);
+  float *hxs = gu_pinned_copy(d->xs, (size_t)d->xrows * ls * sizeof(float));
+  int32_t *hindex = index ? gu_pinned_copy(d->index, (size_t)R * sizeof(int32_t)) : NULL;
   const wait_copy cp = {x, xs, index, hx, hxs, hindex, d, p, lda, ls, c->top_k};
   for (int rep = 0; rep < 2; ++rep) {
     const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, NULL, &w};
@@ -461,10 +453,9 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
     CHECK(memcmp(got, want, out_bytes) == 0, "%s: bitwise the plain run's output", label);
   }
   gu_feed_free(&f);
-  GU_CUDA(cudaFreeHost(hx));
-  GU_CUDA(cudaFreeHost(hxs));
-  if (hindex)
-    GU_CUDA(cudaFreeHost(hindex));
+  gu_pinned_free(hx);
+  gu_pinned_free(hxs);
+  gu_pinned_free(hindex);
   gu_free(x);
   gu_free(xs);
   gu_free(index);
