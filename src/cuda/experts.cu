@@ -205,6 +205,15 @@ extern "C" void ml_cuda_gemm_set_engine(int engine) {
 
 extern "C" int ml_cuda_gemm_last_engine(void) { return ml_engine_last; }
 
+static int ml_tma_store_choice = -1;
+static __thread int ml_tma_store_last = 0;
+
+extern "C" void ml_cuda_gemm_set_tma_store(int on) {
+  __atomic_store_n(&ml_tma_store_choice, on, __ATOMIC_RELAXED);
+}
+
+extern "C" int ml_cuda_gemm_last_tma_store(void) { return ml_tma_store_last; }
+
 static __thread int ml_sm90_last_tile = 0;
 
 extern "C" int ml_cuda_gemm_last_sm90_tile(void) { return ml_sm90_last_tile; }
@@ -281,7 +290,9 @@ MOELINK_PARAM(GEMM_SM90_TMA_STORE, 1)
  * driver does not take the map. */
 static int ml_sm90_map_out(CUtensorMap *map, moelink_dtype_t dt, void *out, int n) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = NULL;
-  if (ml_param_GEMM_SM90_TMA_STORE() == 0 || ml_sm90_encoder(&encode) != MOELINK_SUCCESS)
+  const int choice = __atomic_load_n(&ml_tma_store_choice, __ATOMIC_RELAXED);
+  const int on = choice >= 0 ? choice != 0 : ml_param_GEMM_SM90_TMA_STORE() != 0;
+  if (!on || ml_sm90_encoder(&encode) != MOELINK_SUCCESS)
     return 0;
   cuuint64_t dims[2] = {(cuuint64_t)n, (cuuint64_t)ML_SM90_OUT_MAP_ROWS};
   cuuint64_t strides[1] = {(cuuint64_t)n * 2};
@@ -473,6 +484,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     ML_CUDA_LAUNCHED(name);
   }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
+  ml_tma_store_last = p->tma_out;
   ml_sm90_last_tile = ml_sm90_cfg<FP8>::BN;
   return MOELINK_SUCCESS;
 }

@@ -24,7 +24,10 @@
  * experts and takes several work items. Every scaled case with a dtype output
  * and k % 8 == 0 runs again with its rows stored through a pointer table
  * (ml_cuda_gemm_opts.out_rows, the expert-parallel return's hook), rows
- * reversed: bitwise the plain run's rows, nothing else written. Four cases
+ * reversed: bitwise the plain run's rows, nothing else written. On the
+ * sm_90a engine every GEMM with a 16-bit output runs once more with its
+ * rows stored by the consumer threads instead of TMA stores: the same
+ * bits. Four cases
  * run both GEMMs again with their A rows (and index entries) landing while
  * the GEMM runs (ml_cuda_gemm_opts.wait, check_wait): bitwise the plain
  * run's output, and a wait whose rows never come gives up and says so. */
@@ -578,6 +581,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   const char *en = engine_name(engine);
   const int want1 = expected_engine(engine, 1, n, k), want2 = expected_engine(engine, 0, k, n);
   ml_cuda_gemm_set_engine(engine);
+  ml_cuda_gemm_set_tma_store(1); /* (whatever MOELINK_GEMM_SM90_TMA_STORE says) */
   size_t out1_bytes = (size_t)(R + GUARD_ROWS) * n * 2;
   size_t out2_bytes = (size_t)(R + GUARD_ROWS) * k * 4;
   void *d_out1 = NULL, *d_out2 = NULL;
@@ -624,15 +628,18 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   }
 
   /* swiglu: three runs, bitwise equal */
+  int tma0 = 0; /* run 0 sent its full tiles out with TMA stores */
   for (int rep = 0; rep < 3; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d (%s)", c->name, en, rep, run_name[rep]);
     CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
                                  p->max_tiles, R, d_out1, rep ? &run_opts[rep] : NULL, stream),
              label);
-    if (rep == 0)
+    if (rep == 0) {
       CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu ran on the %s engine (%s)",
             c->name, en, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
+      tma0 = ml_cuda_gemm_last_tma_store();
+    }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out1, out1_bytes, cudaMemcpyDeviceToHost));
     if (rep > 0)
@@ -643,6 +650,22 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   snprintf(label, sizeof label, "%s [%s] swiglu (%s, n %d, k %d, lda %d)", c->name, en,
            moelink_dtype_name(dt), n, k, lda1);
   check_output(label, p, n, first, dt, 0, ref1);
+  if (want1 == ML_GEMM_ENGINE_SM90) {
+    /* the same run with every row stored by the consumer threads: the bits
+     * of the TMA stores */
+    CHECK(tma0 == 1, "%s [%s] swiglu: full tiles went out by TMA stores (%d)", c->name, en, tma0);
+    ml_cuda_gemm_set_tma_store(0);
+    CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
+    CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
+                                 p->max_tiles, R, d_out1, NULL, stream),
+             "swiglu with the threads' stores");
+    const int off = ml_cuda_gemm_last_tma_store();
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    CUDA_CHECK(cudaMemcpy(got, d_out1, out1_bytes, cudaMemcpyDeviceToHost));
+    ml_cuda_gemm_set_tma_store(1);
+    CHECK(off == 0 && memcmp(first, got, out1_bytes) == 0,
+          "%s [%s] swiglu: the threads' stores bitwise the TMA stores", c->name, en);
+  }
   if (c->wait) {
     const int xrows = c->top_k ? (p->real_rows + c->top_k - 1) / c->top_k : R;
     check_wait(c, p, en, 1, want1, d_x, (size_t)xrows, (size_t)lda1 * 2, d_index, h_index, d_w1,
@@ -664,10 +687,12 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
       CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs,
                                    si, d_out2, f32, rep ? &run_opts[rep] : NULL, stream),
                label);
-      if (rep == 0)
+      if (rep == 0) {
         CHECK(ml_cuda_gemm_last_engine() == want2, "%s [%s] scaled%s ran on the %s engine (%s)",
               c->name, en, f32 ? " f32" : "", engine_name(want2),
               engine_name(ml_cuda_gemm_last_engine()));
+        tma0 = ml_cuda_gemm_last_tma_store();
+      }
       CUDA_CHECK(cudaStreamSynchronize(stream));
       CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out2, bytes, cudaMemcpyDeviceToHost));
       if (rep > 0)
@@ -679,6 +704,23 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
              c->name, en, moelink_dtype_name(dt), f32 ? " -> f32" : "", k, n, lda2,
              c->scale_mode);
     check_output(label, p, k, first, dt, f32, ref2);
+    if (want2 == ML_GEMM_ENGINE_SM90) {
+      /* fp32 outputs never take TMA stores; 16-bit ones do, and the
+       * threads' stores give the same bits */
+      CHECK(tma0 == !f32, "%s [%s] scaled%s: TMA stores %s (%d)", c->name, en, f32 ? " f32" : "",
+            f32 ? "not used" : "used", tma0);
+      ml_cuda_gemm_set_tma_store(0);
+      CUDA_CHECK(cudaMemsetAsync(d_out2, 0xFF, bytes, stream));
+      CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs,
+                                   si, d_out2, f32, NULL, stream),
+               "scaled with the threads' stores");
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaMemcpy(got, d_out2, bytes, cudaMemcpyDeviceToHost));
+      ml_cuda_gemm_set_tma_store(1);
+      CHECK(memcmp(first, got, bytes) == 0,
+            "%s [%s] scaled%s: the threads' stores bitwise the default run", c->name, en,
+            f32 ? " f32" : "");
+    }
     if (!f32 && c->wait)
       check_wait(c, p, en, 0, want2, d_h, (size_t)R, (size_t)lda2 * 2, NULL, NULL, d_w2, d_tiles,
                  d_num, rs, si, d_sched, first, bytes, stream);
@@ -688,6 +730,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   snprintf(label, sizeof label, "%s [%s]", c->name, en);
   gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
   gu_free(d_sched);
+  ml_cuda_gemm_set_tma_store(-1);
 
   CUDA_CHECK(cudaStreamDestroy(stream));
   cudaFree(d_out1);

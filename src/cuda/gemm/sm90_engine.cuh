@@ -29,6 +29,16 @@ int ml_cuda_gemm_last_engine(void);
  * (ml_cuda_gemm_opts.fp8_tile). */
 int ml_cuda_gemm_last_sm90_tile(void);
 
+/* Process-wide choice of the sm_90a kernel's output path for the launches
+ * that follow: -1 (the default: MOELINK_GEMM_SM90_TMA_STORE decides), 0
+ * (every row by the consumer threads' stores) or 1 (full tiles through
+ * shared memory and TMA stores), so that a test can compare the two. */
+void ml_cuda_gemm_set_tma_store(int on);
+
+/* Whether the calling thread's last sm_90a launch sent its full tiles out
+ * with TMA stores (0 if it has launched none). */
+int ml_cuda_gemm_last_tma_store(void);
+
 #ifdef __cplusplus
 }
 #endif
