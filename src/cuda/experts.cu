@@ -634,8 +634,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
     int cl = 1;
     ML_TRY((ml_sm90_cl_dt<ML_SM90_SWIGLU, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is the gate or the up half of the tile's rows */
-    CUtensorMap map[2];
-    memset(&map[1], 0, sizeof map[1]);
+    CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
     ML_TRY(ml_sm90_map_b_box(map, dt, b, k, n, 2, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols,
                              cl > 1 ? 1 : 2, what));
     ml_sm90_args q;
@@ -712,8 +711,7 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     else
       ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 0>(dt, opts, &cl)));
     /* clusters: a CTA's box is half the tile's rows */
-    CUtensorMap map[2];
-    memset(&map[1], 0, sizeof map[1]);
+    CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
     ML_TRY(ml_sm90_map_b(map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
                          cl > 1 ? cols / 2 : cols, what));
     ml_sm90_args q;
@@ -862,8 +860,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, 2 * n, out, &q));
   q.out_scale = out_scale;
   /* clusters: a CTA's box is the gate or the up half of the tile's rows */
-  CUtensorMap map[2];
-  memset(&map[1], 0, sizeof map[1]);
+  CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
   ML_TRY(ml_sm90_map_b_box(map, MOELINK_DTYPE_F32, b, k, n, 2,
                            tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, cl > 1 ? 1 : 2, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
@@ -921,8 +918,7 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
                     max_tiles, tiles != NULL ? 0 : rows, opts);
   ML_TRY(ml_sm90_fp8_args(what, a, a_scale, lda, b, b_scale, n, k, n, out, &q));
   /* clusters: a CTA's box is half the tile's rows */
-  CUtensorMap map[2];
-  memset(&map[1], 0, sizeof map[1]);
+  CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
   ML_TRY(ml_sm90_map_b(map, MOELINK_DTYPE_F32, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
                        cl > 1 ? cols / 2 : cols, what));
   const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);

@@ -445,7 +445,8 @@ static __device__ __forceinline__ void ml_bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-/* The 128 threads of a consumer warpgroup meet at named barrier id. */
+/* The 128 threads of a warpgroup meet at named barrier id (1: the
+ * producer's, 2 + c: consumer c's). */
 static __device__ __forceinline__ void ml_wg_sync(int id) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
@@ -733,7 +734,7 @@ static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
   if (tid < 32)
     for (int h = 0; h < 2; ++h)
       ml_gemm_wait_rows(&p->wait, it->row0[h], it->row0[h] + it->rows[h], tid, 32);
-  asm volatile("bar.sync 1, 128;\n" ::: "memory");
+  ml_wg_sync(1);
 }
 
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
@@ -935,12 +936,12 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
                 ml_mbar_arrive_remote_release(ml_mapa(cbar, 1));
               }
             }
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            ml_wg_sync(1);
             w_n = claim[cpar];
           } else {
             ml_mbar_wait<1>(cbar, cpar);
             w_n = *(volatile int *)(claim + 2);
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            ml_wg_sync(1);
             if (tid == 0)
               ml_mbar_arrive_remote_release(ml_mapa(cbar + 8u, 0));
           }
@@ -1138,7 +1139,7 @@ template <class C, int DT, int MODE>
 static __device__ __forceinline__ void
 ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d, int nb, int row0,
                   int rl, int cq, const float sc[2], uint32_t buf, int cw) {
-  static_assert(C::BN == 256, "the TMA-store epilogue is written for 256 B rows a tile");
+  static_assert(C::BN == 256, "the TMA-store epilogue is written for tiles of 256 B rows");
   if (ML_SM90_PROBE & 8)
     return;
   const int t = (int)threadIdx.x & 127;
@@ -1184,6 +1185,30 @@ ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d,
       ml_bulk_commit();
     }
   }
+}
+
+/* A consumer's output of an item: full 64-row tiles through the TMA-store
+ * epilogue where the configuration has its buffers and the launch a map
+ * (p->tma_out), everything else by the threads' stores. */
+template <class C, int DT, int MODE, int OUT_F32>
+static __device__ __forceinline__ void
+ml_sm90_store_out(const ml_sm90_args *p, const CUtensorMap *map_o, const float *d, int nb, int row0,
+                  int rows, int rl, int cq, const float sc[2], uint32_t obuf, int cw) {
+  if constexpr (C::OUT_BYTES > 0 && !OUT_F32) {
+    if (p->tma_out && rows == 64) {
+      ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
+                                     obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
+      return;
+    }
+  }
+  ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+}
+
+/* A consumer's end: its TMA stores complete before the kernel ends. */
+template <class C, int OUT_F32>
+static __device__ __forceinline__ void ml_sm90_store_done(const ml_sm90_args *p) {
+  if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
+    ml_bulk_wait_all();
 }
 
 /* The bf16/f16 consumer (see the top of the file). */
@@ -1245,15 +1270,9 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     ml_acc_fence<128>(d);
     if (!active) continue;
     ml_sm90_release<C, CL>(bars, prev);
-    if (!OUT_F32 && p->tma_out && rows == 64)
-      ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
-                                     obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
-    else
-      ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+    ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, row0, rows, rl, cq, sc, obuf, cw);
   }
-  /* the TMA stores are complete before the kernel ends */
-  if (!OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
-    ml_bulk_wait_all();
+  ml_sm90_store_done<C, OUT_F32>(p);
 }
 
 /* The FP8 consumer's steps of a k block. Issue: wgmma of its stage's A
@@ -1502,19 +1521,11 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
       ml_sm90_swiglu32<0, 16>(d, v0);
       ml_sm90_swiglu32<8, 16>(d, v1);
       ml_sm90_store_q(p, v0, v1, nb, row0, rows, rl, cq);
-    } else if constexpr (C::SUBS == 1 && C::OUT_BYTES > 0 && !OUT_F32) {
-      if (p->tma_out && rows == 64)
-        ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
-                                       obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
-      else
-        ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
     } else if constexpr (C::SUBS == 1) {
-      ml_sm90_store<C, DT, MODE, OUT_F32>(p, d, nb, row0, rows, rl, cq, sc);
+      ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, row0, rows, rl, cq, sc, obuf, cw);
     }
   }
-  /* the TMA stores are complete before the kernel ends */
-  if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
-    ml_bulk_wait_all();
+  ml_sm90_store_done<C, OUT_F32>(p);
 }
 
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
