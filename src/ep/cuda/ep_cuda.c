@@ -11,10 +11,11 @@
  * symmetric buffer, laid out the same on every rank:
  *   arrive[n]        8-byte cells: arrive[s] = call: s's rows of the call are in
  *   return[n]        return[d] = call: d has pushed back its outputs of the call
- *   meta[cap][2+2k]  per received row: source * max_tokens + token, call (low
+ *   meta[cap][2+3k]  per received row: source * max_tokens + token, call (low
  *                    32 bits), the k expert ids as local ids (-1: another
  *                    rank's or, in rounds mode, another round's), the k
- *                    routing weights (fp32 bits)
+ *                    routing weights (fp32 bits), then (rounds mode) each
+ *                    pair's place in the receiver's pair order
  *   rows[cap][H]     received token rows; token t of source s lands in row
  *                    s * max_tokens + t (rounds mode: below) (rows of tokens
  *                    not sent keep an older call in their meta)
@@ -126,7 +127,6 @@ typedef struct ml_epc {
   int32_t *r_tickets;   /* ml_cuda_router_tickets(sms), zero between router launches */
   int32_t *sched;       /* the shared expert's GEMM work counter, zero between launches */
   float *logits;        /* [max_tokens][E] router logits of large batches, or NULL */
-  int cap;
 } ml_epc;
 
 static size_t ml_epc_up(size_t v) { return (v + 255) & ~(size_t)255; }
@@ -348,8 +348,8 @@ static void *ml_epc_y_of(const ml_epc *w, int p) { return p ? w->py[p] : w->y; }
 
 /* Rounds mode: each pipe's view of the layer (rows [p * rows, (p + 1) *
  * rows) of every receive array, its own signal cells, counters, plan and
- * outputs), and pipe 1's stream and events. Outside rounds mode the layer
- * runs on w->a alone. */
+ * outputs), and the streams and events of pipes >= 1. Outside rounds mode
+ * the layer runs on w->a alone. */
 static moelink_status_t ml_epc_pipes_init(ml_epc *w) {
   const ml_epc_args *a = &w->a;
   const int rows = a->cap / w->pipes;
@@ -422,7 +422,7 @@ static moelink_status_t ml_epc_init_inner(moelink_ep_t ep, ml_epc *w) {
   a->dtype = (int)c->dtype;
   a->max_tokens = c->max_tokens;
   a->E = c->num_experts;
-  a->cap = w->cap = cap;
+  a->cap = cap;
   a->rounds = rounds;
   ML_TRY(ml_epc_sms(comm, &a->sms));
   {
@@ -508,7 +508,7 @@ static moelink_status_t ml_epc_not_capturing(moelink_ep_t ep, ml_epc *w, cudaStr
                    "ep (cuda) on rank %d: recv_capacity %d is below the step's %d rows, so each "
                    "step learns its rounds on the host: not capturable (a recv_capacity of "
                    "ranks * max_tokens is)",
-                   ep->comm->rank, w->cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
+                   ep->comm->rank, w->a.cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
   return MOELINK_SUCCESS;
 }
 
@@ -716,13 +716,13 @@ static moelink_status_t ml_epc_dispatch(moelink_ep_t ep, const void *x, const ui
                   "ep_dispatch on rank %d: the ranks' pairs need %d rounds of recv_capacity %d "
                   "rows; a dispatch is one round (use moelink_ep_forward, or raise "
                   "recv_capacity up to ranks * max_tokens = %d)",
-                  ep->comm->rank, rounds, w->cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
+                  ep->comm->rank, rounds, w->a.cap, ep->comm->nranks * ep->cfg.moe.max_tokens);
   }
   if (s == MOELINK_SUCCESS)
     s = ml_epc_dispatch_inner(ep, w, &w->a, x, xq, xs, ids, weights, num_tokens, 0, st);
   s = ml_cuda_leave(ep->comm->ctx, prev, s);
   if (s != MOELINK_SUCCESS) return s;
-  recv->capacity = w->cap;
+  recv->capacity = w->a.cap;
   recv->top_k = w->a.kl;
   recv->rows = w->a.base[w->a.me] + w->a.off_rows;
   recv->expert_ids = w->a.lids;
