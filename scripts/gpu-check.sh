@@ -359,7 +359,8 @@ if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
 fi
 # Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel
-# run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases.
+# run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases; PROFILE_CLOCKS=1
+# samples the clocks and power beside the nsys run.
 if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
   log "profile: nsys=${NSYS:-none} ncu=${NCU:-none}"
   mkdir -p "$OUT/json/prof"
@@ -367,6 +368,13 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
     for q in bf16 fp8; do
       f=""; [ $q = fp8 ] && f=--fp8-experts
       tag=${p}_$q
+      # the SM clock, power and throttle reasons every 20 ms while nsys runs (PROFILE_CLOCKS=1)
+      smi=""
+      if [ -n "${PROFILE_CLOCKS:-}" ]; then
+        nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+          --format=csv -lms 20 >"$OUT/json/prof/clocks_$tag.csv" 2>&1 &
+        smi=$!
+      fi
       if [ -n "$NSYS" ]; then
         "$NSYS" profile -q -o "$OUT/prof_$tag" --force-overwrite true --cuda-graph-trace=node \
           ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --graph --iters 10 --warmup 2 \
@@ -375,6 +383,7 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
           "$OUT/prof_$tag.nsys-rep" >>"$OUT/profile.log" 2>&1 || rc=1
         rm -f "$OUT/prof_$tag.nsys-rep" "$OUT/prof_$tag.sqlite"
       fi
+      [ -n "$smi" ] && kill "$smi" 2>/dev/null
       if [ -n "$NCU" ]; then
         "$NCU" --clock-control none --metrics gpu__time_duration.sum -k 'regex:^(ml_|mld_)' --csv \
           ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --iters 2 --warmup 1 \
