@@ -15,7 +15,8 @@
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
 # fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), mgpu1 (the EP mgpu
 # tests with one rank on one GPU; not in all), profile (nsys + ncu
-# kernel times at decode sizes; not in all), decode (graph replays at decode sizes, bf16 and
+# kernel times at decode sizes; not in all), trace (bench/trace_layer.py: the kernels of
+# back-to-back calls at 8192 tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and
 # fp8, AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
@@ -359,8 +360,7 @@ if case "$PARTS" in *" fp8probe "*) true;; *) false;; esac; then
 fi
 # Where a decode-size layer call spends its time, kernel by kernel: Nsight Systems over CUDA-graph
 # replays (the kernels as they overlap under PDL), then Nsight Compute's duration of each kernel
-# run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases; PROFILE_CLOCKS=1
-# samples the clocks and power beside the nsys run.
+# run alone. Not in all. PROFILE_PRESETS / PROFILE_TOKENS choose the cases.
 if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
   log "profile: nsys=${NSYS:-none} ncu=${NCU:-none}"
   mkdir -p "$OUT/json/prof"
@@ -368,13 +368,6 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
     for q in bf16 fp8; do
       f=""; [ $q = fp8 ] && f=--fp8-experts
       tag=${p}_$q
-      # the SM clock, power and throttle reasons every 20 ms while nsys runs (PROFILE_CLOCKS=1)
-      smi=""
-      if [ -n "${PROFILE_CLOCKS:-}" ]; then
-        nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-          --format=csv -lms 20 >"$OUT/json/prof/clocks_$tag.csv" 2>&1 &
-        smi=$!
-      fi
       if [ -n "$NSYS" ]; then
         "$NSYS" profile -q -o "$OUT/prof_$tag" --force-overwrite true --cuda-graph-trace=node \
           ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --graph --iters 10 --warmup 2 \
@@ -383,7 +376,6 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
           "$OUT/prof_$tag.nsys-rep" >>"$OUT/profile.log" 2>&1 || rc=1
         rm -f "$OUT/prof_$tag.nsys-rep" "$OUT/prof_$tag.sqlite"
       fi
-      [ -n "$smi" ] && kill "$smi" 2>/dev/null
       if [ -n "$NCU" ]; then
         "$NCU" --clock-control none --metrics gpu__time_duration.sum -k 'regex:^(ml_|mld_)' --csv \
           ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --iters 2 --warmup 1 \
@@ -391,6 +383,18 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
       fi
       log "profiled $tag"
     done
+  done
+fi
+# The layer's kernels as they run back to back (bench/trace_layer.py: the PyTorch profiler's
+# CUPTI trace of flush + call pairs, nvidia-smi clocks beside it). Not in all. TRACE_PRESETS,
+# TRACE_TOKENS (default 8192); TRACE_AB="VAR=v[,VAR=v] ...": again under each word.
+if case "$PARTS" in *" trace "*) true;; *) false;; esac && python3 -c 'import torch' 2>/dev/null; then
+  for v in "" ${TRACE_AB:-}; do
+    log "trace ${TRACE_PRESETS:-deepseek-v3,qwen3-30b-a3b,mixtral-8x7b} at ${TRACE_TOKENS:-8192}${v:+ with $v}"
+    env ${v//,/ } MOELINK_LIBRARY=$PWD/$BUILD/libmoelink.so PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 \
+      python3 bench/trace_layer.py --preset "${TRACE_PRESETS:-deepseek-v3,qwen3-30b-a3b,mixtral-8x7b}" \
+      --tokens "${TRACE_TOKENS:-8192}" --iters 10 --warmup 3 \
+      --json "$OUT/json/trace${v:+_${v//[^A-Za-z0-9]/_}}.json" 2>&1 | tee -a "$OUT/trace.log" || rc=1
   done
 fi
 # The device tool brings back at most 8 files: pack the JSON into one.
