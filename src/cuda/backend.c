@@ -29,14 +29,13 @@ typedef struct ml_cu_ctx {
 
 /* Byte offsets of the workspace regions (each 256-byte aligned). */
 typedef struct ml_cu_layout {
-  size_t ids, wts, plan, keys_in, keys_out, vals_in, vals_out, sort_tmp, h, y, sh_h, sh_out,
-      partials, tickets;
+  size_t ids, wts, plan, plan_counts, h, y, sh_h, sh_out, partials, tickets;
   size_t xq, xs, hq, hs; /* fp8_experts: the experts' inputs quantized (e4m3 + scales) */
   size_t shq, shs;       /* fp8_shared: the shared expert's SwiGLU rows likewise */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
-  size_t sort_tmp_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, logits_floats, total;
+  size_t plan_counts_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, logits_floats, total;
 } ml_cu_layout;
 
 typedef struct ml_cu_moe {
@@ -45,7 +44,7 @@ typedef struct ml_cu_moe {
   int32_t *ids;
   float *wts;
   void *plan;
-  ml_cuda_sort_ws sort;
+  ml_cuda_plan_ws plan_ws;
   void *h, *y, *sh_h;
   float *sh_out;
   float *partials;
@@ -192,24 +191,20 @@ static size_t ml_cu_take(size_t *cursor, size_t bytes) {
 
 /* The workspace for T = max_tokens: everything grows with T*k*(H+I) or T*H,
  * plus router partials bounded by the SM count. Needs the layer's device
- * current (the sort's temporary size is a device query). */
+ * current. */
 static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_config_t *cfg,
                                          ml_cu_layout *L) {
   memset(L, 0, sizeof *L);
   const size_t T = (size_t)cfg->max_tokens, k = (size_t)cfg->top_k, P = T * k;
   const size_t H = (size_t)cfg->hidden, I = (size_t)cfg->inter, Is = (size_t)cfg->shared_inter;
   const size_t ds = moelink_dtype_size(cfg->dtype);
-  ML_TRY(ml_cuda_plan_tmp_bytes((int)P, cfg->num_experts, &L->sort_tmp_bytes));
+  L->plan_counts_bytes = ml_cuda_plan_ws_bytes((int)P, cfg->num_experts);
   size_t cur = 0;
   L->ids = ml_cu_take(&cur, P * sizeof(int32_t));
   L->wts = ml_cu_take(&cur, P * sizeof(float));
   L->plan = ml_cu_take(&cur, moelink_plan_bytes(cfg->max_tokens, cfg->top_k, cfg->num_experts,
                                                 ML_CUDA_TILE_ROWS));
-  L->keys_in = ml_cu_take(&cur, P * sizeof(uint32_t));
-  L->keys_out = ml_cu_take(&cur, P * sizeof(uint32_t));
-  L->vals_in = ml_cu_take(&cur, P * sizeof(int32_t));
-  L->vals_out = ml_cu_take(&cur, P * sizeof(int32_t));
-  L->sort_tmp = ml_cu_take(&cur, L->sort_tmp_bytes);
+  L->plan_counts = ml_cu_take(&cur, L->plan_counts_bytes);
   /* fp8_experts: h stays fp32 until it is quantized (what the layer's
    * definition and the CPU backend do) */
   L->h = ml_cu_take(&cur, P * I * (cfg->fp8_experts ? sizeof(float) : ds));
@@ -292,12 +287,8 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->ids = (int32_t *)(m->base + L->ids);
   m->wts = (float *)(m->base + L->wts);
   m->plan = m->base + L->plan;
-  m->sort.keys_in = (uint32_t *)(m->base + L->keys_in);
-  m->sort.keys_out = (uint32_t *)(m->base + L->keys_out);
-  m->sort.vals_in = (int32_t *)(m->base + L->vals_in);
-  m->sort.vals_out = (int32_t *)(m->base + L->vals_out);
-  m->sort.tmp = m->base + L->sort_tmp;
-  m->sort.tmp_bytes = L->sort_tmp_bytes;
+  m->plan_ws.counts = (int32_t *)(m->base + L->plan_counts);
+  m->plan_ws.bytes = L->plan_counts_bytes;
   m->h = m->base + L->h;
   m->y = m->base + L->y;
   m->sh_h = m->base + L->sh_h;
@@ -393,7 +384,7 @@ static moelink_status_t ml_cu_plan_impl(moelink_moe_t moe, const int32_t *ids, i
   if (T > 0 && ((uintptr_t)ids & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_ids %p not 4-byte aligned",
                    (const void *)ids);
-  ML_TRY(ml_cuda_plan(ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
+  ML_TRY(ml_cuda_plan(ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st));
   return ml_cu_step(st, "plan");
 }
 
@@ -672,7 +663,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_step(st, "shared expert down GEMM (decode)"));
   }
   if (!fused_plan) {
-    ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->sort, &plan, st));
+    ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st));
     ML_TRY(ml_cu_step(st, "plan"));
   }
   ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, st));

@@ -97,22 +97,22 @@ moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits, int32_t *c
                                cudaStream_t stream);
 
 /* ---- plan (plan.cu) ---------------------------------------------------------
- * A stable radix sort of the T*k pairs by expert id (invalid ids sort last as
- * key E), then one kernel for offsets, tiles, sorted_pairs and pair_rows. */
-typedef struct ml_cuda_sort_ws {
-  uint32_t *keys_in, *keys_out;  /* [max_pairs] each */
-  int32_t *vals_in, *vals_out;   /* [max_pairs] each */
-  void *tmp;                     /* sort temporary storage */
-  size_t tmp_bytes;
-} ml_cuda_sort_ws;
+ * A stable counting sort of the T*k pairs by expert id (invalid ids sort last
+ * as key E) in two kernels that also write offsets, tiles, sorted_pairs and
+ * pair_rows; up to ML_P_THREADS pairs in one. */
+typedef struct ml_cuda_plan_ws {
+  int32_t *counts; /* ml_cuda_plan_ws_bytes: each chunk's count of each key */
+  size_t bytes;
+} ml_cuda_plan_ws;
 
-/* Temporary bytes of the sort for up to max_pairs pairs (host query, no
- * device work; the current device must be the layer's). */
-moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts, size_t *bytes);
+/* Workspace bytes of plans of up to max_pairs pairs (0 where one block
+ * sorts). */
+size_t ml_cuda_plan_ws_bytes(int max_pairs, int num_experts);
 /* Builds the plan of ids [T, k] (T may be 0) into plan (a view with
- * tile_rows = ML_CUDA_TILE_ROWS). */
+ * tile_rows = ML_CUDA_TILE_ROWS). ws may be NULL while T * k <=
+ * ML_P_THREADS (plan.cuh); a too small one is an error, never an overrun. */
 moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int top_k, int num_experts,
-                              const ml_cuda_sort_ws *ws, const moelink_plan_t *plan,
+                              const ml_cuda_plan_ws *ws, const moelink_plan_t *plan,
                               cudaStream_t stream);
 
 /* ---- combine (combine.cu) ---------------------------------------------------

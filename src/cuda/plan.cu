@@ -2,76 +2,162 @@
  * expert, then offsets, tiles, sorted_pairs and pair_rows, with no host round
  * trip.
  *
- * Keys are the expert ids with anything outside [0, E) mapped to E, values
- * the pair indices 0..P-1. A radix sort over the ceil(log2(E+1)) low bits is
- * stable, so pairs of one expert stay in ascending order (the CPU plan's
- * order) and invalid pairs gather after offsets[E]. cub's device radix sort
- * launches a fixed sequence of kernels and memsets on the stream, so it is
- * capturable; its temporary storage is sized at create for max_tokens * k.
- *
- * Up to ML_P_THREADS pairs (decode) take one block instead: a stable counting
- * sort in shared memory, then the same schedule.
- *
- * The finishing kernel has two roles: block 0 finds each expert's range in
- * the sorted keys by binary search (counts and offsets, no atomics), scans the
- * per-expert tile counts and writes the tile list; the other blocks copy the
- * sorted pair indices into the plan and invert them into pair_rows. */
-#define CCCL_DISABLE_NVTX
-#include <cub/device/device_radix_sort.cuh>
-
+ * Keys are the expert ids with anything outside [0, E) mapped to E; pairs of
+ * one key keep their index order (the CPU plan's order) and invalid pairs
+ * gather after offsets[E]. A counting sort in two kernels:
+ *   ml_plan_count    one block per chunk of consecutive pairs: the chunk's
+ *                    count of each key into counts[chunk][E + 1].
+ *   ml_plan_scatter  one block per chunk: each key's first row (all chunks'
+ *                    counts before it) plus the rows of the earlier chunks'
+ *                    pairs with that key; each warp takes a consecutive part
+ *                    of the chunk, counts it, and after a prefix over the
+ *                    warps writes its pairs in index order, 32 at a time
+ *                    (lanes with the same key rank themselves among each
+ *                    other with a match). Block 0 then writes offsets and
+ *                    the tile list from the keys' totals.
+ * No atomics on global memory and no ordering between blocks: the same plan
+ * whatever the scheduling. Up to ML_P_THREADS pairs (decode) take one block
+ * instead (ml_plan_small). Both kernels launch as programmatic dependents
+ * where the stream allows it and wait (griddepcontrol.wait) before they read
+ * the ids or the counts. */
+#include "core/launch.cuh"
 #include "cuda/plan.cuh"
 
 #include <stdint.h>
 
-static int ml_plan_key_bits(int num_experts) {
-  int bits = 1;
-  while (bits < 31 && (1 << bits) <= num_experts) ++bits; /* 2^bits > E: keys 0..E fit */
-  return bits;
+/* Pairs of a chunk: at least ML_P_CHUNK_MIN and a multiple of ML_P_THREADS
+ * (each warp's part a multiple of 32), so that there are at most
+ * ML_P_MAX_CHUNKS chunks: each scatter block reads (E + 1) counts of every
+ * chunk. */
+#define ML_P_CHUNK_MIN 1024
+#define ML_P_MAX_CHUNKS 64
+#define ML_P_WARPS (ML_P_THREADS / 32)
+
+static int ml_plan_chunk(int pairs) {
+  int c = (pairs + ML_P_MAX_CHUNKS - 1) / ML_P_MAX_CHUNKS;
+  c = (c + ML_P_THREADS - 1) / ML_P_THREADS * ML_P_THREADS;
+  return c < ML_P_CHUNK_MIN ? ML_P_CHUNK_MIN : c;
 }
 
-static __global__ void ml_plan_keys(const int32_t *__restrict__ ids, int pairs, int num_experts,
-                                    uint32_t *__restrict__ keys, int32_t *__restrict__ vals) {
-  const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < pairs) {
-    const int32_t id = ids[i];
-    keys[i] = (id >= 0 && id < num_experts) ? (uint32_t)id : (uint32_t)num_experts;
-    vals[i] = i;
-  }
+static __device__ __forceinline__ uint32_t ml_plan_key(int32_t id, int E) {
+  return id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
 }
 
-/* First index of sorted keys[0..n) holding a key >= v. */
-static __device__ __forceinline__ int ml_plan_lower_bound(const uint32_t *keys, int n, uint32_t v) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (keys[mid] < v)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
+/* The lanes of the warp holding the same key (lanes past the data pass a key
+ * no real pair has, ~0u), and whether this lane is the lowest of them. */
+static __device__ __forceinline__ uint32_t ml_plan_peers(uint32_t key, int lane, int *leader) {
+  const uint32_t peers = __match_any_sync(ML_P_FULL, key);
+  *leader = (int)(__ffs(peers) - 1) == lane;
+  return peers;
 }
 
 static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_finish(const uint32_t *__restrict__ keys, const int32_t *__restrict__ vals, int pairs,
-                   int num_experts, ml_plan_ptrs plan) {
-  const int tid = (int)threadIdx.x;
-  if (blockIdx.x > 0) {
-    const int r = ((int)blockIdx.x - 1) * ML_P_THREADS + tid;
-    if (r < pairs) {
-      const int32_t pair = vals[r];
-      plan.sorted_pairs[r] = pair;
-      plan.pair_rows[pair] = keys[r] < (uint32_t)num_experts ? r : -1;
-    }
-    return;
+    ml_plan_count(const int32_t *__restrict__ ids, int pairs, int E, int chunk,
+                  int32_t *__restrict__ counts) {
+  __shared__ int cnt[ML_CUDA_MAX_EXPERTS + 1];
+  const int tid = (int)threadIdx.x, lane = tid & 31;
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  for (int e = tid; e <= E; e += ML_P_THREADS)
+    cnt[e] = 0;
+  __syncthreads();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory"); /* the ids are written */
+  const int p0 = (int)blockIdx.x * chunk;
+  const int p1 = pairs - p0 < chunk ? pairs : p0 + chunk;
+  /* whole warps go round the loop together (match needs every lane) */
+  for (int i0 = p0 + (tid & ~31); i0 < p1; i0 += ML_P_THREADS) {
+    const int i = i0 + lane;
+    const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
+    int leader;
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
+    if (i < p1 && leader)
+      atomicAdd(&cnt[key], __popc(peers));
   }
-  int begin = 0, end = 0;
-  if (tid < num_experts) {
-    begin = ml_plan_lower_bound(keys, pairs, (uint32_t)tid);
-    end = ml_plan_lower_bound(keys, pairs, (uint32_t)tid + 1);
-  }
+  __syncthreads();
+  for (int e = tid; e <= E; e += ML_P_THREADS)
+    counts[(size_t)blockIdx.x * (size_t)(E + 1) + (size_t)e] = cnt[e];
+}
+
+static __global__ void __launch_bounds__(ML_P_THREADS)
+    ml_plan_scatter(const int32_t *__restrict__ ids, int pairs, int E, int chunk,
+                    const int32_t *__restrict__ counts, ml_plan_ptrs plan) {
   __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
-  ml_plan_schedule(num_experts, begin, end, plan, ml_plan_scratch_at(scratch));
+  __shared__ int wrow[ML_P_WARPS][ML_CUDA_MAX_EXPERTS + 1]; /* each warp's next row of a key */
+  const ml_plan_scratch s = ml_plan_scratch_at(scratch);
+  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int c = (int)blockIdx.x, chunks = (int)gridDim.x;
+  const int part = chunk / ML_P_WARPS;
+  const int p0 = c * chunk + warp * part;
+  const int p1 = pairs - p0 < part ? pairs : p0 + part;
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  for (int e = lane; e <= E; e += 32)
+    wrow[warp][e] = 0;
+  /* the counts are written, and so are the ids: this kernel may start
+   * before whatever wrote them (the router) has finished, the counts kernel
+   * waited for it */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  __syncwarp();
+  /* this warp's part, counted */
+  for (int i0 = p0; i0 < p1; i0 += 32) {
+    const int i = i0 + lane;
+    const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
+    int leader;
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
+    if (i < p1 && leader)
+      wrow[warp][key] += __popc(peers);
+  }
+  /* each key's total (s.count) and the rows of the earlier chunks' pairs
+   * with it (s.off, for now) */
+  for (int e = tid; e <= E; e += ML_P_THREADS) {
+    int before = 0, after = 0;
+#pragma unroll 8
+    for (int q = 0; q < c; ++q)
+      before += counts[(size_t)q * (size_t)(E + 1) + (size_t)e];
+#pragma unroll 8
+    for (int q = c; q < chunks; ++q)
+      after += counts[(size_t)q * (size_t)(E + 1) + (size_t)e];
+    s.count[e] = before + after;
+    s.off[e] = before;
+  }
+  __syncthreads();
+  ml_plan_first_rows(E, s);
+  __syncthreads();
+  /* warp w's first row of each key: the key's first row, the earlier
+   * chunks', then the earlier warps' of this chunk */
+  for (int e = tid; e <= E; e += ML_P_THREADS) {
+    int row = s.first[e] + s.off[e];
+    for (int w = 0; w < ML_P_WARPS; ++w) {
+      const int n = wrow[w][e];
+      wrow[w][e] = row;
+      row += n;
+    }
+  }
+  __syncthreads();
+  const uint32_t below = (1u << lane) - 1u;
+  for (int i0 = p0; i0 < p1; i0 += 32) {
+    const int i = i0 + lane;
+    const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
+    int leader;
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
+    const int r = i < p1 ? wrow[warp][key] + __popc(peers & below) : 0;
+    __syncwarp();
+    if (i < p1) {
+      if (leader)
+        wrow[warp][key] += __popc(peers);
+      plan.sorted_pairs[r] = i;
+      plan.pair_rows[i] = key < (uint32_t)E ? r : -1;
+    }
+    __syncwarp();
+  }
+  if (c == 0) {
+    int begin = 0, end = 0;
+    if (tid < E) {
+      begin = s.first[tid];
+      end = begin + s.count[tid];
+    }
+    /* (s.off is rewritten there: every thread passed the barrier after its
+     * last read above) */
+    ml_plan_schedule(E, begin, end, plan, s);
+  }
 }
 
 /* The whole plan of at most ML_P_THREADS pairs in one block (decode sizes:
@@ -84,20 +170,15 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
                 ml_plan_scratch_at(scratch));
 }
 
-extern "C" moelink_status_t ml_cuda_plan_tmp_bytes(int max_pairs, int num_experts,
-                                                   size_t *bytes) {
-  *bytes = 0;
-  if (max_pairs <= 0) return MOELINK_SUCCESS;
-  size_t need = 0;
-  ML_CUDA_TRY(cub::DeviceRadixSort::SortPairs(
-      (void *)NULL, need, (const uint32_t *)NULL, (uint32_t *)NULL, (const int32_t *)NULL,
-      (int32_t *)NULL, max_pairs, 0, ml_plan_key_bits(num_experts), (cudaStream_t)0));
-  *bytes = need;
-  return MOELINK_SUCCESS;
+extern "C" size_t ml_cuda_plan_ws_bytes(int max_pairs, int num_experts) {
+  if (max_pairs <= ML_P_THREADS)
+    return 0;
+  const int chunks = (max_pairs + ml_plan_chunk(max_pairs) - 1) / ml_plan_chunk(max_pairs);
+  return (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
 }
 
 extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int top_k,
-                                         int num_experts, const ml_cuda_sort_ws *ws,
+                                         int num_experts, const ml_cuda_plan_ws *ws,
                                          const moelink_plan_t *plan, cudaStream_t stream) {
   if (num_experts < 1 || num_experts > ML_CUDA_MAX_EXPERTS || top_k < 1 || num_tokens < 0)
     return ml_fail(MOELINK_ERR_INTERNAL, "plan: T %d, k %d, E %d out of range", num_tokens,
@@ -112,21 +193,32 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     ML_CUDA_LAUNCHED("ml_plan_small");
     return MOELINK_SUCCESS;
   }
-  {
-    ml_plan_keys<<<(unsigned)((pairs + 255) / 256), 256, 0, stream>>>(ids, pairs, num_experts,
-                                                                     ws->keys_in, ws->vals_in);
-    ML_CUDA_LAUNCHED("ml_plan_keys");
-    /* cub checks the size it is given against what it needs: a too small
-     * workspace is an error, never an overrun. */
-    size_t tmp_bytes = ws->tmp_bytes;
-    ML_CUDA_TRY(cub::DeviceRadixSort::SortPairs(ws->tmp, tmp_bytes,
-                                                (const uint32_t *)ws->keys_in, ws->keys_out,
-                                                (const int32_t *)ws->vals_in, ws->vals_out,
-                                                pairs, 0, ml_plan_key_bits(num_experts), stream));
+  const int chunk = ml_plan_chunk(pairs);
+  const int chunks = (pairs + chunk - 1) / chunk;
+  const size_t need = (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
+  if (ws == NULL || ws->counts == NULL || ws->bytes < need)
+    return ml_fail(MOELINK_ERR_INTERNAL, "plan: %zu workspace bytes for %d pairs, %zu needed",
+                   ws != NULL ? ws->bytes : (size_t)0, pairs, need);
+  const int pdl = ml_cuda_pdl_allowed(stream);
+  int32_t *counts = ws->counts;
+  int E = num_experts, P = pairs, ch = chunk;
+  void *cargs[] = {(void *)&ids, &P, &E, &ch, &counts};
+  cudaError_t e = ml_launch_kernel((const void *)ml_plan_count, dim3((unsigned)chunks),
+                                   dim3(ML_P_THREADS), 0, pdl, stream, cargs);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA, "launch of ml_plan_count (%d blocks) failed: %s", chunks,
+                   cudaGetErrorString(e));
   }
-  const unsigned blocks = 1u + (unsigned)((pairs + ML_P_THREADS - 1) / ML_P_THREADS);
-  ml_plan_finish<<<blocks, ML_P_THREADS, 0, stream>>>(ws->keys_out, ws->vals_out, pairs,
-                                                      num_experts, p);
-  ML_CUDA_LAUNCHED("ml_plan_finish");
+  const int32_t *ccounts = counts;
+  ml_plan_ptrs pp = p;
+  void *sargs[] = {(void *)&ids, &P, &E, &ch, (void *)&ccounts, &pp};
+  e = ml_launch_kernel((const void *)ml_plan_scatter, dim3((unsigned)chunks), dim3(ML_P_THREADS), 0,
+                       pdl, stream, sargs);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA, "launch of ml_plan_scatter (%d blocks) failed: %s", chunks,
+                   cudaGetErrorString(e));
+  }
   return MOELINK_SUCCESS;
 }

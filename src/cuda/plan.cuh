@@ -121,22 +121,11 @@ static __device__ void ml_plan_schedule(int E, int begin, int end, ml_plan_ptrs 
   }
 }
 
-/* The whole plan of pairs <= ML_P_THREADS pairs: thread i passes pair i's
- * expert id (anything past pairs); an id outside [0, E) sorts last, as key
- * E, with no row. A pair's row is the rows of smaller keys plus the pairs
- * before it with its key: a stable counting sort, the order of the radix
- * sort of the large path. Every thread of the block must call it. */
-static __device__ void ml_plan_block(int32_t id, int pairs, int E, ml_plan_ptrs plan,
-                                     const ml_plan_scratch &s) {
+/* s.first[e] = the first sorted row of key e (0..E), from s.count: an
+ * exclusive scan by the block's first warp, E+1 <= 513 entries in 17 steps
+ * of 32. Every thread may call it; s.first is complete after a barrier. */
+static __device__ __forceinline__ void ml_plan_first_rows(int E, const ml_plan_scratch &s) {
   const int tid = (int)threadIdx.x;
-  const uint32_t key = tid < pairs && id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
-  s.key[tid] = key;
-  for (int e = tid; e <= E; e += ML_P_THREADS) s.count[e] = 0;
-  __syncthreads();
-  if (tid < pairs) atomicAdd(&s.count[key], 1);
-  __syncthreads();
-  /* First row of each key (0..E): an exclusive scan by one warp, E+1 <= 513
-   * entries in 17 steps of 32. */
   if (tid < 32) {
     int carry = 0;
     for (int e0 = 0; e0 <= E; e0 += 32) {
@@ -152,6 +141,25 @@ static __device__ void ml_plan_block(int32_t id, int pairs, int E, ml_plan_ptrs 
       carry += __shfl_sync(ML_P_FULL, incl, 31);
     }
   }
+}
+
+/* The whole plan of pairs <= ML_P_THREADS pairs: thread i passes pair i's
+ * expert id (anything past pairs); an id outside [0, E) sorts last, as key
+ * E, with no row. A pair's row is the rows of smaller keys plus the pairs
+ * before it with its key: a stable counting sort, the order of the large
+ * path's (plan.cu). Every thread of the block must call it. */
+static __device__ void ml_plan_block(int32_t id, int pairs, int E, ml_plan_ptrs plan,
+                                     const ml_plan_scratch &s) {
+  const int tid = (int)threadIdx.x;
+  const uint32_t key = tid < pairs && id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
+  s.key[tid] = key;
+  for (int e = tid; e <= E; e += ML_P_THREADS)
+    s.count[e] = 0;
+  __syncthreads();
+  if (tid < pairs)
+    atomicAdd(&s.count[key], 1);
+  __syncthreads();
+  ml_plan_first_rows(E, s);
   __syncthreads();
   if (tid < pairs) {
     int before = 0;

@@ -302,6 +302,47 @@ static void compare_plans(const char *what, moelink_moe_t gmoe, moelink_moe_t cm
   gu_free(dids);
 }
 
+/* Plans of many pairs without a layer's weights: more chunks than the
+ * sort's first size allows (the chunk grows), all pairs on one expert (one
+ * key's count from every lane of every warp), holes, and a single chunk
+ * just past the one-block path. */
+static void test_large_plans(void) {
+  static const struct {
+    int E, k, T, skew;
+  } cases[] = {{512, 8, 40000, 0}, {8, 2, 33000, 1}, {1, 1, 700, 0}, {256, 8, 8192, 2}};
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ++ci) {
+    moelink_moe_config_t c = small_cfg();
+    c.num_experts = cases[ci].E;
+    c.top_k = cases[ci].k;
+    c.max_tokens = cases[ci].T;
+    moelink_moe_t gmoe = NULL, cmoe = NULL;
+    GU_MUST(moelink_moe_create(g_gpu, &c, &gmoe), "GPU layer (plans)");
+    GU_MUST(moelink_moe_create(g_cpu, &c, &cmoe), "CPU layer (plans)");
+    const int T = cases[ci].T, P = T * c.top_k, E = c.num_experts;
+    int32_t *ids = gu_host((size_t)P * 4);
+    uint64_t st = 0x9e3779b97f4a7c15ull * (ci + 1);
+    for (int i = 0; i < P; ++i) {
+      st = st * 6364136223846793005ull + 1442695040888963407ull;
+      const uint32_t r = (uint32_t)(st >> 33);
+      if (cases[ci].skew == 1)
+        ids[i] = i % 97 == 0 ? (int32_t)(r % (uint32_t)E) : E - 1; /* nearly all on one */
+      else if (cases[ci].skew == 2)
+        ids[i] = r % 13 == 0 ? -1 : (int32_t)((r >> 4) % 16u); /* 16 of 256 experts, holes */
+      else
+        ids[i] = (int32_t)(r % (uint32_t)E);
+    }
+    char what[160];
+    snprintf(what, sizeof what, "plan of %d pairs (E %d, k %d, %s)", P, E, c.top_k,
+             cases[ci].skew == 1   ? "nearly all on one expert"
+             : cases[ci].skew == 2 ? "16 experts and holes"
+                                   : "uniform");
+    compare_plans(what, gmoe, cmoe, &c, T, ids);
+    free(ids);
+    moelink_moe_destroy(gmoe);
+    moelink_moe_destroy(cmoe);
+  }
+}
+
 /* ---- one config at one T --------------------------------------------------------------- */
 
 static void ops_case(const ref_layer *L, moelink_moe_t gmoe, moelink_moe_t cmoe, int T,
@@ -497,6 +538,7 @@ int main(void) {
   gu_contexts(&g_gpu, &g_cpu);
   test_limits();
   test_fill();
+  test_large_plans();
 
   moelink_moe_config_t c;
   /* Mixtral-like, small. */
