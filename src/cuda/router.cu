@@ -25,7 +25,9 @@
  * Selection: each token's warp computes its scores; the winners come from
  * the whole CTA (every (token, expert) computes its rank) while rows * E^2
  * is small, else from k rounds of a warp-wide argmax per token; each token's
- * warp then writes its ids and weights. A single block of tokens (T <= 16)
+ * warp then writes its ids and weights (given logits, from the GEMM engine
+ * at large batches: ml_router_select_kernel, selection only). A single block
+ * of tokens (T <= 16)
  * also gets its plan from this kernel: the CTA that selected the experts
  * sorts the T*k pairs (plan.cuh), which saves the plan's launch.
  *
@@ -212,15 +214,17 @@ static __device__ __forceinline__ float ml_r_warp_sum(float v) {
   return v;
 }
 
-/* The k largest of a[0..n) (n <= 512, no NaN) in decreasing order, ties to
- * the lower index. Lane l holds elements l + 32 i. Returns the lane's mask of
- * chosen elements (bit i = element lane + 32 i); lane 0 writes the winners to
- * out[0..k) when out != NULL. */
-static __device__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out, int lane) {
-  float v[ML_R_PER_LANE];
+/* The k largest of a[0..n) (n <= 32 NL <= 512, no NaN) in decreasing order,
+ * ties to the lower index. Lane l holds elements l + 32 i, i < NL. Returns the
+ * lane's mask of chosen elements (bit i = element lane + 32 i); lane 0 writes
+ * the winners to out[0..k) when out != NULL. */
+template <int NL>
+static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *out, int lane) {
+  static_assert(NL <= ML_R_PER_LANE, "a lane's slots");
+  float v[NL];
   unsigned taken = 0, chosen = 0;
 #pragma unroll
-  for (int i = 0; i < ML_R_PER_LANE; ++i) {
+  for (int i = 0; i < NL; ++i) {
     const int e = lane + 32 * i;
     v[i] = e < n ? a[e] : -INFINITY;
     if (e >= n) taken |= 1u << i;
@@ -232,7 +236,7 @@ static __device__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out
     float bv = -INFINITY;
     int be = INT_MAX;
 #pragma unroll
-    for (int i = 0; i < ML_R_PER_LANE; ++i) {
+    for (int i = 0; i < NL; ++i) {
       if (!((taken >> i) & 1u) && (be == INT_MAX || v[i] > bv)) {
         bv = v[i];
         be = lane + 32 * i;
@@ -256,6 +260,17 @@ static __device__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out
     if (out != NULL && lane == 0) out[j] = be;
   }
   return chosen;
+}
+
+/* The same with as few slots a lane as n needs: each of the k rounds scans
+ * a lane's slots, so a narrower scan is a shorter chain for E <= 256. */
+static __device__ __forceinline__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out,
+                                                          int lane) {
+  if (n <= 128)
+    return ml_r_warp_topk_n<4>(a, n, k, out, lane);
+  if (n <= 256)
+    return ml_r_warp_topk_n<8>(a, n, k, out, lane);
+  return ml_r_warp_topk_n<ML_R_PER_LANE>(a, n, k, out, lane);
 }
 
 /* One token's scores, by one warp: L holds its fp32 logits and becomes the
@@ -491,6 +506,44 @@ static __host__ __device__ __forceinline__ size_t ml_r_select_bytes(int E_pad) {
          (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
 }
 
+/* The selection of a block's rows t0 .. t0 + rows - 1, whose fp32 logits
+ * are in L (rows E_pad floats apart, the scratch of ml_r_select_bytes after
+ * them; the plan's scratch after ML_R_SUM_BYTES more): warp w scores token
+ * t0 + w; the winners come from the whole CTA (small rows * E^2) or from the
+ * token's warp; warp w then writes token t0 + w's ids and weights; with
+ * p.build_plan the CTA then builds the plan. Every thread of the CTA calls
+ * it. */
+static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, int rows,
+                                   int E_pad) {
+  const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
+  float *S = L + ML_R_TOKENS * E_pad;
+  float *G = S + ML_R_TOKENS * E_pad;
+  int *O = (int *)(G + ML_R_TOKENS * E_pad);
+  const int t = t0 + warp;
+  if (warp < rows)
+    ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, lane);
+  if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
+    __syncthreads();
+    ml_r_choose_block(p, S, G, O, E_pad, rows);
+    __syncthreads();
+  } else if (warp < rows) {
+    __syncwarp();
+    ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
+    __syncwarp();
+  }
+  if (warp < rows)
+    ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
+  if (p.build_plan) {
+    /* the host asks for it only with one block of tokens (t0 = 0) */
+    __syncthreads(); /* every token's winners are in O */
+    const int pairs = p.T * p.k, tid = (int)threadIdx.x;
+    const int32_t id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
+    ml_plan_block(
+        id, pairs, p.E, p.plan,
+        ml_plan_scratch_at((int *)((char *)L + ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES)));
+  }
+}
+
 /* ---- the kernel ---------------------------------------------------------------- */
 
 template <int DT>
@@ -515,9 +568,9 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
 
   /* One commit group per stage slot, empty ones included, so that
-   * wait_group<STAGES-2> always means "chunk i has landed". Logits given:
-   * no chunks (splits is 1, checked by the host). */
-  const int nchunks = p.logits != NULL ? 0 : nc;
+   * wait_group<STAGES-2> always means "chunk i has landed". (Given logits
+   * go to ml_router_select_kernel.) */
+  const int nchunks = nc;
 #pragma unroll
   for (int st = 0; st < ML_R_STAGES - 1; ++st) {
     if (st < nchunks)
@@ -562,45 +615,51 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
       if (!ml_r_ticket(p.tickets + blockIdx.x, splits, &ml_r_last)) return;
       ml_r_sum_partials(part, splits, stride4, n4, (float4 *)L, P);
     }
-  } else if (p.logits != NULL) {
-    /* the block's rows of the given logits; padded columns are never read */
-    for (int i = (int)threadIdx.x; i < rows * p.E; i += ML_R_THREADS) {
-      const int r = i / p.E, e = i - r * p.E;
-      L[r * E_pad + e] = __ldg(p.logits + (size_t)(t0 + r) * (size_t)p.E + e);
-    }
   } else {
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
   }
   __syncthreads();
-
-  /* Selection: warp w scores token t0 + w; the winners come from the whole
-   * CTA (small rows * E^2) or from the token's warp; warp w then writes
-   * token t0 + w's ids and weights. */
-  float *S = L + ML_R_TOKENS * E_pad;
-  float *G = S + ML_R_TOKENS * E_pad;
-  int *O = (int *)(G + ML_R_TOKENS * E_pad);
-  const int t = t0 + warp;
-  if (warp < rows) ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, lane);
-  if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
-    __syncthreads();
-    ml_r_choose_block(p, S, G, O, E_pad, rows);
-    __syncthreads();
-  } else if (warp < rows) {
-    __syncwarp();
-    ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
-    __syncwarp();
-  }
-  if (warp < rows) ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
-  if (p.build_plan) {
-    /* the host asks for it only with one block of tokens (t0 = 0) */
-    __syncthreads(); /* every token's winners are in O */
-    const int pairs = p.T * p.k, tid = (int)threadIdx.x;
-    const int32_t id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
-    ml_plan_block(id, pairs, p.E, p.plan,
-                  ml_plan_scratch_at((int *)(ml_r_smem + ml_r_select_bytes(E_pad) +
-                                             ML_R_SUM_BYTES)));
-  }
+  ml_r_select(p, L, t0, rows, E_pad);
   /* a no-op unless launched as a programmatic dependent */
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
+/* The large-batch path (p.logits given, from the GEMM engine): selection
+ * only. Without the MMA ring's registers and shared memory two CTAs fit on
+ * an SM, so a wave covers twice the tokens of ml_router_kernel's (measured on
+ * H200 at 8192 tokens: docs/PERF.md). Every block is a full-size one. */
+static __global__ void __launch_bounds__(ML_R_THREADS, 2)
+    ml_router_select_kernel(const ml_router_params p) {
+  extern __shared__ __align__(16) char ml_r_smem[];
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int E_pad = ml_r_epad(p.E);
+  const int t0 = (int)blockIdx.x * ML_R_TOKENS;
+  const int rows = p.T - t0 < ML_R_TOKENS ? p.T - t0 : ML_R_TOKENS;
+  float *L = (float *)ml_r_smem;
+  /* the block's rows are rows * E consecutive floats (E % 4 == 0, checked by
+   * the host): 16-byte loads, all of a thread's in flight together, then
+   * the stores (one load latency, not one a float) */
+  const float4 *src = (const float4 *)(p.logits + (size_t)t0 * (size_t)p.E);
+  const int n4 = rows * p.E / 4;
+  for (int i0 = (int)threadIdx.x; i0 < n4; i0 += ML_R_BATCH * ML_R_THREADS) {
+    float4 v[ML_R_BATCH];
+#pragma unroll
+    for (int j = 0; j < ML_R_BATCH; ++j) {
+      const int i = i0 + j * ML_R_THREADS;
+      if (i < n4)
+        v[j] = __ldg(src + i);
+    }
+#pragma unroll
+    for (int j = 0; j < ML_R_BATCH; ++j) {
+      const int i = i0 + j * ML_R_THREADS;
+      if (i < n4) {
+        const int r = 4 * i / p.E, e = 4 * i - r * p.E;
+        *(float4 *)(L + r * E_pad + e) = v[j];
+      }
+    }
+  }
+  __syncthreads();
+  ml_r_select(p, L, t0, rows, E_pad);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
@@ -695,6 +754,9 @@ extern "C" moelink_status_t ml_cuda_router_prepare(int smem_optin) {
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)want));
   ML_CUDA_TRY(cudaFuncSetAttribute((const void *)ml_router_kernel<MOELINK_DTYPE_F16>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)want));
+  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)ml_router_select_kernel,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)ml_r_select_bytes(ml_r_epad(ML_CUDA_MAX_EXPERTS))));
   return MOELINK_SUCCESS;
 }
 
@@ -711,10 +773,12 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   if (a->splits > 1 && (a->partials == NULL || a->tickets == NULL))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: splits %d without partials/tickets",
                    a->splits);
-  if (a->logits != NULL && (a->splits != 1 || a->pdl || ((uintptr_t)a->logits & 3u)))
+  if (a->logits != NULL && (a->splits != 1 || a->pdl || a->plan != NULL ||
+                            a->num_experts % 4 != 0 || ((uintptr_t)a->logits & 15u)))
     return ml_fail(MOELINK_ERR_INTERNAL,
-                   "router: logits given with splits %d, pdl %d or misaligned (%p)", a->splits,
-                   a->pdl, (const void *)a->logits);
+                   "router: logits given with splits %d, pdl %d, a plan (%d), E %d (not a "
+                   "multiple of 4) or misaligned (%p)",
+                   a->splits, a->pdl, a->plan != NULL, a->num_experts, (const void *)a->logits);
   if (a->plan != NULL && (!ml_cuda_router_builds_plan(a->num_tokens, a->top_k) ||
                           a->plan->tile_rows != ML_CUDA_TILE_ROWS))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: cannot build the plan of T %d, k %d here",
@@ -743,13 +807,15 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.scaling = a->routed_scaling;
   const dim3 grid((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
                   (unsigned)a->splits, 1);
-  void (*kernel)(const ml_router_params) = a->dtype == MOELINK_DTYPE_BF16
+  void (*kernel)(const ml_router_params) = a->logits != NULL ? ml_router_select_kernel
+                                           : a->dtype == MOELINK_DTYPE_BF16
                                                ? ml_router_kernel<MOELINK_DTYPE_BF16>
                                                : ml_router_kernel<MOELINK_DTYPE_F16>;
+  const size_t smem = a->logits != NULL ? ml_r_select_bytes(ml_r_epad(a->num_experts))
+                                        : ml_cuda_router_smem(a->num_experts);
   void *args[] = {&p};
-  const cudaError_t e = ml_launch_kernel(
-      (const void *)kernel, grid, dim3(ML_R_THREADS, 1, 1), ml_cuda_router_smem(a->num_experts),
-      a->pdl && ml_cuda_pdl_allowed(stream), stream, args);
+  const cudaError_t e = ml_launch_kernel((const void *)kernel, grid, dim3(ML_R_THREADS, 1, 1), smem,
+                                         a->pdl && ml_cuda_pdl_allowed(stream), stream, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ml_fail(MOELINK_ERR_CUDA, "launch of the router kernel (%u x %u CTAs) failed: %s",
