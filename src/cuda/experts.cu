@@ -508,7 +508,7 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 }
 
 /* See cuda.h. */
-MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 0)
+MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 1536)
 MOELINK_PARAM(GEMM_FP8_CLUSTER_ROWS, 0)
 MOELINK_PARAM(GEMM_FP8_TILE, 256)
 
