@@ -20,11 +20,14 @@
  * 256 x 128 tile (two m64n128 blocks per consumer), and an L2 prefetch of
  * the B box four steps ahead (cp.async.bulk.prefetch.tensor).
  *
- * Clusters of two (CL = 2, an option of the launchers, off by default): the
- * two CTAs take neighbouring units of one expert and column block, and each
- * loads half of the B box into both CTAs' stage (TMA multicast), halving the
- * L2 reads of B. Measured on H200 (docs/PERF.md) for bf16: the kernel runs
- * at a higher clock (less power) but takes ~18% more cycles, so no faster.
+ * Clusters of two (CL = 2, an option of the launchers): the two CTAs take
+ * neighbouring units of one expert and column block, and each loads half of
+ * the B box into both CTAs' stage (TMA multicast), halving the L2 reads of B.
+ * Measured on H200 (docs/PERF.md) for bf16: the kernel runs at a higher
+ * clock (less power) but takes more cycles (the pair waits on each other,
+ * and an expert's lone unit leaves half a cluster idle); it pays where the
+ * experts have many units (mixtral-8x7b at 8192 tokens, 2048 rows an
+ * expert: -2 to -5%), which is where the layers use it (ml_cuda_gemm_opts_for).
  * The FP8 kernel (not its quantizing epilogue) runs in clusters the same way.
  *
  * Rows. The plan cuts each expert's rows into tiles of 64 (the last one
