@@ -106,15 +106,19 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
       wrow[warp][key] += __popc(peers);
   }
   /* each key's total (s.count) and the rows of the earlier chunks' pairs
-   * with it (s.off, for now) */
+   * with it (s.off, for now): all chunks' counts of the key loaded at once
+   * (one load latency, not one a chunk), then summed in chunk order */
   for (int e = tid; e <= E; e += ML_P_THREADS) {
+    int v[ML_P_MAX_CHUNKS];
+#pragma unroll
+    for (int q = 0; q < ML_P_MAX_CHUNKS; ++q)
+      v[q] = q < chunks ? counts[(size_t)q * (size_t)(E + 1) + (size_t)e] : 0;
     int before = 0, after = 0;
-#pragma unroll 8
-    for (int q = 0; q < c; ++q)
-      before += counts[(size_t)q * (size_t)(E + 1) + (size_t)e];
-#pragma unroll 8
-    for (int q = c; q < chunks; ++q)
-      after += counts[(size_t)q * (size_t)(E + 1) + (size_t)e];
+#pragma unroll
+    for (int q = 0; q < ML_P_MAX_CHUNKS; ++q) {
+      before += q < c ? v[q] : 0;
+      after += q < c ? 0 : v[q];
+    }
     s.count[e] = before + after;
     s.off[e] = before;
   }
