@@ -177,7 +177,12 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
 extern "C" size_t ml_cuda_plan_ws_bytes(int max_pairs, int num_experts) {
   if (max_pairs <= ML_P_THREADS)
     return 0;
-  const int chunks = (max_pairs + ml_plan_chunk(max_pairs) - 1) / ml_plan_chunk(max_pairs);
+  /* the most chunks of any call up to max_pairs pairs: not max_pairs' own
+   * count (65537 pairs make 43 chunks of 1536, 65536 make 64 of 1024), but
+   * at most one per ML_P_CHUNK_MIN pairs and at most ML_P_MAX_CHUNKS */
+  int chunks = (max_pairs + ML_P_CHUNK_MIN - 1) / ML_P_CHUNK_MIN;
+  if (chunks > ML_P_MAX_CHUNKS)
+    chunks = ML_P_MAX_CHUNKS;
   return (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
 }
 

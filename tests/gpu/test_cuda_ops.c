@@ -304,17 +304,23 @@ static void compare_plans(const char *what, moelink_moe_t gmoe, moelink_moe_t cm
 
 /* Plans of many pairs without a layer's weights: more chunks than the
  * sort's first size allows (the chunk grows), all pairs on one expert (one
- * key's count from every lane of every warp), holes, and a single chunk
- * just past the one-block path. */
+ * key's count from every lane of every warp), holes, a single chunk just
+ * past the one-block path, and a call of fewer pairs than the layer's
+ * maximum that needs more chunks than the maximum does (65536 pairs: 64
+ * chunks; 65538: 43). */
 static void test_large_plans(void) {
   static const struct {
-    int E, k, T, skew;
-  } cases[] = {{512, 8, 40000, 0}, {8, 2, 33000, 1}, {1, 1, 700, 0}, {256, 8, 8192, 2}};
+    int E, k, T, max_T, skew;
+  } cases[] = {{512, 8, 40000, 40000, 0},
+               {8, 2, 33000, 33000, 1},
+               {1, 1, 700, 700, 0},
+               {256, 8, 8192, 8192, 2},
+               {64, 2, 32768, 32769, 0}};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ++ci) {
     moelink_moe_config_t c = small_cfg();
     c.num_experts = cases[ci].E;
     c.top_k = cases[ci].k;
-    c.max_tokens = cases[ci].T;
+    c.max_tokens = cases[ci].max_T;
     moelink_moe_t gmoe = NULL, cmoe = NULL;
     GU_MUST(moelink_moe_create(g_gpu, &c, &gmoe), "GPU layer (plans)");
     GU_MUST(moelink_moe_create(g_cpu, &c, &cmoe), "CPU layer (plans)");
