@@ -190,8 +190,7 @@ static size_t ml_cu_take(size_t *cursor, size_t bytes) {
 }
 
 /* The workspace for T = max_tokens: everything grows with T*k*(H+I) or T*H,
- * plus router partials bounded by the SM count. Needs the layer's device
- * current. */
+ * plus router partials bounded by the SM count (host arithmetic only). */
 static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_config_t *cfg,
                                          ml_cu_layout *L) {
   memset(L, 0, sizeof *L);

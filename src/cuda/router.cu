@@ -27,9 +27,9 @@
  * is small, else from k rounds of a warp-wide argmax per token; each token's
  * warp then writes its ids and weights (given logits, from the GEMM engine
  * at large batches: ml_router_select_kernel, selection only). A single block
- * of tokens (T <= 16)
- * also gets its plan from this kernel: the CTA that selected the experts
- * sorts the T*k pairs (plan.cuh), which saves the plan's launch.
+ * of tokens (T <= 16) also gets its plan from this kernel: the CTA that
+ * selected the experts sorts the T*k pairs (plan.cuh), which saves the
+ * plan's launch.
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
@@ -627,7 +627,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
 /* The large-batch path (p.logits given, from the GEMM engine): selection
  * only. Without the MMA ring's registers and shared memory two CTAs fit on
  * an SM, so a wave covers twice the tokens of ml_router_kernel's (measured on
- * H200 at 8192 tokens: docs/PERF.md). Every block is a full-size one. */
+ * H200 at 8192 tokens: docs/PERF.md). */
 static __global__ void __launch_bounds__(ML_R_THREADS, 2)
     ml_router_select_kernel(const ml_router_params p) {
   extern __shared__ __align__(16) char ml_r_smem[];
