@@ -8,7 +8,8 @@ kernels of moelink.MoE.forward calls as they run in the benchmark's pattern
 prints, per kernel of a call in launch order, the median duration and the
 median idle time before it, the sum of the kernels, the span of the call
 (first kernel's start to last kernel's end) and the CUDA-event time around
-it. Beside it, nvidia-smi samples the SM clock and the power every 20 ms.
+it. Beside it, nvidia-smi samples the SM clock and the power every 20 ms
+(from the warm-up on; the number of samples is printed: few samples say little).
 
   python3 bench/trace_layer.py --preset deepseek-v3 --tokens 8192 --iters 10
 
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -110,15 +112,18 @@ def main(argv=None):
         for T in args.tokens:
             x = x_all[:T]
             out = torch.empty_like(x)
-            for _ in range(args.warmup):
-                flush.sum()
-                moe.forward(x, out=out)
-            torch.cuda.synchronize()
             ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(args.iters)]
             with tempfile.TemporaryDirectory() as td:
                 cpath, tpath = os.path.join(td, "clocks.csv"), os.path.join(td, "trace.json")
+                # the sampler takes a while to start: before the warm-up, so that its
+                # samples cover the warm-up's calls and the traced ones
                 smi = sample_clocks(cpath)
+                time.sleep(0.5)
+                for _ in range(args.warmup):
+                    flush.sum()
+                    moe.forward(x, out=out)
+                torch.cuda.synchronize()
                 with torch.profiler.profile(
                         activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for s, e in ev:
