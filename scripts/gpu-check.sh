@@ -339,7 +339,8 @@ fi
 # What each part of the FP8 GEMM costs (issue 4's FP8 prefill target): the FP8 layer's sm_90a
 # GEMMs (8192 tokens, PROBE_PRESETS, default mixtral-8x7b) under Nsight Compute, built as they are
 # and as the moelink_probeN builds (CMake MOELINK_PROBES; gemm/sm90.cuh ML_SM90_PROBE: 1 no
-# loads, 2 no promotion, 3 neither, 4 no proxy fence, 8 no epilogue stores; PROBES picks some),
+# loads, 2 no promotion, 3 neither, 4 no proxy fence, 8 no epilogue stores, 16 no MMAs or
+# stores of partial tiles (bf16); PROBES picks some),
 # into fp8probe.log; PROBE_DTYPES (default fp8): "fp8 bf16" also the bf16 layers;
 # PROBE_SECTIONS (default SpeedOfLight): the ncu sections, e.g. "SpeedOfLight MemoryWorkloadAnalysis".
 # Not in all.

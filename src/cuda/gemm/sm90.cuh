@@ -120,8 +120,10 @@
  * 2, the FP8 consumers skip the promotion of each k block's sums; bit 4, the
  * consumers skip the proxy fence before their wgmma; bit 8, the consumers
  * store nothing (every epilogue, bf16 and FP8, ends before its stores: its
- * arithmetic and global stores are gone, the wgmma stay). What is left of
- * the time under each says what the removed part costs. */
+ * arithmetic and global stores are gone, the wgmma stay); bit 16, a bf16/f16
+ * consumer whose tile has fewer than 64 rows (an expert's last, partial one)
+ * treats it as missing: no wgmma, no stores, while its loads stay. What is
+ * left of the time under each says what the removed part costs. */
 #ifndef ML_SM90_PROBE
 #define ML_SM90_PROBE 0
 #endif
@@ -1233,7 +1235,8 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     const int nb = hd[0];
     if (nb < 0) break;
     const int row0 = hd[1 + cw], rows = hd[3 + cw];
-    const int active = rows > 0; /* uniform over the warpgroup */
+    /* uniform over the warpgroup (probe bit 16: partial tiles skipped) */
+    const int active = rows > 0 && !((ML_SM90_PROBE & 16) && rows < 64);
     int32_t sx[2];
     float sc[2] = {1.0f, 1.0f};
     if (MODE == ML_SM90_SCALED) ml_sm90_scale_index(p, row0, rows, rl, sx);
