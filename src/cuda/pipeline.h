@@ -100,6 +100,23 @@ moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits, int32_t *c
  * A stable counting sort of the T*k pairs by expert id (invalid ids sort last
  * as key E) in two kernels that also write offsets, tiles, sorted_pairs and
  * pair_rows; up to ML_P_THREADS pairs in one. */
+/* A plan's device pointers, as the plan kernels (plan.cuh) and the
+ * expert-parallel layer's round plans write them. */
+typedef struct ml_plan_ptrs {
+  int32_t *offsets, *sorted_pairs, *pair_rows, *tiles, *num_tiles;
+} ml_plan_ptrs;
+
+/* The device pointers of a plan view. */
+static inline ml_plan_ptrs ml_plan_ptrs_of(const moelink_plan_t *plan) {
+  ml_plan_ptrs p;
+  p.offsets = plan->expert_offsets;
+  p.sorted_pairs = plan->sorted_pairs;
+  p.pair_rows = plan->pair_rows;
+  p.tiles = plan->tiles;
+  p.num_tiles = plan->num_tiles;
+  return p;
+}
+
 typedef struct ml_cuda_plan_ws {
   int32_t *counts; /* ml_cuda_plan_ws_bytes: each chunk's count of each key */
   size_t bytes;

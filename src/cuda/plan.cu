@@ -219,9 +219,8 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     return ml_fail(MOELINK_ERR_CUDA, "launch of ml_plan_count (%d blocks) failed: %s", chunks,
                    cudaGetErrorString(e));
   }
-  const int32_t *ccounts = counts;
-  ml_plan_ptrs pp = p;
-  void *sargs[] = {(void *)&ids, &P, &E, &ch, (void *)&ccounts, &pp};
+  /* (counts: the scatter's const int32_t * has the same representation) */
+  void *sargs[] = {(void *)&ids, &P, &E, &ch, &counts, (void *)&p};
   e = ml_launch_kernel((const void *)ml_plan_scatter, dim3((unsigned)chunks), dim3(ML_P_THREADS), 0,
                        pdl, stream, sargs);
   if (e != cudaSuccess) {

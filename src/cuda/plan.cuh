@@ -18,21 +18,6 @@
 
 static_assert(ML_P_THREADS >= ML_CUDA_MAX_EXPERTS, "a thread for each expert");
 
-typedef struct ml_plan_ptrs {
-  int32_t *offsets, *sorted_pairs, *pair_rows, *tiles, *num_tiles;
-} ml_plan_ptrs;
-
-/* The device pointers of a plan view. */
-static inline ml_plan_ptrs ml_plan_ptrs_of(const moelink_plan_t *plan) {
-  ml_plan_ptrs p;
-  p.offsets = plan->expert_offsets;
-  p.sorted_pairs = plan->sorted_pairs;
-  p.pair_rows = plan->pair_rows;
-  p.tiles = plan->tiles;
-  p.num_tiles = plan->num_tiles;
-  return p;
-}
-
 /* Shared-memory scratch of ml_plan_block / ml_plan_schedule. */
 typedef struct ml_plan_scratch {
   uint32_t *key;  /* [ML_P_THREADS] */

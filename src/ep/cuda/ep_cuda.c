@@ -376,11 +376,7 @@ static moelink_status_t ml_epc_pipes_init(ml_epc *w) {
     moelink_plan_t lp;
     ML_TRY(moelink_plan_view(ml_epc_plan_of(w, p), rows, a->kl, a->El,
                              moelink_moe_tile_rows(ml_epc_local_of(w, p)), &lp));
-    v->p_offsets = lp.expert_offsets;
-    v->p_sorted = lp.sorted_pairs;
-    v->p_rows = lp.pair_rows;
-    v->p_tiles = lp.tiles;
-    v->p_ntiles = lp.num_tiles;
+    v->plan = ml_plan_ptrs_of(&lp);
   }
   if (w->pipes < 2)
     return MOELINK_SUCCESS;

@@ -4,6 +4,7 @@
 #ifndef MOELINK_EP_CUDA_H
 #define MOELINK_EP_CUDA_H
 
+#include "cuda/pipeline.h"
 #include "moelink_device.cuh"
 
 #include <cuda_runtime_api.h>
@@ -79,7 +80,7 @@ typedef struct ml_epc_args {
   /* rounds mode: the local layer's plan over cap rows, which the receive
    * kernel and ml_epc_round_plan write directly (a round's pairs arrive in
    * expert order: no sort) */
-  int32_t *p_offsets, *p_sorted, *p_rows, *p_tiles, *p_ntiles;
+  ml_plan_ptrs plan;
   unsigned *ticket;  /* zero between kernels */
   /* this rank's device scratch */
   int32_t *slot_rows; /* [max_tokens][k]: t*k+j, or -1 for an empty slot (its

@@ -315,8 +315,8 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
         if (a.direct_plan) {
           /* the pair's place in the round is its place in the plan's order */
           const int sp = __ldcg(m + 2 + 2 * a.k + j) - a.round * a.cap;
-          a.p_sorted[sp] = r * a.kl + q;
-          a.p_rows[(size_t)r * a.kl + q] = sp;
+          a.plan.sorted_pairs[sp] = r * a.kl + q;
+          a.plan.pair_rows[(size_t)r * a.kl + q] = sp;
         }
         slots[q] = j;
         ++q;
@@ -333,7 +333,7 @@ static __device__ __forceinline__ void ml_epc_receive_body(const ml_epc_args &a,
       a.lids[(size_t)r * a.kl + q] = -1;
       a.lwts[(size_t)r * a.kl + q] = 0.f;
       if (a.direct_plan)
-        a.p_rows[(size_t)r * a.kl + q] = -1;
+        a.plan.pair_rows[(size_t)r * a.kl + q] = -1;
     }
   }
   if (FMT == MOELINK_QUANT_NONE) return;
@@ -594,13 +594,7 @@ __global__ void __launch_bounds__(ML_P_THREADS)
     begin = min(max(a.lbase[tid] - first, 0), a.cap);
     end = min(max(a.lbase[tid + 1] - first, 0), a.cap);
   }
-  ml_plan_ptrs plan;
-  plan.offsets = a.p_offsets;
-  plan.sorted_pairs = a.p_sorted;
-  plan.pair_rows = a.p_rows;
-  plan.tiles = a.p_tiles;
-  plan.num_tiles = a.p_ntiles;
-  ml_plan_schedule(a.El, begin, end, plan, ml_plan_scratch_at(scratch));
+  ml_plan_schedule(a.El, begin, end, a.plan, ml_plan_scratch_at(scratch));
 }
 
 /* ---- launchers ------------------------------------------------------------------ */
