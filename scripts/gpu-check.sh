@@ -14,10 +14,10 @@
 # alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
 # fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), mgpu1 (the EP mgpu
-# tests with one rank on one GPU; not in all), profile (nsys + ncu
-# kernel times at decode sizes; not in all), trace (bench/trace_layer.py: the kernels of
-# back-to-back calls at 8192 tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and
-# fp8, AB_ENV variants; not in all); test = gpu mgpu;
+# tests with one rank on one GPU; not in all), profile (nsys + ncu kernel times at decode
+# sizes; not in all), trace (bench/trace_layer.py: the kernels of back-to-back calls at 8192
+# tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and fp8,
+# AB_ENV variants; not in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
 # machine) is their rank count, the mgpu tests' too (issue 7: 4 and 8).
@@ -389,8 +389,9 @@ fi
 # The layer's kernels as they run back to back (bench/trace_layer.py: the PyTorch profiler's
 # CUPTI trace of flush + call pairs, nvidia-smi clocks beside it). Not in all. TRACE_PRESETS,
 # TRACE_TOKENS (default 8192); TRACE_AB="VAR=v[,VAR=v] ...": again under each word.
-if case "$PARTS" in *" trace "*) true;; *) false;; esac && python3 -c 'import torch' 2>/dev/null; then
-  for v in "" ${TRACE_AB:-}; do
+if case "$PARTS" in *" trace "*) true;; *) false;; esac; then
+  python3 -c 'import torch' 2>/dev/null || { log "trace: no torch on this machine"; rc=1; TRACE_SKIP=1; }
+  [ -z "${TRACE_SKIP:-}" ] && for v in "" ${TRACE_AB:-}; do
     log "trace ${TRACE_PRESETS:-deepseek-v3,qwen3-30b-a3b,mixtral-8x7b} at ${TRACE_TOKENS:-8192}${v:+ with $v}"
     env ${v//,/ } MOELINK_LIBRARY=$PWD/$BUILD/libmoelink.so PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 \
       python3 bench/trace_layer.py --preset "${TRACE_PRESETS:-deepseek-v3,qwen3-30b-a3b,mixtral-8x7b}" \

@@ -1,8 +1,8 @@
 """`moelink bench ep` on CPU ranks: it must exit 0 and write JSON that parses
 and holds one row per token count with positive times, no NCCL column on the
 cpu backend, row counts inside what T tokens of top-k routing allow, and
-bytes and rates that follow from them, and the --steps / --rounds rows. Also: outside the launcher it fails
-(exit 1) and a bad option is a usage error (exit 2).
+bytes and rates that follow from them, and the --steps / --rounds rows. Also:
+outside the launcher it fails (exit 1) and a bad option is a usage error (exit 2).
 
 usage: bench_ep_smoke.py MOELINK_EXE JSON_PATH [NRANKS (default 2)]"""
 import json

@@ -232,7 +232,6 @@ GU_FN void gu_rows_free(gu_rows *t) {
   free(t->dst);
 }
 
-/* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
 /* A pinned host copy of `bytes` of device memory (a copy engine's source:
  * host-to-device copies need no SM); free with gu_pinned_free. */
 GU_FN void *gu_pinned_copy(const void *d, size_t bytes) {
@@ -358,6 +357,7 @@ GU_FN void gu_feed_free(gu_feed *f) {
   gu_free(f->d_ctl);
 }
 
+/* 0xFF bytes: NaN in bf16, f16 and f32, -1 in int32: unwritten output shows. */
 GU_FN void gu_poison(void *d, size_t bytes) {
   if (bytes) GU_CUDA(cudaMemset(d, 0xFF, bytes));
 }

@@ -27,8 +27,7 @@
  * x; argument errors (rank-symmetric where a rank might not take part; more
  * than call_tokens tokens: taken part with none); rounds mode (recv_capacity
  * below the whole step: 1/8 of it, 3 rows, with steps, FP8 rows, FP8 experts
- * and skew;
- * a dispatch that fits one round, one that does not, a capture).
+ * and skew; a dispatch that fits one round, one that does not, a capture).
  *
  *   moelink launch -n 2 -- mgpu_test_ep */
 #include "mgpu.h"

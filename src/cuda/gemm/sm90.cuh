@@ -1540,9 +1540,9 @@ ml_sm90_consumer_fp8(const ml_sm90_args *p, uint32_t base, uint32_t scales, uint
  * PTX fallback) its body is empty and the host never launches it there.
  * FP8 = 1: e4m3 operands (ml_sm90_cfg<1>), DT the output's dtype; FP8 = 2
  * (SwiGLU only) the same with e4m3 output rows and scales (ml_sm90_cfg<2>);
- * FP8 = 5 the wide tile's scaled GEMM with TMA stores (ml_sm90_cfg<5>),
  * FP8 = 3 the wide e4m3 tile (ml_sm90_cfg<3>, one CTA), FP8 = 4 the same
- * with e4m3 output (ml_sm90_cfg<4>). */
+ * with e4m3 output (ml_sm90_cfg<4>), FP8 = 5 the wide tile's scaled GEMM
+ * with TMA stores (ml_sm90_cfg<5>). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_sm90_kernel(const __grid_constant__ CUtensorMap map_b,
