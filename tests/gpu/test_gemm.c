@@ -879,19 +879,24 @@ int main(void) {
   };
   for (size_t i = 0; i < sizeof odd / sizeof odd[0]; ++i) run_case(&odd[i], &pa);
 
-  /* Many experts (64, 0 to 160 rows each, a few gaps): a few hundred work
+  /* Many experts (64, 0 to 420 rows each, a few gaps): a few hundred work
    * items, so every persistent CTA takes several and walks past many
-   * experts between two of them. */
+   * experts between two of them; in clusters, experts with an odd number of
+   * units (up to 4 units here) add split items to their pairs, and the
+   * swiglu's 3 and the scaled GEMM's 3 column blocks leave the last split
+   * item half absent. */
   {
     enum { ME = 64 };
     int count[ME], gap[ME];
     for (int e = 0; e < ME; ++e) {
-      count[e] = (int)(rng_next() % 161u);
+      count[e] = (int)(rng_next() % 421u);
       gap[e] = e % 16 == 5 ? 3 : 0;
     }
     count[7] = 0;
     count[8] = 64;
     count[9] = 128;
+    count[10] = 320; /* five tiles: a pair and an odd unit of one tile */
+    count[11] = 384; /* three full units */
     problem pm;
     problem_counts(&pm, ME, count, gap, 4);
     static const gemm_case many = {

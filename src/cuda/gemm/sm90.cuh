@@ -23,11 +23,11 @@
  * Clusters of two (CL = 2, an option of the launchers): the two CTAs take
  * neighbouring units of one expert and column block, and each loads half of
  * the B box into both CTAs' stage (TMA multicast), halving the L2 reads of B.
- * Measured on H200 (docs/PERF.md) for bf16: the kernel runs at a higher
- * clock (less power) but takes more cycles (the pair waits on each other,
- * and an expert's lone unit leaves half a cluster idle); it pays where the
- * experts have many units (mixtral-8x7b at 8192 tokens, 2048 rows an
- * expert: -2 to -5%), which is where the layers use it (ml_cuda_gemm_opts_for).
+ * An expert's odd last unit is not paired with nothing: the two CTAs take it
+ * at two neighbouring column blocks, each with its own B box (a split item,
+ * ml_sm90_next). Measured on H200 (docs/PERF.md) for bf16: the kernel runs
+ * at a higher clock (less power) but takes more cycles (the pair waits on
+ * each other); the layers use it where it pays (ml_cuda_gemm_opts_for).
  * The FP8 kernel (not its quantizing epilogue) runs in clusters the same way.
  *
  * Rows. The plan cuts each expert's rows into tiles of 64 (the last one
@@ -571,6 +571,7 @@ typedef struct ml_sm90_walk {
 typedef struct ml_sm90_item {
   int expert, nb;       /* expert, column block */
   int row0[2], rows[2]; /* the unit's tiles (rows 0: absent) */
+  int split;            /* CL = 2: each CTA loads its own whole B box (no multicast) */
 } ml_sm90_item;
 
 static __device__ __forceinline__ void ml_sm90_tile(const ml_sm90_args *p, int t, int *expert,
@@ -619,10 +620,27 @@ static __device__ __forceinline__ void ml_sm90_walk_init(const ml_sm90_args *p,
   s->work = 0;
 }
 
+/* Work items of one expert's segment of nt tiles (units of two tiles). CL =
+ * 2: pairs of units, and an odd unit's split items (ml_sm90_next). */
+template <int CL> static __device__ __forceinline__ int ml_sm90_seg_work(int nt, int nblocks) {
+  const int units = (nt + 1) >> 1;
+  if (CL == 1)
+    return units * nblocks;
+  return (units >> 1) * nblocks + (units & 1) * ((nblocks + 1) >> 1);
+}
+
 /* Work item w (w only grows from call to call). Returns 0 past the last.
- * CL = 2 (a cluster of two CTAs): an item is a pair of units, the CTA of
- * cluster rank r takes unit 2 q + r of pair q; a unit past the expert's end
- * is absent (rows 0: its CTA still loads its half of B and takes part). */
+ * CL = 2 (a cluster of two CTAs): an item is a pair of neighbouring units of
+ * one expert at one column block, the CTA of cluster rank r taking unit
+ * 2 q + r, both CTAs' B rows loaded half by each (multicast); an expert's
+ * odd last unit goes in split items instead: the unit at column blocks 2 j
+ * (rank 0) and 2 j + 1 (rank 1), each CTA loading its own B box (with an
+ * odd number of column blocks the last split item has rank 1 absent: rows
+ * 0, no loads). Ordering, within an expert: groups of ML_SM90_GROUP / CL
+ * units (pairs), column blocks outer; in the last group of an expert with
+ * an odd unit, column blocks go two at a time, each pair of blocks followed
+ * by its split item, so the odd unit reads the B boxes its expert's pairs
+ * have just brought into L2. */
 template <int CL>
 static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm90_walk *s, int w,
                                                    ml_sm90_item *it, int rank) {
@@ -635,29 +653,44 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
       return 0;
     }
     s->nt = ml_sm90_seg_len(p, s->t0, s->num_tiles);
-    s->work = ((((s->nt + 1) >> 1) + CL - 1) / CL) * p->nblocks;
+    s->work = ml_sm90_seg_work<CL>(s->nt, p->nblocks);
   }
-  const int units = (((s->nt + 1) >> 1) + CL - 1) / CL; /* items of one column block */
+  const int units = (s->nt + 1) >> 1;
+  const int pairs = CL == 1 ? units : units >> 1; /* items of one column block, odd unit aside */
+  const int odd = CL == 1 ? 0 : units & 1;
   constexpr int GROUP = ML_SM90_GROUP / CL;
-  const int local = w - s->w0;
-  const int full = units / GROUP, per_group = GROUP * p->nblocks;
+  const int local = w - s->w0, nblocks = p->nblocks;
+  const int full = pairs / GROUP, per_group = GROUP * nblocks;
   int u;
+  it->split = 0;
+  it->row0[0] = it->rows[0] = it->row0[1] = it->rows[1] = 0;
   if (local < full * per_group) {
     const int g = local / per_group, rem = local - g * per_group;
     it->nb = rem / GROUP;
-    u = g * GROUP + rem % GROUP;
+    u = (g * GROUP + rem % GROUP) * CL + rank;
   } else {
-    const int gs = units - full * GROUP, rem = local - full * per_group;
-    it->nb = rem / gs;
-    u = full * GROUP + rem % gs;
-  }
-  u = u * CL + rank;
-  it->row0[0] = it->rows[0] = it->row0[1] = it->rows[1] = 0;
-  if (2 * u >= s->nt) {
-    /* absent unit: the expert still names the B box (the pair's other unit) */
-    int r0, r;
-    ml_sm90_tile(p, s->t0, &it->expert, &r0, &r);
-    return 1;
+    const int gs = pairs - full * GROUP, rem = local - full * per_group;
+    if (!odd) {
+      it->nb = rem / gs;
+      u = (full * GROUP + rem % gs) * CL + rank;
+    } else {
+      /* two column blocks' pairs, then their split item */
+      const int j = rem / (2 * gs + 1), q = rem - j * (2 * gs + 1);
+      const int in_pairs = (2 * j + 1 < nblocks ? 2 : 1) * gs;
+      if (q < in_pairs) {
+        it->nb = 2 * j + q / gs;
+        u = (full * GROUP + q % gs) * CL + rank;
+      } else {
+        it->split = 1;
+        it->nb = 2 * j + rank;
+        u = units - 1;
+        if (it->nb >= nblocks) {
+          int r0, r;
+          ml_sm90_tile(p, s->t0, &it->expert, &r0, &r);
+          return 1; /* absent: no loads, no MMAs */
+        }
+      }
+    }
   }
   const int ta = s->t0 + 2 * u;
   ml_sm90_tile(p, ta, &it->expert, &it->row0[0], &it->rows[0]);
@@ -838,11 +871,25 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[3] = it.rows[0];
           h[4] = it.rows[1];
         }
-        if (skip)
+        /* (an absent split item's CTA loads no B: nothing to expect) */
+        const bool no_b = skip || (CL > 1 && it.split && it.rows[0] == 0);
+        if (no_b)
           ml_mbar_arrive(full);
         else
           ml_mbar_arrive_tx(full, C::B_BYTES);
-        if (skip) {
+        if (no_b) {
+        } else if (CL > 1 && it.split) {
+          /* a split item: the whole B box into this CTA's stage only, as the
+           * two halves the cluster's multicast would bring */
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t dst = a_s + C::A_BYTES + (uint32_t)(h * (C::B_BYTES / 2));
+            if (MODE == ML_SM90_SWIGLU)
+              ml_tma_load_4d(dst, map, full, kt * C::BK, it.nb * cols, h, it.expert);
+            else
+              ml_tma_load_4d(dst, map, full, kt * C::BK, it.nb * cols + h * (C::BN / 2), 0,
+                             it.expert);
+          }
         } else if (CL > 1) {
           /* this CTA's half of the B rows, into both CTAs' stage: SwiGLU the
            * gate (rank 0) or up (rank 1) rows, scaled rows 128 rank on */
