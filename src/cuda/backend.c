@@ -438,7 +438,8 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (!x_ready)
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 1);
+    const ml_cuda_gemm_opts go =
+        ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 1);
     /* h quantized in the gate/up GEMM's epilogue when asked for and the
      * engine can (the same bytes and scales as quantizing its fp32 output),
      * else after it */
@@ -453,7 +454,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     if (!fused)
       ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
                               m->hs, sms, st));
-    ml_cuda_gemm_opts dgo = go;
+    ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->inter, 1);
     dgo.out_rows = out_rows;
     ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
                                    (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
@@ -516,12 +517,13 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                                  y, 0, &o, st));
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, 0);
+  const ml_cuda_gemm_opts go =
+      ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 0);
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
                              plan->max_tiles, 0, m->h, &go, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
-  ml_cuda_gemm_opts dgo = go;
+  ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->inter, 0);
   dgo.out_rows = out_rows;
   ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
                              plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights, down_index,
@@ -602,7 +604,10 @@ static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int
   const moelink_moe_config_t *cfg = &moe->cfg;
   const moelink_moe_weights_t *w = &moe->w;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->fp8_shared);
+  /* gate/up (k = hidden) and down (k = shared_inter) */
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->hidden, cfg->fp8_shared);
+  const ml_cuda_gemm_opts dgo =
+      ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->shared_inter, cfg->fp8_shared);
   if (cfg->fp8_shared) {
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, NULL, 1,
                                    (const uint8_t *)w->shared_gate_up, w->shared_gate_up_scale,
@@ -612,12 +617,12 @@ static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int
     return ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
                                    (const uint8_t *)w->shared_down, w->shared_down_scale,
                                    cfg->hidden, cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL,
-                                   m->sh_out, 1, &go, st);
+                                   m->sh_out, 1, &dgo, st);
   }
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, w->shared_gate_up,
                              cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, &go, st));
   return ml_cuda_gemm_scaled(cfg->dtype, m->sh_h, cfg->shared_inter, w->shared_down, cfg->hidden,
-                             cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1, &go,
+                             cfg->shared_inter, NULL, NULL, 0, T, NULL, NULL, m->sh_out, 1, &dgo,
                              st);
 }
 

@@ -133,11 +133,14 @@ typedef struct ml_cuda_gemm_opts {
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over
- * `experts` experts (dense: 1): the counter, and clusters where the average
- * expert has MOELINK_GEMM_SM90_CLUSTER_ROWS rows or more (default 1536:
- * enough units an expert that few clusters are left half idle; fp8: the FP8
- * GEMMs, MOELINK_GEMM_FP8_CLUSTER_ROWS, default 0: never; see docs/PERF.md). */
-ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts, int fp8);
+ * `experts` experts (dense: 1) and inner dimension k: the counter, and
+ * clusters where the average expert has MOELINK_GEMM_SM90_CLUSTER_ROWS rows
+ * or more (default 256: two full units, so that most units pair) and k is
+ * at least MOELINK_GEMM_SM90_CLUSTER_K (default 4096: a short k loop pays
+ * the pair's coupling at every item and gains little); fp8: the FP8 GEMMs,
+ * MOELINK_GEMM_FP8_CLUSTER_ROWS, default 0: never; see docs/PERF.md. */
+ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts, int k,
+                                        int fp8);
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.

@@ -508,7 +508,8 @@ static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *
 }
 
 /* See cuda.h. */
-MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 1536)
+MOELINK_PARAM(GEMM_SM90_CLUSTER_ROWS, 256)
+MOELINK_PARAM(GEMM_SM90_CLUSTER_K, 4096)
 MOELINK_PARAM(GEMM_FP8_CLUSTER_ROWS, 0)
 MOELINK_PARAM(GEMM_FP8_TILE, 256)
 
@@ -521,7 +522,7 @@ static int ml_sm90_fp8_tile(const ml_cuda_gemm_opts *opts) {
 }
 
 extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts,
-                                                   int fp8) {
+                                                   int k, int fp8) {
   ml_cuda_gemm_opts o;
   o.counter = counter;
   o.fp8_tile = 0;
@@ -529,7 +530,10 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   o.wait = NULL;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
-  o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts ? 2 : 1;
+  o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts &&
+                      k >= (int)ml_param_GEMM_SM90_CLUSTER_K()
+                  ? 2
+                  : 1;
   return o;
 }
 

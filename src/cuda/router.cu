@@ -831,7 +831,7 @@ extern "C" moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits,
     /* a large batch: the logits from the GEMM engine, the kernel selects
      * (not when the router kernel is to build the plan too: one block of
      * tokens, the kernel's own logits) */
-    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(counter, a->num_tokens, 1, 0);
+    const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(counter, a->num_tokens, 1, a->hidden, 0);
     ML_TRY(ml_cuda_gemm_scaled(a->dtype, a->x, a->hidden, a->w, a->num_experts, a->hidden, NULL,
                                NULL, 0, a->num_tokens, NULL, NULL, logits, 1, &go, stream));
     a->logits = logits;

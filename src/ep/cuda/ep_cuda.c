@@ -486,11 +486,12 @@ static moelink_status_t ml_epc_shared(moelink_ep_t ep, ml_epc *w, const void *x,
   const moelink_moe_weights_t *wt = &ep->w;
   if (T == 0 || c->shared_inter == 0)
     return MOELINK_SUCCESS;
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, 0);
+  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(w->sched, T, 1, c->hidden, 0);
+  const ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(w->sched, T, 1, c->shared_inter, 0);
   ML_TRY(ml_cuda_gemm_swiglu(c->dtype, x, c->hidden, NULL, 1, wt->shared_gate_up, c->shared_inter,
                              c->hidden, NULL, NULL, 0, T, w->sh_h, &go, st));
   return ml_cuda_gemm_scaled(c->dtype, w->sh_h, c->shared_inter, wt->shared_down, c->hidden,
-                             c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, &go, st);
+                             c->shared_inter, NULL, NULL, 0, T, NULL, NULL, w->sh_out, 1, &dgo, st);
 }
 
 /* Rounds mode learns each step's rounds on the host: refused while the
