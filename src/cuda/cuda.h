@@ -113,8 +113,8 @@ typedef struct ml_cuda_gemm_opts {
   /* 2: clusters of two CTAs that take neighbouring units of an expert and
    * share each weight box (TMA multicast), where the device can run them
    * (not the FP8 SwiGLU with e4m3 output); anything else: one CTA. Pays, if
-   * at all, where experts have two units (256 rows) or more: a lone unit
-   * leaves its partner CTA idle. */
+   * at all, where experts have two units (256 rows) or more: an expert's
+   * odd unit gets no multicast (sm90.cuh). */
   int cluster;
   /* FP8 GEMMs: 256 the 128 x 256 tile, 128 the 128 x 128 one (the one that
    * runs in clusters and quantizes its output); 0: MOELINK_GEMM_FP8_TILE
@@ -141,6 +141,23 @@ typedef struct ml_cuda_gemm_opts {
  * MOELINK_GEMM_FP8_CLUSTER_ROWS, default 0: never; see docs/PERF.md. */
 ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long rows, int experts, int k,
                                         int fp8);
+
+/* The dense scaled GEMM out = a b^T of `rows` rows with fp32 output, k cut
+ * into `parts` equal slices of whole 64-element steps (parts divides
+ * ceil(k / 64)): slice s's sums go to out + s * rows * n, [parts][rows][n]
+ * in all, and the caller adds the parts in order (deterministic). Where the
+ * sm_90a engine does not run, part 0 gets the whole sum and the others
+ * zeros. For GEMMs whose rows and columns give fewer work items than SMs
+ * (the router's logits). opts: the counter (clusters never; no rows by
+ * pointer, no row waits). parts <= 1: ml_cuda_gemm_scaled. */
+moelink_status_t ml_cuda_gemm_splitk(moelink_dtype_t dt, const void *a, int lda, const void *b,
+                                     int n, int k, int rows, float *out, int parts,
+                                     const ml_cuda_gemm_opts *opts, cudaStream_t stream);
+/* The parts ml_cuda_gemm_splitk should cut k into for that GEMM on the
+ * current device: the most (up to max_parts) that still give every work
+ * item an SM of its own, each part 4 or more steps, dividing ceil(k / 64);
+ * 1 where the sm_90a engine does not run or MOELINK_GEMM_SPLITK=0. */
+int ml_cuda_gemm_splitk_parts(int rows, int n, int k, int max_parts);
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.

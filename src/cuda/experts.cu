@@ -610,6 +610,7 @@ static void ml_sm90_args_fill(ml_sm90_args *q, const void *a, const int32_t *a_i
   q->nblocks = (n + cols - 1) / cols;
   q->max_tiles = max_tiles;
   q->dense_rows = dense_rows;
+  q->ksplit = 1;
   q->sched = opts != NULL && ml_param_GEMM_SM90_DYNAMIC() != 0 ? opts->counter : NULL;
   if (opts != NULL && opts->wait != NULL)
     q->wait = *opts->wait;
@@ -690,12 +691,13 @@ static moelink_status_t ml_scaled_launch(const ml_scaled_args *p, dim3 grid, int
   return MOELINK_SUCCESS;
 }
 
-extern "C" moelink_status_t
-ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, int n, int k,
-                    const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int dense_rows,
-                    const float *row_scale, const int32_t *scale_index, void *out, int out_f32,
-                    const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
-  const char *what = "ml_cuda_gemm_scaled";
+/* ml_cuda_gemm_scaled, and with ksplit > 1 (sm_90a only; checked by the
+ * caller) ml_cuda_gemm_splitk's k slices. */
+static moelink_status_t
+ml_gemm_scaled_run(const char *what, moelink_dtype_t dt, const void *a, int lda, const void *b,
+                   int n, int k, const int32_t *tiles, const int32_t *num_tiles, int max_tiles,
+                   int dense_rows, const float *row_scale, const int32_t *scale_index, void *out,
+                   int out_f32, const ml_cuda_gemm_opts *opts, int ksplit, cudaStream_t stream) {
   unsigned gx = 0, gy = 0;
   ML_TRY(ml_gemm_check(what, dt, a, lda, b, n, k, tiles, num_tiles, max_tiles, dense_rows, out,
                        ML_SCALED_COLS, &gx, &gy));
@@ -710,10 +712,13 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
   if (sm90) {
     const int cols = ML_SM90_SCALED_COLS; /* output columns of a work item */
     int cl = 1;
-    if (out_f32)
+    if (ksplit > 1) {
+      /* (k slices run one CTA each) */
+    } else if (out_f32) {
       ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 1>(dt, opts, &cl)));
-    else
+    } else {
       ML_TRY((ml_sm90_cl_dt<ML_SM90_SCALED, 0>(dt, opts, &cl)));
+    }
     /* clusters: a CTA's box is half the tile's rows */
     CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
     ML_TRY(ml_sm90_map_b(map, dt, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
@@ -721,7 +726,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
-    unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms);
+    q.ksplit = ksplit;
+    unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks * ksplit, sms);
     if (!out_f32 && out_rows == NULL)
       q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, stream)
@@ -753,6 +759,78 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
                                                           "ml_scaled_kernel<f16, f32 out>", stream)
                  : ml_scaled_launch<MOELINK_DTYPE_F16, 0>(&p, grid, ML_K_SCALED_F16,
                                                           "ml_scaled_kernel<f16>", stream);
+}
+
+extern "C" moelink_status_t
+ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, int n, int k,
+                    const int32_t *tiles, const int32_t *num_tiles, int max_tiles, int dense_rows,
+                    const float *row_scale, const int32_t *scale_index, void *out, int out_f32,
+                    const ml_cuda_gemm_opts *opts, cudaStream_t stream) {
+  return ml_gemm_scaled_run("ml_cuda_gemm_scaled", dt, a, lda, b, n, k, tiles, num_tiles, max_tiles,
+                            dense_rows, row_scale, scale_index, out, out_f32, opts, 1, stream);
+}
+
+/* ---- k split into slices (dense, fp32 out) ----------------------------------- */
+
+MOELINK_PARAM(GEMM_SPLITK, 1)
+enum { ML_SPLITK_MIN_STEPS = 4 };
+
+extern "C" int ml_cuda_gemm_splitk_parts(int rows, int n, int k, int max_parts) {
+  if (ml_param_GEMM_SPLITK() == 0 || rows <= 0 || n <= 0 || k <= 0)
+    return 1;
+  int sm90 = 0, sms = 0;
+  if (ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms) != MOELINK_SUCCESS) {
+    ml_clear_error(); /* (the GEMM itself reports it) */
+    return 1;
+  }
+  if (!sm90 || sms <= 0)
+    return 1;
+  const long long items =
+      (((long long)rows + 127) / 128) * ((n + ML_SM90_SCALED_COLS - 1) / ML_SM90_SCALED_COLS);
+  const int ktiles = (k + ML_SM90_BK - 1) / ML_SM90_BK;
+  /* the most parts that leave no SM without an item, each part at least
+   * ML_SPLITK_MIN_STEPS k steps (the ring's fill and the epilogue amortized),
+   * whole k steps each */
+  int best = 1;
+  for (int s = 2; s <= max_parts && s <= ktiles / ML_SPLITK_MIN_STEPS; ++s)
+    if (ktiles % s == 0 && items * s <= (long long)sms)
+      best = s;
+  return best;
+}
+
+extern "C" moelink_status_t ml_cuda_gemm_splitk(moelink_dtype_t dt, const void *a, int lda,
+                                                const void *b, int n, int k, int rows, float *out,
+                                                int parts, const ml_cuda_gemm_opts *opts,
+                                                cudaStream_t stream) {
+  const char *what = "ml_cuda_gemm_splitk";
+  if (parts <= 1)
+    return ml_gemm_scaled_run(what, dt, a, lda, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 1,
+                              opts, 1, stream);
+  const int ktiles = (k + ML_SM90_BK - 1) / ML_SM90_BK;
+  if (k <= 0 || ktiles % parts != 0)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: %d parts do not divide k %d's %d steps of %d",
+                   what, parts, k, ktiles, ML_SM90_BK);
+  if (opts != NULL && (opts->out_rows != NULL || opts->wait != NULL))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: no rows by pointer nor row waits", what);
+  if (rows < 0 || (size_t)rows * (size_t)parts > (size_t)INT32_MAX)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: %d rows x %d parts out of range", what, rows,
+                   parts);
+  int sm90 = 0, sms = 0;
+  ML_TRY(ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms));
+  if (sm90) {
+    ml_cuda_gemm_opts o = opts != NULL ? *opts : ml_cuda_gemm_opts{};
+    o.cluster = 1;
+    return ml_gemm_scaled_run(what, dt, a, lda, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 1,
+                              &o, parts, stream);
+  }
+  /* another engine: the whole sum in part 0, zeros in the others */
+  ML_TRY(ml_gemm_scaled_run(what, dt, a, lda, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 1,
+                            opts, 1, stream));
+  if (rows > 0 && n > 0)
+    ML_CUDA_TRY(cudaMemsetAsync(out + (size_t)rows * (size_t)n, 0,
+                                (size_t)(parts - 1) * (size_t)rows * (size_t)n * sizeof(float),
+                                stream));
+  return MOELINK_SUCCESS;
 }
 
 /* ---- FP8 operands ----------------------------------------------------------- */

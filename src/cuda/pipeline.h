@@ -55,6 +55,9 @@ typedef struct ml_cuda_router_args {
    * grouped GEMM engine (ml_cuda_router_gemm_wanted): the kernel then only
    * selects; splits 1 and pdl 0 */
   const float *logits;
+  /* logits given: in this many parts [logit_parts][T][E] that the kernel
+   * adds in order (ml_cuda_gemm_splitk); 0 or 1: one */
+  int logit_parts;
 } ml_cuda_router_args;
 
 /* The arguments that route T tokens of x as the layer cfg does, with router
@@ -75,7 +78,10 @@ int ml_cuda_router_builds_plan(int num_tokens, int top_k);
  * logits: from MOELINK_ROUTER_GEMM_MIN_TOKENS tokens (docs/ENV.md), where
  * the kernel's 16-token blocks each stream all of W through L2. */
 int ml_cuda_router_gemm_wanted(int num_tokens, int num_experts, int hidden);
-/* Floats of logits scratch a layer of max_tokens needs for that (0: none). */
+/* Floats of logits scratch a layer of max_tokens needs for that (0: none):
+ * room for the parts of ml_cuda_gemm_splitk too, parts * T <=
+ * max(max_tokens, ML_CUDA_ROUTER_PART_ROWS). */
+#define ML_CUDA_ROUTER_PART_ROWS 16384
 size_t ml_cuda_router_logits_floats(int max_tokens, int num_experts, int hidden);
 /* Tickets the router may use with sm_count SMs. */
 size_t ml_cuda_router_tickets(int sm_count);

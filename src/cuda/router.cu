@@ -73,7 +73,8 @@ typedef struct ml_router_params {
   float *weights;
   float *partials;
   int32_t *tickets;
-  const float *logits; /* NULL, or [T, E] computed before: select only */
+  const float *logits; /* NULL, or [parts][T, E] computed before: select only */
+  int parts;           /* logits: their parts, added in order */
   ml_plan_ptrs plan;
   int build_plan;             /* one block of tokens: this CTA builds the plan too */
   int cta_select;             /* the whole CTA selects (small rows * E^2); two-level sums */
@@ -640,6 +641,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
    * the host): 16-byte loads, all of a thread's in flight together, then
    * the stores (one load latency, not one a float) */
   const float4 *src = (const float4 *)(p.logits + (size_t)t0 * (size_t)p.E);
+  const size_t part4 = (size_t)p.T * (size_t)p.E / 4; /* float4s a part */
   const int n4 = rows * p.E / 4;
   for (int i0 = (int)threadIdx.x; i0 < n4; i0 += ML_R_BATCH * ML_R_THREADS) {
     float4 v[ML_R_BATCH];
@@ -648,6 +650,23 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
       const int i = i0 + j * ML_R_THREADS;
       if (i < n4)
         v[j] = __ldg(src + i);
+    }
+    /* the parts of a split k, added in order */
+    for (int s = 1; s < p.parts; ++s) {
+      float4 u[ML_R_BATCH];
+#pragma unroll
+      for (int j = 0; j < ML_R_BATCH; ++j) {
+        const int i = i0 + j * ML_R_THREADS;
+        if (i < n4)
+          u[j] = __ldg(src + (size_t)s * part4 + i);
+      }
+#pragma unroll
+      for (int j = 0; j < ML_R_BATCH; ++j) {
+        v[j].x += u[j].x;
+        v[j].y += u[j].y;
+        v[j].z += u[j].z;
+        v[j].w += u[j].w;
+      }
     }
 #pragma unroll
     for (int j = 0; j < ML_R_BATCH; ++j) {
@@ -740,8 +759,9 @@ extern "C" int ml_cuda_router_gemm_wanted(int num_tokens, int num_experts, int h
 }
 
 extern "C" size_t ml_cuda_router_logits_floats(int max_tokens, int num_experts, int hidden) {
+  const int rows = max_tokens > ML_CUDA_ROUTER_PART_ROWS ? max_tokens : ML_CUDA_ROUTER_PART_ROWS;
   return ml_cuda_router_gemm_wanted(max_tokens, num_experts, hidden)
-             ? (size_t)max_tokens * (size_t)num_experts
+             ? (size_t)rows * (size_t)num_experts
              : 0;
 }
 
@@ -792,6 +812,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.partials = a->partials;
   p.tickets = a->tickets;
   p.logits = a->logits;
+  p.parts = a->logit_parts > 1 ? a->logit_parts : 1;
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
   p.cta_select = ml_param_ROUTER_CTA_SELECT() != 0;
@@ -832,9 +853,14 @@ extern "C" moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits,
      * (not when the router kernel is to build the plan too: one block of
      * tokens, the kernel's own logits) */
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(counter, a->num_tokens, 1, a->hidden, 0);
-    ML_TRY(ml_cuda_gemm_scaled(a->dtype, a->x, a->hidden, a->w, a->num_experts, a->hidden, NULL,
-                               NULL, 0, a->num_tokens, NULL, NULL, logits, 1, &go, stream));
+    /* k in parts where the rows alone leave SMs without work (the scratch
+     * holds ML_CUDA_ROUTER_PART_ROWS rows of parts) */
+    const int parts = ml_cuda_gemm_splitk_parts(a->num_tokens, a->num_experts, a->hidden,
+                                                ML_CUDA_ROUTER_PART_ROWS / a->num_tokens);
+    ML_TRY(ml_cuda_gemm_splitk(a->dtype, a->x, a->hidden, a->w, a->num_experts, a->hidden,
+                               a->num_tokens, logits, parts, &go, stream));
     a->logits = logits;
+    a->logit_parts = parts;
     a->splits = 1;
     a->pdl = 0;
   }

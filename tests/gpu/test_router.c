@@ -344,6 +344,56 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
         what, df.flipped, df.ties);
   CHECK(df.off == 0, "%s: weights within 1e-4 of the kernel's own logits' (worst %.2e)", what,
         df.worst);
+  /* The logits with k in parts (ml_cuda_gemm_splitk), added by the kernel:
+   * the parts sum to the whole GEMM's logits, the same experts are chosen. */
+  const int ktiles = (H + 63) / 64;
+  const int part_counts[] = {2, 4, 7};
+  float *hl = gu_host((size_t)T * E * 4);
+  gu_d2h(hl, dl, (size_t)T * E * 4);
+  for (size_t pi = 0; pi < sizeof part_counts / sizeof part_counts[0]; ++pi) {
+    const int parts = part_counts[pi];
+    if (ktiles % parts != 0)
+      continue;
+    char pw[240];
+    snprintf(pw, sizeof pw, "%s, k in %d parts", what, parts);
+    float *dp = gu_dev((size_t)parts * T * E * 4);
+    gu_poison(dp, (size_t)parts * T * E * 4);
+    CHECK_OK(ml_cuda_gemm_splitk(MOELINK_DTYPE_BF16, dx, H, dw, E, H, T, dp, parts, NULL, NULL),
+             pw);
+    GU_CUDA(cudaDeviceSynchronize());
+    float *hp = gu_host((size_t)parts * T * E * 4);
+    gu_d2h(hp, dp, (size_t)parts * T * E * 4);
+    double worst = 0.0;
+    for (size_t i = 0; i < (size_t)T * E; ++i) {
+      float s = hp[i];
+      for (int q = 1; q < parts; ++q)
+        s += hp[(size_t)q * T * E + i];
+      const double d = fabs((double)s - (double)hl[i]) / (1.0 + fabs((double)hl[i]));
+      if (!(d <= worst))
+        worst = d; /* NaN (poison left) counts as worst */
+    }
+    CHECK(worst < 1e-5, "%s: the parts add up to the whole GEMM's logits (worst %.2e)", pw, worst);
+    a.logits = dp;
+    a.logit_parts = parts;
+    routed P2;
+    P2.ids = gu_host((size_t)T * k * 4);
+    P2.w = gu_host((size_t)T * k * 4);
+    P2.plan = NULL;
+    launch(pw, a, T, k, E, 1, NULL, 0, 0, 0, tickets, &P2);
+    const route_diff dp2 = compare_routes(&cfg, &w, hx, &P2, &R, T);
+    CHECK(dp2.flipped == 0 && dp2.off == 0,
+          "%s: the experts and weights of the kernel's own logits (%d differ, %d near ties, "
+          "worst weight %.2e)",
+          pw, dp2.flipped, dp2.ties, dp2.worst);
+    free(P2.ids), free(P2.w), free(hp);
+    gu_free(dp);
+    a.logits = dl;
+    a.logit_parts = 0;
+  }
+  free(hl);
+  CHECK(ml_cuda_gemm_splitk(MOELINK_DTYPE_BF16, dx, H, dw, E, H, T, dl, ktiles + 1, NULL, NULL) ==
+            MOELINK_ERR_INVALID_ARGUMENT,
+        "%s: k in %d parts (not dividing its %d steps) refused", what, ktiles + 1, ktiles);
   /* a bad combination is refused, not run */
   a.splits = 1;
   a.pdl = 1;

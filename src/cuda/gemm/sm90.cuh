@@ -297,6 +297,10 @@ typedef struct ml_sm90_args {
    * shared memory and TMA stores (the kernel's output map), others as
    * before */
   int tma_out;
+  /* k in ksplit equal slices of whole k steps (1: none; dense scaled GEMM
+   * with fp32 output only, one CTA): slice s of an item is an item of its
+   * own whose sums go to rows s * dense_rows on (ml_cuda_gemm_splitk) */
+  int ksplit;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -572,6 +576,7 @@ typedef struct ml_sm90_item {
   int expert, nb;       /* expert, column block */
   int row0[2], rows[2]; /* the unit's tiles (rows 0: absent) */
   int split;            /* CL = 2: each CTA loads its own whole B box (no multicast) */
+  int ks;               /* the k slice (ksplit > 1) */
 } ml_sm90_item;
 
 static __device__ __forceinline__ void ml_sm90_tile(const ml_sm90_args *p, int t, int *expert,
@@ -653,15 +658,17 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
       return 0;
     }
     s->nt = ml_sm90_seg_len(p, s->t0, s->num_tiles);
-    s->work = ml_sm90_seg_work<CL>(s->nt, p->nblocks);
+    s->work = ml_sm90_seg_work<CL>(s->nt, p->nblocks) * p->ksplit;
   }
   const int units = (s->nt + 1) >> 1;
   const int pairs = CL == 1 ? units : units >> 1; /* items of one column block, odd unit aside */
   const int odd = CL == 1 ? 0 : units & 1;
   constexpr int GROUP = ML_SM90_GROUP / CL;
-  const int local = w - s->w0, nblocks = p->nblocks;
+  /* k slices innermost: an item's slices run side by side */
+  const int local = (w - s->w0) / p->ksplit, nblocks = p->nblocks;
   const int full = pairs / GROUP, per_group = GROUP * nblocks;
   int u;
+  it->ks = (w - s->w0) - local * p->ksplit;
   it->split = 0;
   it->row0[0] = it->rows[0] = it->row0[1] = it->rows[1] = 0;
   if (local < full * per_group) {
@@ -776,7 +783,7 @@ static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
 }
 
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
- * row and [3 + i] rows of the unit's tile i. Written by producer thread 0
+ * row and [3 + i] rows of the unit's tile i, [5] the k slice. Written by producer thread 0
  * before its arrival on the stage's full barrier (a release), read by the
  * consumers after their wait on it (an acquire).
  *
@@ -794,7 +801,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
                  uint32_t bars, int *headers, int *claim, uint32_t cbar) {
   const int tid = (int)threadIdx.x; /* 0..127 */
   const int c = tid & 7, r0 = tid >> 3;
-  const int ktiles = (p->k + C::BK - 1) / C::BK;
+  /* k steps of an item (of its k slice, ksplit > 1) */
+  const int ktiles = (p->k + C::BK - 1) / C::BK / p->ksplit;
   const int cols = MODE == ML_SM90_SWIGLU ? C::BN / 2 : C::BN;
   const size_t lda_bytes = (size_t)p->lda * C::ES;
   const int rank = CL > 1 ? (int)ml_cluster_rank() : 0;
@@ -827,9 +835,10 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
      * bytes of it); a fresh register pair for each copy's address costs a
      * wait on the previous copy's operand read */
     const char *rp[ML_SM90_ROWS];
+    const int kt0 = it.ks * ktiles; /* the item's first k step */
 #pragma unroll
     for (int i = 0; i < ML_SM90_ROWS; ++i)
-      rp[i] = p->a + (size_t)src[i] * lda_bytes + (size_t)(c * 16);
+      rp[i] = p->a + (size_t)src[i] * lda_bytes + (size_t)kt0 * (C::BK * C::ES) + (size_t)(c * 16);
     /* FP8: the 8 threads that copy rows r0 + 16 i (i < 8) copy one row's A
      * scales each, thread c those of row r0 + 16 c (no divergent loop, no
      * run-time index into src) */
@@ -849,9 +858,9 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     int have_n = 0, rows_n = 0;
     int w_n = w + grid;
     for (int st = 0; st < steps; ++st) {
-      /* sub-item sub (ml_sm90_cfg<2>) of the item, its k block kt; nbs the
-       * B tile (64 gate/up column pairs) it reads */
-      const int sub = C::SUBS > 1 && st >= ktiles, kt = st - sub * ktiles;
+      /* sub-item sub (ml_sm90_cfg<2>) of the item, its k block kt (kl in
+       * the item); nbs the B tile (64 gate/up column pairs) it reads */
+      const int sub = C::SUBS > 1 && st >= ktiles, kl = st - sub * ktiles, kt = kt0 + kl;
       const int nbs = it.nb * C::SUBS + sub;
       const uint32_t full = ml_sm90_full(bars, stage);
       const uint32_t a_s = base + (uint32_t)(stage * C::STAGE_BYTES);
@@ -870,6 +879,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[2] = it.row0[1];
           h[3] = it.rows[0];
           h[4] = it.rows[1];
+          h[5] = it.ks;
         }
         /* (an absent split item's CTA loads no B: nothing to expect) */
         const bool no_b = skip || (CL > 1 && it.split && it.rows[0] == 0);
@@ -907,7 +917,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       /* k is a multiple of 8 (FP8: of 128): a 16-byte chunk is all inside k
        * or all past. A step wholly inside k (all but maybe the last) copies
        * from the row addresses as they are. */
-      if (kt > 0) {
+      if (kl > 0) {
 #pragma unroll
         for (int i = 0; i < ML_SM90_ROWS; ++i)
           rp[i] += C::BK * C::ES;
@@ -1272,7 +1282,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
   const int t = (int)threadIdx.x & 127;
   const int warp = t >> 5, lane = t & 31;
   const int rl = warp * 16 + (lane >> 2), cq = 2 * (lane & 3);
-  const int ktiles = (p->k + ML_SM90_BK - 1) / ML_SM90_BK;
+  const int ktiles = (p->k + ML_SM90_BK - 1) / ML_SM90_BK / p->ksplit; /* an item's */
   int stage = 0;
   uint32_t phase = 0;
   float d[128];
@@ -1282,6 +1292,9 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     const int nb = hd[0];
     if (nb < 0) break;
     const int row0 = hd[1 + cw], rows = hd[3 + cw];
+    /* k slice s of a dense problem: its partial sums s * dense_rows rows on
+     * (read now: the stage and its header are refilled once released) */
+    const int orow0 = row0 + hd[5] * p->dense_rows;
     /* uniform over the warpgroup (probe bit 16: partial tiles skipped) */
     const int active = rows > 0 && !((ML_SM90_PROBE & 16) && rows < 64);
     int32_t sx[2];
@@ -1323,7 +1336,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     ml_acc_fence<128>(d);
     if (!active) continue;
     ml_sm90_release<C, CL>(bars, prev);
-    ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, row0, rows, rl, cq, sc, obuf, cw);
+    ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, orow0, rows, rl, cq, sc, obuf, cw);
   }
   ml_sm90_store_done<C, OUT_F32>(p);
 }
