@@ -372,7 +372,8 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
       if (!(d <= worst))
         worst = d; /* NaN (poison left) counts as worst */
     }
-    CHECK(worst < 1e-5, "%s: the parts add up to the whole GEMM's logits (worst %.2e)", pw, worst);
+    /* (fp32 sums of up to 7168 products in another order: ~1e-5 apart) */
+    CHECK(worst < 1e-4, "%s: the parts add up to the whole GEMM's logits (worst %.2e)", pw, worst);
     a.logits = dp;
     a.logit_parts = parts;
     routed P2;
