@@ -31,6 +31,7 @@
 #include "core/core.h"
 #include "core/random.h"
 #include "cuda/cuda.h"
+#include "cuda/gemm/sm90_engine.cuh"
 #include "cuda/pipeline.h"
 #include "gpu_util.h"
 
@@ -345,21 +346,29 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
   CHECK(df.off == 0, "%s: weights within 1e-4 of the kernel's own logits' (worst %.2e)", what,
         df.worst);
   /* The logits with k in parts (ml_cuda_gemm_splitk), added by the kernel:
-   * the parts sum to the whole GEMM's logits, the same experts are chosen. */
+   * the parts sum to the whole GEMM's logits, the same experts are chosen;
+   * on the engine the layers use (sm_90a from 256 columns) and on the
+   * mma.sync tile engine (the whole sum in part 0, zeros in the rest). */
   const int ktiles = (H + 63) / 64;
-  const int part_counts[] = {2, 4, 7};
+  enum { NPC = 3 };
+  const int part_counts[NPC] = {2, 4, 7};
   float *hl = gu_host((size_t)T * E * 4);
   gu_d2h(hl, dl, (size_t)T * E * 4);
-  for (size_t pi = 0; pi < sizeof part_counts / sizeof part_counts[0]; ++pi) {
-    const int parts = part_counts[pi];
+  for (int run = 0; run < 2 * NPC; ++run) {
+    const int tile = run >= NPC, parts = part_counts[run % NPC];
     if (ktiles % parts != 0)
       continue;
     char pw[240];
-    snprintf(pw, sizeof pw, "%s, k in %d parts", what, parts);
+    snprintf(pw, sizeof pw, "%s, k in %d parts%s", what, parts, tile ? ", tile engine" : "");
+    ml_cuda_gemm_set_engine(tile ? ML_GEMM_ENGINE_TILE : ML_GEMM_ENGINE_AUTO);
+    if (tile)
+      CHECK(ml_cuda_gemm_splitk_parts(T, E, H, 8) == 1, "%s: no parts asked for", pw);
     float *dp = gu_dev((size_t)parts * T * E * 4);
     gu_poison(dp, (size_t)parts * T * E * 4);
     CHECK_OK(ml_cuda_gemm_splitk(MOELINK_DTYPE_BF16, dx, H, dw, E, H, T, dp, parts, NULL, NULL),
              pw);
+    if (tile)
+      CHECK(ml_cuda_gemm_last_engine() == ML_GEMM_ENGINE_TILE, "%s: ran on the tile engine", pw);
     GU_CUDA(cudaDeviceSynchronize());
     float *hp = gu_host((size_t)parts * T * E * 4);
     gu_d2h(hp, dp, (size_t)parts * T * E * 4);
@@ -391,6 +400,7 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
     a.logits = dl;
     a.logit_parts = 0;
   }
+  ml_cuda_gemm_set_engine(ML_GEMM_ENGINE_AUTO);
   free(hl);
   CHECK(ml_cuda_gemm_splitk(MOELINK_DTYPE_BF16, dx, H, dw, E, H, T, dl, ktiles + 1, NULL, NULL) ==
             MOELINK_ERR_INVALID_ARGUMENT,
