@@ -57,6 +57,7 @@
 #define ML_R_TILES_PER_WARP 4       /* ML_CUDA_MAX_EXPERTS / 8 / ML_R_WARPS */
 #define ML_R_PER_LANE 16            /* ML_CUDA_MAX_EXPERTS / 32 */
 #define ML_R_BATCH 8                /* partial loads in flight per thread */
+#define ML_R_MAX_PARTS 8            /* parts of given logits (ml_cuda_gemm_splitk) */
 #define ML_FULL 0xffffffffu
 
 static_assert(ML_R_TILES_PER_WARP * 8 * ML_R_WARPS == ML_CUDA_MAX_EXPERTS, "tile ownership");
@@ -641,40 +642,46 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
    * the host): 16-byte loads, all of a thread's in flight together, then
    * the stores (one load latency, not one a float) */
   const float4 *src = (const float4 *)(p.logits + (size_t)t0 * (size_t)p.E);
-  const size_t part4 = (size_t)p.T * (size_t)p.E / 4; /* float4s a part */
   const int n4 = rows * p.E / 4;
-  for (int i0 = (int)threadIdx.x; i0 < n4; i0 += ML_R_BATCH * ML_R_THREADS) {
-    float4 v[ML_R_BATCH];
-#pragma unroll
-    for (int j = 0; j < ML_R_BATCH; ++j) {
-      const int i = i0 + j * ML_R_THREADS;
-      if (i < n4)
-        v[j] = __ldg(src + i);
-    }
-    /* the parts of a split k, added in order */
-    for (int s = 1; s < p.parts; ++s) {
-      float4 u[ML_R_BATCH];
+  if (p.parts <= 1) {
+    for (int i0 = (int)threadIdx.x; i0 < n4; i0 += ML_R_BATCH * ML_R_THREADS) {
+      float4 v[ML_R_BATCH];
 #pragma unroll
       for (int j = 0; j < ML_R_BATCH; ++j) {
         const int i = i0 + j * ML_R_THREADS;
         if (i < n4)
-          u[j] = __ldg(src + (size_t)s * part4 + i);
+          v[j] = __ldg(src + i);
       }
 #pragma unroll
       for (int j = 0; j < ML_R_BATCH; ++j) {
-        v[j].x += u[j].x;
-        v[j].y += u[j].y;
-        v[j].z += u[j].z;
-        v[j].w += u[j].w;
+        const int i = i0 + j * ML_R_THREADS;
+        if (i < n4) {
+          const int r = 4 * i / p.E, e = 4 * i - r * p.E;
+          *(float4 *)(L + r * E_pad + e) = v[j];
+        }
       }
     }
+  } else {
+    /* the parts of a split k (at most ML_R_MAX_PARTS): every part's float4
+     * of a position loaded at once, then added in part order */
+    const size_t part4 = (size_t)p.T * (size_t)p.E / 4; /* float4s a part */
+    for (int i = (int)threadIdx.x; i < n4; i += ML_R_THREADS) {
+      float4 u[ML_R_MAX_PARTS];
 #pragma unroll
-    for (int j = 0; j < ML_R_BATCH; ++j) {
-      const int i = i0 + j * ML_R_THREADS;
-      if (i < n4) {
-        const int r = 4 * i / p.E, e = 4 * i - r * p.E;
-        *(float4 *)(L + r * E_pad + e) = v[j];
-      }
+      for (int q = 0; q < ML_R_MAX_PARTS; ++q)
+        if (q < p.parts)
+          u[q] = __ldg(src + (size_t)q * part4 + i);
+      float4 v = u[0];
+#pragma unroll
+      for (int q = 1; q < ML_R_MAX_PARTS; ++q)
+        if (q < p.parts) {
+          v.x += u[q].x;
+          v.y += u[q].y;
+          v.z += u[q].z;
+          v.w += u[q].w;
+        }
+      const int r = 4 * i / p.E, e = 4 * i - r * p.E;
+      *(float4 *)(L + r * E_pad + e) = v;
     }
   }
   __syncthreads();
@@ -813,6 +820,9 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.tickets = a->tickets;
   p.logits = a->logits;
   p.parts = a->logit_parts > 1 ? a->logit_parts : 1;
+  if (a->logits != NULL && p.parts > ML_R_MAX_PARTS)
+    return ml_fail(MOELINK_ERR_INTERNAL, "router: logits in %d parts (at most %d)", p.parts,
+                   ML_R_MAX_PARTS);
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
   p.cta_select = ml_param_ROUTER_CTA_SELECT() != 0;
@@ -855,8 +865,9 @@ extern "C" moelink_status_t ml_cuda_route(ml_cuda_router_args *a, float *logits,
     const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(counter, a->num_tokens, 1, a->hidden, 0);
     /* k in parts where the rows alone leave SMs without work (the scratch
      * holds ML_CUDA_ROUTER_PART_ROWS rows of parts) */
+    const int room = ML_CUDA_ROUTER_PART_ROWS / a->num_tokens;
     const int parts = ml_cuda_gemm_splitk_parts(a->num_tokens, a->num_experts, a->hidden,
-                                                ML_CUDA_ROUTER_PART_ROWS / a->num_tokens);
+                                                room < ML_R_MAX_PARTS ? room : ML_R_MAX_PARTS);
     ML_TRY(ml_cuda_gemm_splitk(a->dtype, a->x, a->hidden, a->w, a->num_experts, a->hidden,
                                a->num_tokens, logits, parts, &go, stream));
     a->logits = logits;

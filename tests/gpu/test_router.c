@@ -405,7 +405,10 @@ static void run_logits_case(const rcase *c, int T, uint64_t seed) {
   CHECK(ml_cuda_gemm_splitk(MOELINK_DTYPE_BF16, dx, H, dw, E, H, T, dl, ktiles + 1, NULL, NULL) ==
             MOELINK_ERR_INVALID_ARGUMENT,
         "%s: k in %d parts (not dividing its %d steps) refused", what, ktiles + 1, ktiles);
-  /* a bad combination is refused, not run */
+  /* bad combinations are refused, not run */
+  a.logit_parts = 9;
+  CHECK(ml_cuda_router(&a, NULL) == MOELINK_ERR_INTERNAL, "%s: logits in 9 parts refused", what);
+  a.logit_parts = 0;
   a.splits = 1;
   a.pdl = 1;
   CHECK(ml_cuda_router(&a, NULL) == MOELINK_ERR_INTERNAL,
