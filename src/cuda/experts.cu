@@ -817,12 +817,9 @@ extern "C" moelink_status_t ml_cuda_gemm_splitk(moelink_dtype_t dt, const void *
                    parts);
   int sm90 = 0, sms = 0;
   ML_TRY(ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms));
-  if (sm90) {
-    ml_cuda_gemm_opts o = opts != NULL ? *opts : ml_cuda_gemm_opts{};
-    o.cluster = 1;
+  if (sm90) /* (k slices run one CTA each, whatever opts->cluster says) */
     return ml_gemm_scaled_run(what, dt, a, lda, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 1,
-                              &o, parts, stream);
-  }
+                              opts, parts, stream);
   /* another engine: the whole sum in part 0, zeros in the others */
   ML_TRY(ml_gemm_scaled_run(what, dt, a, lda, b, n, k, NULL, NULL, 0, rows, NULL, NULL, out, 1,
                             opts, 1, stream));

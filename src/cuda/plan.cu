@@ -39,6 +39,11 @@ static int ml_plan_chunk(int pairs) {
   return c < ML_P_CHUNK_MIN ? ML_P_CHUNK_MIN : c;
 }
 
+/* Bytes of the per-chunk key counts of `chunks` chunks. */
+static size_t ml_plan_counts_bytes(int chunks, int num_experts) {
+  return (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
+}
+
 static __device__ __forceinline__ uint32_t ml_plan_key(int32_t id, int E) {
   return id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
 }
@@ -183,7 +188,7 @@ extern "C" size_t ml_cuda_plan_ws_bytes(int max_pairs, int num_experts) {
   int chunks = (max_pairs + ML_P_CHUNK_MIN - 1) / ML_P_CHUNK_MIN;
   if (chunks > ML_P_MAX_CHUNKS)
     chunks = ML_P_MAX_CHUNKS;
-  return (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
+  return ml_plan_counts_bytes(chunks, num_experts);
 }
 
 extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int top_k,
@@ -204,7 +209,7 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
   }
   const int chunk = ml_plan_chunk(pairs);
   const int chunks = (pairs + chunk - 1) / chunk;
-  const size_t need = (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
+  const size_t need = ml_plan_counts_bytes(chunks, num_experts);
   if (ws == NULL || ws->counts == NULL || ws->bytes < need)
     return ml_fail(MOELINK_ERR_INTERNAL, "plan: %zu workspace bytes for %d pairs, %zu needed",
                    ws != NULL ? ws->bytes : (size_t)0, pairs, need);

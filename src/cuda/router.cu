@@ -569,23 +569,21 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
   for (int m = 0; m < ML_R_TILES_PER_WARP; ++m)
     acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
 
-  /* One commit group per stage slot, empty ones included, so that
-   * wait_group<STAGES-2> always means "chunk i has landed". (Given logits
-   * go to ml_router_select_kernel.) */
-  const int nchunks = nc;
+    /* One commit group per stage slot, empty ones included, so that
+     * wait_group<STAGES-2> always means "chunk i has landed". */
 #pragma unroll
   for (int st = 0; st < ML_R_STAGES - 1; ++st) {
-    if (st < nchunks)
+    if (st < nc)
       ml_r_load_stage(ml_r_smem + st * stage_bytes, p, t0, c0 + st, E_pad);
     ml_r_commit();
   }
-  for (int i = 0; i < nchunks; ++i) {
+  for (int i = 0; i < nc; ++i) {
     ml_r_wait<ML_R_STAGES - 2>();
     /* Chunk i is visible to all, and everyone is done with chunk i-1, whose
      * slot the next copies overwrite. */
     __syncthreads();
     const int next = i + ML_R_STAGES - 1;
-    if (next < nchunks)
+    if (next < nc)
       ml_r_load_stage(ml_r_smem + (next % ML_R_STAGES) * stage_bytes, p, t0, c0 + next, E_pad);
     ml_r_commit();
     ml_r_mma_stage<DT>(ml_r_smem + (i % ML_R_STAGES) * stage_bytes, acc, warp, g, c, n_tiles);

@@ -468,11 +468,11 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
     for (int j = 0; j < 16; ++j)
       __stcg(mine + j * 128 + tw, make_float4(d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3]));
     __threadfence();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+    ml_wg_sync(1 + g);
     if (tw == 0) moelink_signal_set(p.pair_flags + blk, e);
   } else {
     if (tw == 0) ok = moelink_signal_wait(&p.dc, p.pair_flags + (blk ^ 1), e, me, ML_CCU_PRIM_AR_LL);
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + g) : "memory");
+    ml_wg_sync(1 + g);
     const float4 *other = pair + (size_t)(blk ^ 1) * (16 * 128);
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
