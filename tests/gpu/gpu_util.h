@@ -312,6 +312,55 @@ static void CUDART_CB gu_feed_pause(void *arg) {
 /* A copy of problem rows [r0, r1) into place, enqueued on stream s. */
 typedef void (*gu_feed_copy_fn)(void *ctx, int r0, int r1, cudaStream_t s);
 
+/* The copies of a GEMM's A rows for gu_feed_run (gu_row_copy_rows): dense
+ * (dst_index NULL), A rows r0 .. r1 - 1; gathered, the index entries
+ * [r0, r1) and the A rows they name (h_index[r] / div; a row of no expert,
+ * row_expert[r] < 0, names none). Each A row may bring the row of a second
+ * array (FP8: its scales; dst2 NULL: none). Sources in pinned host memory:
+ * a copy between two buffers of the device may run as a kernel, which would
+ * need the SMs the waiting GEMM holds. */
+typedef struct gu_row_copy {
+  char *dst;
+  const char *src;
+  size_t row_bytes;
+  char *dst2;
+  const char *src2;
+  size_t row2_bytes;
+  int32_t *dst_index;
+  const int32_t *src_index;
+  const int32_t *h_index;
+  int div;
+  const int *row_expert;
+} gu_row_copy;
+
+/* Row r of a (dst, src) pair of arrays, from host to device on s. */
+GU_FN void gu_row_copy_one(char *dst, const char *src, size_t row_bytes, size_t r, size_t rows,
+                           cudaStream_t s) {
+  GU_CUDA(cudaMemcpyAsync(dst + r * row_bytes, src + r * row_bytes, rows * row_bytes,
+                          cudaMemcpyHostToDevice, s));
+}
+
+/* A gu_feed_copy_fn over a gu_row_copy. */
+GU_FN void gu_row_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
+  const gu_row_copy *w = (const gu_row_copy *)ctx;
+  if (w->dst_index == NULL) {
+    gu_row_copy_one(w->dst, w->src, w->row_bytes, (size_t)r0, (size_t)(r1 - r0), s);
+    if (w->dst2)
+      gu_row_copy_one(w->dst2, w->src2, w->row2_bytes, (size_t)r0, (size_t)(r1 - r0), s);
+    return;
+  }
+  GU_CUDA(cudaMemcpyAsync(w->dst_index + r0, w->src_index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
+                          cudaMemcpyHostToDevice, s));
+  for (int r = r0; r < r1; ++r) {
+    if (w->row_expert[r] < 0)
+      continue;
+    const size_t g = (size_t)(w->h_index[r] / w->div);
+    gu_row_copy_one(w->dst, w->src, w->row_bytes, g, 1, s);
+    if (w->dst2)
+      gu_row_copy_one(w->dst2, w->src2, w->row2_bytes, g, 1, s);
+  }
+}
+
 /* Enqueues the delivery of R rows on the side stream (call it after the
  * GEMM's launch): the pause, then every chunk in a shuffled order, its
  * rows by copy(), then its signal. */

@@ -448,37 +448,6 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
 
 /* ---- rows that land while the GEMM runs ------------------------------------ */
 
-/* Where a wait run's row copies go and come from (src, src_index: pinned
- * host memory). */
-typedef struct wait_copy {
-  char *dst;
-  const char *src;
-  size_t row_bytes;   /* an A row, lda elements */
-  int32_t *dst_index; /* gathered A: the index entries too; NULL: dense */
-  const int32_t *src_index;
-  const int32_t *h_index; /* the rows they name: A row h_index[r] / div */
-  int div;
-  const int *row_expert; /* rows of no expert: no A row */
-} wait_copy;
-
-static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
-  const wait_copy *w = ctx;
-  const size_t rb = w->row_bytes;
-  if (w->dst_index == NULL) {
-    GU_CUDA(cudaMemcpyAsync(w->dst + (size_t)r0 * rb, w->src + (size_t)r0 * rb,
-                            (size_t)(r1 - r0) * rb, cudaMemcpyHostToDevice, s));
-    return;
-  }
-  GU_CUDA(cudaMemcpyAsync(w->dst_index + r0, w->src_index + r0, (size_t)(r1 - r0) * sizeof(int32_t),
-                          cudaMemcpyHostToDevice, s));
-  for (int r = r0; r < r1; ++r) {
-    if (w->row_expert[r] < 0)
-      continue;
-    const size_t g = (size_t)(w->h_index[r] / w->div);
-    GU_CUDA(cudaMemcpyAsync(w->dst + g * rb, w->src + g * rb, rb, cudaMemcpyHostToDevice, s));
-  }
-}
-
 /* One GEMM of a case (swiglu, or the scaled one with a dtype output) whose
  * A rows (and, gathered, a_index entries) land while it runs, delivered by
  * gu_feed in chunks of 24 problem rows after a 2 ms pause, over A filled
@@ -506,7 +475,14 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
    * GEMM holds */
   char *h_a = gu_pinned_copy(d_a_real, a_rows * row_bytes);
   int32_t *h_idx = gathered ? gu_pinned_copy(d_index, (size_t)R * sizeof(int32_t)) : NULL;
-  const wait_copy cp = {d_a, h_a, row_bytes, d_idx, h_idx, h_index, c->top_k, p->row_expert};
+  const gu_row_copy cp = {.dst = d_a,
+                          .src = h_a,
+                          .row_bytes = row_bytes,
+                          .dst_index = d_idx,
+                          .src_index = h_idx,
+                          .h_index = h_index,
+                          .div = c->top_k,
+                          .row_expert = p->row_expert};
   const char *gemm = swiglu ? "swiglu" : "scaled";
   char label[240];
   for (int rep = 0; rep < 4; ++rep) {
@@ -539,7 +515,7 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
     CHECK(ml_cuda_gemm_last_engine() == want_engine, "%s: ran on the %s engine (%s)", label,
           engine_name(want_engine), engine_name(ml_cuda_gemm_last_engine()));
     if (rep < 2)
-      gu_feed_run(&f, R, wait_copy_rows, (void *)&cp, (uint32_t)(rep + 1));
+      gu_feed_run(&f, R, gu_row_copy_rows, (void *)&cp, (uint32_t)(rep + 1));
     GU_CUDA(cudaStreamSynchronize(stream));
     const double dt = gu_now() - t0;
     if (rep < 2) {

@@ -370,46 +370,6 @@ static void check_tile(const char *what, const ml_cuda_gemm_opts *o, int engine,
 
 /* ---- rows that land while the GEMM runs ------------------------------------ */
 
-/* Where a wait run's copies go and come from: A rows and their scales, and,
- * gathered, the index entries. */
-typedef struct wait_copy {
-  uint8_t *x;
-  float *xs;
-  int32_t *index; /* NULL: dense */
-  /* the real rows, scales and index: pinned host copies (a copy between
-   * two buffers of the device may run as a kernel, which would need the
-   * SMs the waiting GEMM holds) */
-  const uint8_t *hx;
-  const float *hxs;
-  const int32_t *hindex;
-  const dev_ops *d;
-  const problem *p;
-  int lda, ls, div;
-} wait_copy;
-
-static void wait_copy_rows(void *ctx, int r0, int r1, cudaStream_t s) {
-  const wait_copy *w = ctx;
-  const size_t sb = (size_t)w->ls * sizeof(float);
-  if (w->index == NULL) {
-    GU_CUDA(cudaMemcpyAsync(w->x + (size_t)r0 * w->lda, w->hx + (size_t)r0 * w->lda,
-                            (size_t)(r1 - r0) * w->lda, cudaMemcpyHostToDevice, s));
-    GU_CUDA(cudaMemcpyAsync((char *)w->xs + (size_t)r0 * sb, (const char *)w->hxs + (size_t)r0 * sb,
-                            (size_t)(r1 - r0) * sb, cudaMemcpyHostToDevice, s));
-    return;
-  }
-  GU_CUDA(cudaMemcpyAsync(w->index + r0, w->hindex + r0, (size_t)(r1 - r0) * sizeof(int32_t),
-                          cudaMemcpyHostToDevice, s));
-  for (int r = r0; r < r1; ++r) {
-    if (w->p->row_expert[r] < 0)
-      continue;
-    const size_t g = (size_t)(w->d->h_index[r] / w->div);
-    GU_CUDA(cudaMemcpyAsync(w->x + g * w->lda, w->hx + g * w->lda, (size_t)w->lda,
-                            cudaMemcpyHostToDevice, s));
-    GU_CUDA(cudaMemcpyAsync((char *)w->xs + g * sb, (const char *)w->hxs + g * sb, sb,
-                            cudaMemcpyHostToDevice, s));
-  }
-}
-
 /* The FP8 swiglu GEMM (fp32 out, sm_90a engine) with its A rows, their
  * scales and (gathered) index entries landing while it runs (ml_cuda_gemm_
  * opts.wait; gu_feed, chunks of 24 rows after a 2 ms pause, over NaN codes,
@@ -429,7 +389,17 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
   uint8_t *hx = gu_pinned_copy(d->x, (size_t)d->xrows * lda);
   float *hxs = gu_pinned_copy(d->xs, (size_t)d->xrows * ls * sizeof(float));
   int32_t *hindex = index ? gu_pinned_copy(d->index, (size_t)R * sizeof(int32_t)) : NULL;
-  const wait_copy cp = {x, xs, index, hx, hxs, hindex, d, p, lda, ls, c->top_k};
+  const gu_row_copy cp = {.dst = (char *)x,
+                          .src = (const char *)hx,
+                          .row_bytes = (size_t)lda,
+                          .dst2 = (char *)xs,
+                          .src2 = (const char *)hxs,
+                          .row2_bytes = (size_t)ls * sizeof(float),
+                          .dst_index = index,
+                          .src_index = hindex,
+                          .h_index = d->h_index,
+                          .div = c->top_k,
+                          .row_expert = p->row_expert};
   for (int rep = 0; rep < 2; ++rep) {
     const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, NULL, &w};
     gu_feed_reset(&f);
@@ -446,7 +416,7 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
              label);
     CHECK(ml_cuda_gemm_last_engine() == ML_GEMM_ENGINE_SM90, "%s: ran on the sm90 engine (%s)",
           label, engine_name(ml_cuda_gemm_last_engine()));
-    gu_feed_run(&f, R, wait_copy_rows, (void *)&cp, (uint32_t)(rep + 11));
+    gu_feed_run(&f, R, gu_row_copy_rows, (void *)&cp, (uint32_t)(rep + 11));
     GU_CUDA(cudaStreamSynchronize(stream));
     gu_feed_check(&f, label);
     gu_d2h(got, out, out_bytes);
