@@ -429,7 +429,7 @@ static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
                                          void *const *out_rows, const int32_t *down_index,
-                                         int x_ready, cudaStream_t st) {
+                                         int x_ready, int max_rows, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
@@ -466,6 +466,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
    * launch), and that kernel lets the gate/up GEMM start at once: the GEMM
    * may read the tiles and stream weights before its dependency wait. */
   ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL | ML_DECODE_PLAN_EARLY);
+  o.max_rows = max_rows;
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
@@ -487,23 +488,26 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h
  * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. out_rows not
  * NULL: pair p's output row goes to out_rows[p] instead of y (see
- * ml_cuda_moe_experts_to). */
+ * ml_cuda_moe_experts_to). max_rows: a bound on an expert's rows (the token
+ * count where each token's experts are distinct), 0 where none is known
+ * (ml_decode_opts.max_rows). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, void *const *out_rows,
-                                     int x_ready, cudaStream_t st) {
+                                     int x_ready, int max_rows, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
   /* the down GEMM's row scales and output rows are by pair */
   const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
-    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, st);
+    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, max_rows, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
      * its dependency wait: the gate/up GEMM lets it start only after the plan
      * is complete. */
     ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
+    o.max_rows = max_rows;
     int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
     if (passes > plan->max_tiles) passes = plan->max_tiles;
     ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
@@ -541,7 +545,8 @@ static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int
   if (weights && ((uintptr_t)weights & 3u))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
                    (const void *)weights);
-  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, st);
+  /* (a caller's ids may name an expert twice in a token: no bound but the pairs) */
+  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, 0, st);
 }
 
 static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
@@ -670,7 +675,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st));
     ML_TRY(ml_cu_step(st, "plan"));
   }
-  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, st));
+  /* the router picks k distinct experts a token: no expert has more than T rows */
+  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T, st));
   /* (the routed FP8 GEMMs quantize the token rows when they have not been) */
   x_ready |= cfg->fp8_experts;
   const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;

@@ -35,6 +35,12 @@ MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
  * left opts.splits at 0 (0: the policy); the layers size their split scratch
  * for it (ml_cuda_decode_scratch). */
 MOELINK_PARAM(DECODE_SPLITS, 0)
+/* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
+MOELINK_PARAM(DECODE_SMALL, 1)
+
+static __thread int mld_last_bn = 0;
+
+extern "C" int ml_cuda_decode_last_pass_rows(void) { return mld_last_bn; }
 
 /* A split streams at least this many 64-wide k tiles (128 weight rows x 256
  * columns = 64 KiB), and there are at most this many splits. */
@@ -155,7 +161,8 @@ enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16
        MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
        MLD_K_FP8_SCALED_F32, MLD_K_FP8_SWIGLU_F32, MLD_K_COUNT };
 #define MLD_MAX_DEVICES 64
-static unsigned char mld_smem_ready[MLD_MAX_DEVICES][MLD_K_COUNT];
+/* [device][kernel of 64-row passes, then of 16-row ones] */
+static unsigned char mld_smem_ready[MLD_MAX_DEVICES][2 * MLD_K_COUNT];
 
 /* The ring is past the 48 KiB default: raise the kernel's limit once per
  * device (a function attribute lives in the device's context; a race sets it
@@ -173,22 +180,32 @@ static moelink_status_t mld_allow_smem(const void *kernel, int which, int bytes)
   return MOELINK_SUCCESS;
 }
 
-template <int DT, int MODE, int OUT_F32, int FP8 = 0>
-static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, int pdl,
-                                   const char *name, cudaStream_t stream) {
-  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8>;
-  const int smem = FP8 ? MLD_FP8_SMEM_BYTES : MLD_SMEM_BYTES;
-  ML_TRY(mld_allow_smem((const void *)kernel, which, smem));
+template <int DT, int MODE, int OUT_F32, int FP8, int BN>
+static moelink_status_t mld_launch_bn(const mld_args *p, unsigned grid, int which, int pdl,
+                                      const char *name, cudaStream_t stream) {
+  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8, BN>;
+  const int smem = FP8 ? mld_cfg<BN>::FP8_SMEM_BYTES : mld_cfg<BN>::SMEM_BYTES;
+  ML_TRY(mld_allow_smem((const void *)kernel, which + (BN == MLD_BN ? 0 : MLD_K_COUNT), smem));
   void *args[] = {(void *)p};
   const cudaError_t e = ml_launch_kernel((const void *)kernel, dim3(grid, 1, 1),
                                          dim3(MLD_THREADS, 1, 1), (size_t)smem, pdl, stream, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs%s) failed: %s", name, grid,
-                   pdl ? ", programmatic dependent launch" : "", cudaGetErrorString(e));
+    return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%d-row passes, %u CTAs%s) failed: %s", name, BN,
+                   grid, pdl ? ", programmatic dependent launch" : "", cudaGetErrorString(e));
   }
   ML_CUDA_LAUNCHED(name);
+  mld_last_bn = BN;
   return MOELINK_SUCCESS;
+}
+
+/* The kernel of p->small's pass rows (mld_prepare). */
+template <int DT, int MODE, int OUT_F32, int FP8 = 0>
+static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, int pdl,
+                                   const char *name, cudaStream_t stream) {
+  if (p->small)
+    return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN_SMALL>(p, grid, which, pdl, name, stream);
+  return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN>(p, grid, which, pdl, name, stream);
 }
 
 static int mld_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
@@ -285,6 +302,11 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
    * when the caller says the plan is complete. */
   p->early = tiles == NULL || (o->flags & ML_DECODE_PLAN_EARLY) != 0;
   p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
+  /* 16-row passes where no tile can have more rows: the problem's rows, or
+   * the caller's bound on a tile's */
+  const int bound = tiles != NULL && o->max_rows > 0 && o->max_rows < rows ? o->max_rows : rows;
+  p->small =
+      bound <= MLD_BN_SMALL && (o->flags & ML_DECODE_WIDE) == 0 && ml_param_DECODE_SMALL() != 0;
   p->a_scale = NULL;
   p->b_scale = NULL;
   p->as_ld = lda / MLD_FP8_BLOCK;

@@ -263,6 +263,49 @@ typedef struct run_cfg {
   int flags;  /* ML_DECODE_PDL */
 } run_cfg;
 
+/* The rows of the problem's largest tile (dense: all its rows): the exact
+ * bound a caller may pass as ml_decode_opts.max_rows. */
+static int max_tile_rows(const problem *p) {
+  if (p->tiles == NULL)
+    return p->R;
+  int m = 0;
+  for (int t = 0; t < p->num_tiles; ++t)
+    m = p->tiles[3 * t + 2] > m ? p->tiles[3 * t + 2] : m;
+  return m;
+}
+
+/* The pass rows a launch over p with options o must take: 16 where no tile
+ * can have more (the problem's rows, or o->max_rows of a tile list), else 64. */
+static int want_pass_rows(const problem *p, const ml_decode_opts *o) {
+  const int bound = p->tiles != NULL && o->max_rows > 0 && o->max_rows < p->R ? o->max_rows : p->R;
+  return bound <= 16 && (o->flags & ML_DECODE_WIDE) == 0 ? 16 : 64;
+}
+
+/* Run rep of a GEMM's launches in a configuration: runs 0 and 1 as
+ * configured, run 2 (only where the configuration takes 16-row passes) with
+ * ML_DECODE_WIDE. Returns 0 for a run 2 with nothing to do, else fills *ou. */
+static int pass_run(const problem *p, const ml_decode_opts *o, int rep, ml_decode_opts *ou) {
+  *ou = *o;
+  if (rep < 2)
+    return 1;
+  if (want_pass_rows(p, o) != 16)
+    return 0;
+  ou->flags |= ML_DECODE_WIDE;
+  return 1;
+}
+
+/* After run rep (its output in rep ? got : first): the pass rows it took,
+ * and run 2 (64-row passes) bitwise run 0 (16-row passes). */
+static void pass_check(const char *label, const problem *p, const ml_decode_opts *ou, int rep,
+                       const unsigned char *first, const unsigned char *got, size_t bytes) {
+  const int want = want_pass_rows(p, ou);
+  CHECK(ml_cuda_decode_last_pass_rows() == want, "%s: %d-row passes (max_rows %d, rows %d)", label,
+        want, ou->max_rows, p->R);
+  if (rep == 2)
+    CHECK(memcmp(first, got, bytes) == 0,
+          "%s: the 64-row kernel's output bitwise the 16-row kernel's", label);
+}
+
 static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int ncfg) {
   const moelink_dtype_t dt = c->dt;
   const int n = c->n, k = c->k, R = p->R, E = p->E;
@@ -371,28 +414,35 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
     o.partial_floats = pfloats;
     o.tickets = d_tick;
     o.ticket_count = nticket;
+    /* odd configurations give the exact bound on a tile's rows */
+    o.max_rows = (ci & 1) ? max_tile_rows(p) : 0;
     const int pol1 = ml_cuda_decode_policy_splits(1, n, k, passes, g_sm_count);
     const int pol2 = ml_cuda_decode_policy_splits(0, k, n, passes, g_sm_count);
     char cfgname[96];
-    snprintf(cfgname, sizeof cfgname, "splits %d%s%s", o.splits,
-             o.splits ? "" : " (policy)", (o.flags & ML_DECODE_PDL) ? ", PDL" : "");
+    snprintf(cfgname, sizeof cfgname, "splits %d%s%s, max_rows %d", o.splits,
+             o.splits ? "" : " (policy)", (o.flags & ML_DECODE_PDL) ? ", PDL" : "", o.max_rows);
     if (o.splits == 0)
       ml_t_diag("%s: policy splits gate/up %d, down %d", c->name, pol1, pol2);
 
-    /* swiglu, twice */
-    for (int rep = 0; rep < 2; ++rep) {
+    /* swiglu, twice (and with 64-row passes: pass_run) */
+    for (int rep = 0; rep < 3; ++rep) {
+      ml_decode_opts ou;
+      if (!pass_run(p, &o, rep, &ou))
+        break;
       CUDA_CHECK(cudaMemsetAsync(d_o1, 0xFF, o1, st));
       snprintf(label, sizeof label, "%s swiglu %s run %d", c->name, cfgname, rep);
       CHECK_OK(ml_cuda_decode_swiglu(dt, d_x, lda1, ai, p->top_k, d_w1, n, k, d_tiles, d_num,
-                                     passes, R, d_o1, &o, st),
+                                     passes, R, d_o1, &ou, st),
                label);
       CUDA_CHECK(cudaStreamSynchronize(st));
       CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o1, o1, cudaMemcpyDeviceToHost));
+      pass_check(label, p, &ou, rep, first, got, o1);
+      if (rep == 1)
+        CHECK(memcmp(first, got, o1) == 0, "%s: two runs bitwise equal", label);
     }
     snprintf(label, sizeof label, "%s swiglu (%s, n %d, k %d, %s)", c->name,
              moelink_dtype_name(dt), n, k, cfgname);
     check_output(label, p, n, first, dt, 0, ref1, tol1, L2_TOL);
-    CHECK(memcmp(first, got, o1) == 0, "%s: two runs bitwise equal", label);
 
     /* scaled (after the swiglu of the same stream: the tile list may be
      * read early under PDL) */
@@ -400,19 +450,25 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
     oe.flags |= ML_DECODE_PLAN_EARLY;
     for (int f32 = 0; f32 <= c->scaled_f32; ++f32) {
       const size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
-      for (int rep = 0; rep < 2; ++rep) {
+      for (int rep = 0; rep < 3; ++rep) {
+        ml_decode_opts ou;
+        if (!pass_run(p, &oe, rep, &ou))
+          break;
         CUDA_CHECK(cudaMemsetAsync(d_o2, 0xFF, bytes, st));
-        snprintf(label, sizeof label, "%s scaled %s run %d", c->name, cfgname, rep);
-        CHECK_OK(ml_cuda_decode_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, passes, R, rs,
-                                       ai, d_o2, f32, &oe, st),
+        snprintf(label, sizeof label, "%s scaled%s %s run %d", c->name, f32 ? " f32" : "", cfgname,
+                 rep);
+        CHECK_OK(ml_cuda_decode_scaled(dt, d_h, lda2, d_w2, k, n, d_tiles, d_num, passes, R, rs, ai,
+                                       d_o2, f32, &ou, st),
                  label);
         CUDA_CHECK(cudaStreamSynchronize(st));
         CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o2, bytes, cudaMemcpyDeviceToHost));
+        pass_check(label, p, &ou, rep, first, got, bytes);
+        if (rep == 1)
+          CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
       }
       snprintf(label, sizeof label, "%s scaled%s (%s, n %d, k %d, %s)", c->name,
                f32 ? " f32" : "", moelink_dtype_name(dt), k, n, cfgname);
       check_output(label, p, k, first, dt, f32, ref2, tol2, L2_TOL);
-      CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
       if (f32)
         continue;
       /* the same launch with its rows stored through out_rows (row r to row
@@ -686,28 +742,35 @@ static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, 
     o.partial_floats = pfloats;
     o.tickets = d_tick;
     o.ticket_count = nticket;
+    o.max_rows = (ci & 1) ? max_tile_rows(p) : 0;
     char cfgname[96];
-    snprintf(cfgname, sizeof cfgname, "splits %d%s%s", o.splits, o.splits ? "" : " (policy)",
-             (o.flags & ML_DECODE_PDL) ? ", PDL" : "");
+    snprintf(cfgname, sizeof cfgname, "splits %d%s%s, max_rows %d", o.splits,
+             o.splits ? "" : " (policy)", (o.flags & ML_DECODE_PDL) ? ", PDL" : "", o.max_rows);
 
     /* swiglu into the dtype, and into fp32 (out_dt f32, as the FP8 layer
      * keeps its SwiGLU rows until they are quantized) */
     for (int f32 = 0; f32 <= c->f32; ++f32) {
       const moelink_dtype_t odt = f32 ? MOELINK_DTYPE_F32 : dt;
       const size_t bytes = (size_t)(R + GUARD_ROWS) * n * (f32 ? 4 : 2);
-      for (int rep = 0; rep < 2; ++rep) {
+      for (int rep = 0; rep < 3; ++rep) {
+        ml_decode_opts ou;
+        if (!pass_run(p, &o, rep, &ou))
+          break;
         CUDA_CHECK(cudaMemsetAsync(d_o1, 0xFF, bytes, st));
-        snprintf(label, sizeof label, "%s fp8 swiglu %s run %d", c->name, cfgname, rep);
-        CHECK_OK(ml_cuda_fp8_swiglu(odt, d_x, d_xs, lda1, ai, p->top_k, d_w1, d_w1s, n, k,
-                                    d_tiles, d_num, passes, R, d_o1, &o, st),
+        snprintf(label, sizeof label, "%s fp8 swiglu%s %s run %d", c->name, f32 ? " f32" : "",
+                 cfgname, rep);
+        CHECK_OK(ml_cuda_fp8_swiglu(odt, d_x, d_xs, lda1, ai, p->top_k, d_w1, d_w1s, n, k, d_tiles,
+                                    d_num, passes, R, d_o1, &ou, st),
                  label);
         CUDA_CHECK(cudaStreamSynchronize(st));
         CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o1, bytes, cudaMemcpyDeviceToHost));
+        pass_check(label, p, &ou, rep, first, got, bytes);
+        if (rep == 1)
+          CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
       }
       snprintf(label, sizeof label, "%s fp8 swiglu (-> %s, n %d, k %d, lda %d, %s)", c->name,
                moelink_dtype_name(odt), n, k, lda1, cfgname);
       check_output(label, p, n, first, dt, f32, ref1, tol1, FP8_L2_TOL);
-      CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
     }
 
     /* the tile list may be read early: a decode launch on it came first */
@@ -715,20 +778,26 @@ static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, 
     oe.flags |= ML_DECODE_PLAN_EARLY;
     for (int f32 = 0; f32 <= c->f32; ++f32) {
       const size_t bytes = (size_t)(R + GUARD_ROWS) * k * (f32 ? 4 : 2);
-      for (int rep = 0; rep < 2; ++rep) {
+      for (int rep = 0; rep < 3; ++rep) {
+        ml_decode_opts ou;
+        if (!pass_run(p, &oe, rep, &ou))
+          break;
         CUDA_CHECK(cudaMemsetAsync(d_o2, 0xFF, bytes, st));
-        snprintf(label, sizeof label, "%s fp8 scaled %s run %d", c->name, cfgname, rep);
-        CHECK_OK(ml_cuda_fp8_scaled(dt, d_h, d_hs, lda2, d_w2, d_w2s, k, n, d_tiles, d_num,
-                                    passes, R, rs, ai, d_o2, f32, &oe, st),
+        snprintf(label, sizeof label, "%s fp8 scaled%s %s run %d", c->name, f32 ? " f32" : "",
+                 cfgname, rep);
+        CHECK_OK(ml_cuda_fp8_scaled(dt, d_h, d_hs, lda2, d_w2, d_w2s, k, n, d_tiles, d_num, passes,
+                                    R, rs, ai, d_o2, f32, &ou, st),
                  label);
         CUDA_CHECK(cudaStreamSynchronize(st));
         CUDA_CHECK(cudaMemcpy(rep ? got : first, d_o2, bytes, cudaMemcpyDeviceToHost));
+        pass_check(label, p, &ou, rep, first, got, bytes);
+        if (rep == 1)
+          CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
       }
       snprintf(label, sizeof label, "%s fp8 scaled (-> %s, n %d, k %d, lda %d, %s%s)", c->name,
                f32 ? "f32" : moelink_dtype_name(dt), k, n, lda2, cfgname,
                rs ? (ai ? ", row scale by pair" : ", row scale by row") : "");
       check_output(label, p, k, first, dt, f32, ref2, tol2, FP8_L2_TOL);
-      CHECK(memcmp(first, got, bytes) == 0, "%s: two runs bitwise equal", label);
     }
   }
 
@@ -868,6 +937,20 @@ static void fp8_cases(void) {
     problem_free(&p);
   }
   {
+    /* up to 16 rows an expert (a 16-row pass full, one of 9: two n8
+     * fragments), unowned rows between; the 16-row kernel where max_rows
+     * says so, and for 13 dense rows */
+    const int counts[] = {16, 9, 0, 13, 1};
+    problem_routed(&p, 5, counts, 1, 2, 0);
+    const fcase c = {"experts of 16/9/0/13/1 rows", MOELINK_DTYPE_BF16, 256, 384, 0, 1, 1};
+    run_fp8_case(&c, &p, splits, 4);
+    problem_free(&p);
+    problem_dense(&p, 13);
+    const fcase c2 = {"dense 13 rows", MOELINK_DTYPE_F16, 128, 512, 128, 1, 1};
+    run_fp8_case(&c2, &p, three, 3);
+    problem_free(&p);
+  }
+  {
     /* the dense form: 1 and 1000 rows, the second with a per-row scale */
     problem_dense(&p, 1);
     const fcase c = {"dense 1 row", MOELINK_DTYPE_BF16, 128, 1024, 0, 1, 0};
@@ -983,6 +1066,8 @@ static ml_decode_opts bench_opts(const bench_ctx *b, int flags) {
   o.partial_floats = b->pfloats;
   o.tickets = b->tick;
   o.ticket_count = b->nticket;
+  /* the routing comes from the library's router: k distinct experts a token */
+  o.max_rows = b->T;
   return o;
 }
 
@@ -1355,6 +1440,19 @@ int main(int argc, char **argv) {
     problem_routed(&p, 64, counts, 0, 8, ml_cuda_decode_passes(128, 64));
     const dcase c = {"16 tokens over 64 experts", MOELINK_DTYPE_BF16, 256, 512, 0, 0, 0};
     run_case(&c, &p, three, 3);
+    problem_free(&p);
+  }
+  {
+    /* up to 16 rows an expert (one 16-row pass full, one of 9), unowned rows
+     * between; then 13 dense rows (see fp8_cases) */
+    const int counts[] = {16, 9, 0, 13, 1};
+    problem_routed(&p, 5, counts, 1, 2, 0);
+    const dcase c = {"experts of 16/9/0/13/1 rows", MOELINK_DTYPE_BF16, 264, 392, 8, 1, 1};
+    run_case(&c, &p, all, 4);
+    problem_free(&p);
+    problem_dense(&p, 13);
+    const dcase c2 = {"dense 13 rows", MOELINK_DTYPE_F16, 136, 520, 0, 1, 0};
+    run_case(&c2, &p, three, 3);
     problem_free(&p);
   }
   {

@@ -17,8 +17,11 @@
  * Passes of one expert are adjacent tiles, so the CTAs that read the same
  * weight block run side by side and the second read is served by L2.
  *
- * Each CTA runs a cp.async ring of MLD_STAGES stages of [128 weight rows x 64]
- * + [64 tokens x 64] bf16/f16, 128-byte rows with the chunk swizzle of the
+ * Each CTA runs a cp.async ring of stages of [128 weight rows x 64] + [BN
+ * tokens x 64] bf16/f16 (mld_cfg: BN = 64 in 4 stages, or BN = 16 in 6
+ * stages where no pass has more than 16 rows: the token rows a 64-row pass
+ * leaves empty hold two more stages of weights, and a CTA with few stages in
+ * flight is what limits a short weight stream), 128-byte rows with the chunk swizzle of the
  * tile engine (chunk c of row r at slot c ^ (r & 7): ldmatrix phases and the
  * copies of one row are both conflict free). Four warps each own 32 weight
  * rows (two m16 fragments) against all the tokens of the pass; only the n8
@@ -61,29 +64,44 @@
 
 #define MLD_THREADS 128
 #define MLD_BM 128 /* weight rows a CTA */
-#define MLD_BN 64  /* token rows a pass */
-#define MLD_BK 64  /* k elements a stage: 128-byte rows */
-#define MLD_STAGES 4
+#define MLD_BN 64  /* token rows a pass (the wide kernel; see mld_cfg) */
+#define MLD_BN_SMALL 16 /* the narrow kernel's */
+#define MLD_BK 64       /* k elements a stage: 128-byte rows */
 #define MLD_ROW_BYTES (MLD_BK * 2)
 #define MLD_W_BYTES (MLD_BM * MLD_ROW_BYTES)
-#define MLD_X_BYTES (MLD_BN * MLD_ROW_BYTES)
-#define MLD_STAGE_BYTES (MLD_W_BYTES + MLD_X_BYTES)
-#define MLD_SMEM_BYTES (MLD_STAGES * MLD_STAGE_BYTES)
-/* FP8: the token scales of each stage in a region after the stages, and 1 KiB
- * of slack to align the stages to 1024 bytes (wgmma's swizzle unit) */
-#define MLD_SCALE_BYTES (MLD_BN * 4)
-#define MLD_FP8_SMEM_BYTES (MLD_STAGES * (MLD_STAGE_BYTES + MLD_SCALE_BYTES) + 1024)
 #define MLD_FP8_BLOCK 128 /* k (and weight rows) per scale */
 #define MLD_W_LOADS (MLD_BM / 16) /* weight rows one thread copies a stage */
-#define MLD_X_LOADS (MLD_BN / 16)
-/* fp32 epilogue tile [MLD_BN][MLD_CS_LD]: a row stride of 132 words puts the
+/* fp32 epilogue tile [BN][MLD_CS_LD]: a row stride of 132 words puts the
  * 8 weight rows x 4 token pairs of one accumulator store in 32 banks */
 #define MLD_CS_LD (MLD_BM + 4)
 
 enum { MLD_SWIGLU = 0, MLD_SCALED = 1 };
 
-static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass");
-static_assert(MLD_BN * MLD_CS_LD * 4 <= MLD_SMEM_BYTES, "epilogue tile overlays the ring");
+/* The ring of a kernel whose passes have up to BN token rows: stages of 128
+ * weight rows and BN token rows, as many as keep two CTAs on an SM (the FP8
+ * kernel: the stages' token scales after them, and 1 KiB of slack to align
+ * the stages to 1024 bytes, wgmma's swizzle unit). */
+template <int BN> struct mld_cfg {
+  static constexpr int NF = BN / 8;       /* n8 token fragments */
+  static constexpr int X_LOADS = BN / 16; /* token rows one thread copies a stage */
+  static constexpr int X_BYTES = BN * MLD_ROW_BYTES;
+  static constexpr int STAGE_BYTES = MLD_W_BYTES + X_BYTES;
+  static constexpr int STAGES = BN == MLD_BN ? 4 : 6;
+  static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
+  static constexpr int SCALE_BYTES = BN * 4;
+  static constexpr int FP8_SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024;
+};
+
+static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass of the wide kernel");
+static_assert(MLD_BN * MLD_CS_LD * 4 <= mld_cfg<MLD_BN>::SMEM_BYTES &&
+                  MLD_BN_SMALL * MLD_CS_LD * 4 <= mld_cfg<MLD_BN_SMALL>::SMEM_BYTES,
+              "epilogue tile overlays the ring");
+static_assert(2 * (mld_cfg<MLD_BN_SMALL>::FP8_SMEM_BYTES + 1024) <= 228 * 1024 &&
+                  2 * (mld_cfg<MLD_BN>::FP8_SMEM_BYTES + 1024) <= 228 * 1024,
+              "two CTAs an SM");
+static_assert(mld_cfg<MLD_BN_SMALL>::STAGE_BYTES % 1024 == 0 &&
+                  mld_cfg<MLD_BN>::STAGE_BYTES % 1024 == 0,
+              "FP8 stages stay 1024-byte aligned");
 static_assert(MLD_THREADS == 128 && MLD_BM == 128, "warp layout: 4 warps x 32 weight rows");
 
 /* Output columns a CTA covers. */
@@ -107,6 +125,7 @@ typedef struct mld_args {
   int passes, mblocks, splits, kt_per;
   int early;                 /* tile list and weights readable before the wait */
   int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
+  int small;                 /* host only: the kernel of MLD_BN_SMALL-row passes */
   /* FP8 only: a_scale[g * as_ld + kb] for A row g, b_scale[(e * b_rblocks
    * + weight row / 128) * kblocks + kb] */
   const float *a_scale;
@@ -169,14 +188,13 @@ static __device__ __forceinline__ void mld_load_w(uint32_t dst, const char *cons
 
 /* Token rows: rows the pass does not have are zero-filled up to a multiple
  * of 16 (one ldmatrix.x4 group) and not touched past it. */
-template <int ES>
+template <int ES, int XL>
 static __device__ __forceinline__ void mld_load_x(uint32_t dst, const char *const *xp,
-                                                  uint32_t valid, uint32_t issue, int kcol,
-                                                  int k) {
+                                                  uint32_t valid, uint32_t issue, int kcol, int k) {
   const int in_k = kcol < k;
   const size_t off = in_k ? (size_t)kcol * ES : 0;
 #pragma unroll
-  for (int i = 0; i < MLD_X_LOADS; ++i)
+  for (int i = 0; i < XL; ++i)
     if ((issue >> i) & 1)
       ml_cp_async16(dst + (uint32_t)(i * 16 * MLD_ROW_BYTES), xp[i] + off,
                     in_k && ((valid >> i) & 1) ? 16 : 0);
@@ -185,11 +203,11 @@ static __device__ __forceinline__ void mld_load_x(uint32_t dst, const char *cons
 /* FP8: the activation scales of k block kb for the rows r0 + 16 i this
  * thread copies, into the stage's scale array dst (zeros for missing rows,
  * nothing past the last 16-row group). */
-static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0,
-                                                       const float *const *sp, uint32_t valid,
-                                                       uint32_t issue, int kb) {
+template <int XL>
+static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0, const float *const *sp,
+                                                       uint32_t valid, uint32_t issue, int kb) {
 #pragma unroll
-  for (int i = 0; i < MLD_X_LOADS; ++i)
+  for (int i = 0; i < XL; ++i)
     if ((issue >> i) & 1)
       ml_cp_async4(dst + (uint32_t)((r0 + 16 * i) * 4), sp[i] + kb, ((valid >> i) & 1) ? 4 : 0);
 }
@@ -199,9 +217,9 @@ static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0,
  * ldmatrix.x4 of weights, one per 16 tokens in use, and 2 x (n8 fragments in
  * use) MMAs into acc. nv and np are the n8 fragments and 16-token groups in
  * use (uniform over the CTA). */
-template <int MODE, int DT, int FP8 = 0>
-static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*acc)[8][4],
-                                                         int nv, int np) {
+template <int MODE, int DT, int FP8, int NF>
+static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*acc)[NF][4], int nv,
+                                                         int np) {
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   const uint32_t a0 =
       slot + (uint32_t)(mld_frag_row<MODE>(warp, 0) + (lane & 15)) * MLD_ROW_BYTES;
@@ -213,13 +231,13 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
   const int b_x = ((lane >> 3) & 1) ^ (lane & 7);
 #pragma unroll
   for (int kk = 0; kk < MLD_BK / 16; ++kk) {
-    uint32_t af[2][4], bf[8][2];
+    uint32_t af[2][4], bf[NF][2];
     const uint32_t a_col = (uint32_t)(((2 * kk) ^ a_x) << 4);
     const uint32_t b_col = (uint32_t)(((2 * kk) ^ b_x) << 4);
     ml_ldmatrix_x4(a0 + a_col, af[0]);
     ml_ldmatrix_x4(a1 + a_col, af[1]);
 #pragma unroll
-    for (int q = 0; q < MLD_BN / 16; ++q) {
+    for (int q = 0; q < NF / 2; ++q) {
       if (q < np) {
         uint32_t t[4];
         ml_ldmatrix_x4(xr + (uint32_t)(q * 16 * MLD_ROW_BYTES) + b_col, t);
@@ -232,7 +250,7 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
       }
     }
 #pragma unroll
-    for (int ni = 0; ni < MLD_BN / 8; ++ni)
+    for (int ni = 0; ni < NF; ++ni)
       if (ni < nv) {
         if (FP8) {
           ml_mma_16832_e4m3(acc[0][ni], af[0], bf[ni]);
@@ -247,10 +265,9 @@ static __device__ __forceinline__ void mld_compute_stage(uint32_t slot, float (*
 
 /* FP8: acc += blk x (weight scale of the fragment) x (token scale), the
  * token scales of the stage at sx in shared memory. */
-template <int NB>
-static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[8][4], float (*blk)[NB][4],
-                                                       const float *sx, const float sw[2],
-                                                       int nv) {
+template <int NB, int NF>
+static __device__ __forceinline__ void mld_promote_fp8(float (*acc)[NF][4], float (*blk)[NB][4],
+                                                       const float *sx, const float sw[2], int nv) {
   const int ft = ((int)threadIdx.x & 3) * 2;
 #pragma unroll
   for (int ni = 0; ni < NB; ++ni) {
@@ -328,9 +345,10 @@ __device__ __forceinline__ void mld_wgmma_e4m3<64>(float *d, uint64_t da, uint64
  * 8 (e / 2), token 8 ni + 2 (lane % 4) + e % 2. Each N has its own blk:
  * one array shared by the four token counts made ptxas serialize the wgmma
  * (warning C7511). */
-template <int N>
-static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*acc)[8][4],
+template <int N, int NF>
+static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*acc)[NF][4],
                                                        const float *sx, const float sw[2]) {
+  static_assert(N <= 8 * NF, "the token count fits the accumulators");
   float blk[2][N / 8][4];
   const uint64_t dx = ml_wgmma_desc(slot + MLD_W_BYTES);
   ml_wgmma_fence();
@@ -345,7 +363,7 @@ static __device__ __forceinline__ void mld_wgmma_stage(uint32_t slot, float (*ac
   ml_wgmma_wait<0>();
   ml_acc_fence<N / 2>(&blk[0][0][0]);
   ml_acc_fence<N / 2>(&blk[1][0][0]);
-  mld_promote_fp8<N / 8>(acc, blk, sx, sw, N / 8);
+  mld_promote_fp8<N / 8, NF>(acc, blk, sx, sw, N / 8);
 }
 #endif
 
@@ -410,15 +428,18 @@ static __device__ __forceinline__ void mld_add8(float *acc, const float *src) {
 /* ---- the kernel ---------------------------------------------------------------- */
 
 /* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
- * (operands e4m3). */
-template <int DT, int MODE, int OUT_F32, int FP8>
+ * (operands e4m3). BN: token rows a pass (mld_cfg); the launcher takes 16
+ * only where no tile has more rows. */
+template <int DT, int MODE, int OUT_F32, int FP8, int BN>
 static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
   extern __shared__ __align__(128) char mld_smem[];
   __shared__ int s_last;
+  typedef mld_cfg<BN> C;
   constexpr int COLS = mld_cols<MODE>::N;
   constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
   constexpr int KT = MLD_ROW_BYTES / ES;            /* k of a stage */
-  constexpr int SB = MLD_STAGE_BYTES;
+  constexpr int SB = C::STAGE_BYTES;
+  constexpr int STAGES = C::STAGES, NF = C::NF, XL = C::X_LOADS;
   const int tid = (int)threadIdx.x;
   int item = (int)blockIdx.x;
   const int pass = item % p.passes;
@@ -437,12 +458,12 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     row0 = __ldcg(p.tiles + 3 * pass + 1);
     rows = __ldcg(p.tiles + 3 * pass + 2);
   } else {
-    row0 = pass * MLD_BN;
+    row0 = pass * BN;
     rows = p.rows - row0;
   }
   /* a tile never holds more than one pass of rows, nor rows past the
    * problem's (the partials are laid out by p.rows) */
-  rows = rows < MLD_BN ? rows : MLD_BN;
+  rows = rows < BN ? rows : BN;
   if (row0 < 0 || row0 >= p.rows || rows <= 0) {
     if (p.early) mld_grid_wait();
     return;
@@ -461,7 +482,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   const uint32_t raw = ml_smem_u32(mld_smem);
   /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them */
   const uint32_t base = FP8 ? (raw + 1023u) & ~1023u : raw;
-  const uint32_t scl = base + (uint32_t)(MLD_STAGES * SB);
+  const uint32_t scl = base + (uint32_t)(STAGES * SB);
 
   const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
   const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * ES;
@@ -478,7 +499,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   /* The weights of the first stages go out as soon as the expert is known,
    * ahead of the gather index round trip (and, when early, of the wait). */
 #pragma unroll
-  for (int s = 0; s < MLD_STAGES - 1; ++s)
+  for (int s = 0; s < STAGES - 1; ++s)
     if (s < nkt)
       mld_load_w<ES>(base + (uint32_t)(s * SB) + swz, wp, wvalid, (kt0 + s) * KT + c * (16 / ES),
                      p.k);
@@ -487,12 +508,12 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
    * that free up (they stream their own weights until their own wait). */
   mld_grid_launch_dependents();
 
-  const char *xp[MLD_X_LOADS];
-  const float *sp[MLD_X_LOADS]; /* FP8: the rows' activation scales */
+  const char *xp[XL];
+  const float *sp[XL]; /* FP8: the rows' activation scales */
   uint32_t xvalid = 0, xissue = 0;
   const int rows16 = (rows + 15) & ~15;
 #pragma unroll
-  for (int i = 0; i < MLD_X_LOADS; ++i) {
+  for (int i = 0; i < XL; ++i) {
     const int t = r0 + 16 * i;
     const int ok = t < rows;
     int g = 0;
@@ -510,22 +531,22 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
    * weights issued above all sit in group 0, older than any stage's tokens,
    * so "group kt complete" still means stage kt has landed. */
 #pragma unroll
-  for (int s = 0; s < MLD_STAGES - 1; ++s) {
+  for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nkt) {
       const uint32_t slot = base + (uint32_t)(s * SB);
-      mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, (kt0 + s) * KT + c * (16 / ES),
-                     p.k);
+      mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue,
+                         (kt0 + s) * KT + c * (16 / ES), p.k);
       if (scale_copier)
-        mld_load_scales(scl + (uint32_t)(s * MLD_SCALE_BYTES), r0, sp, xvalid, xissue, kt0 + s);
+        mld_load_scales<XL>(scl + (uint32_t)(s * C::SCALE_BYTES), r0, sp, xvalid, xissue, kt0 + s);
     }
     ml_cp_async_commit();
   }
 
-  float acc[2][8][4];
+  float acc[2][NF][4];
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni)
+    for (int ni = 0; ni < NF; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
   const int nv = (rows + 7) >> 3, np = (rows + 15) >> 4;
@@ -548,22 +569,22 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     sw_next[1] = __ldg(swp[1] + kt0);
   }
 
-  int rd = 0, wr = MLD_STAGES - 1;
+  int rd = 0, wr = STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
-    ml_cp_async_wait<MLD_STAGES - 2>();
+    ml_cp_async_wait<STAGES - 2>();
     if (FP8) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     /* stage kt landed for every thread, and every warp is done with the
      * slot refilled below (it held stage kt - 1) */
     __syncthreads();
-    const int next = kt + MLD_STAGES - 1;
+    const int next = kt + STAGES - 1;
     if (next < nkt) {
       const uint32_t slot = base + (uint32_t)(wr * SB);
       const int kcol = (kt0 + next) * KT + c * (16 / ES);
       mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
-      mld_load_x<ES>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
+      mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
       if (scale_copier)
-        mld_load_scales(scl + (uint32_t)(wr * MLD_SCALE_BYTES), r0, sp, xvalid, xissue,
-                        kt0 + next);
+        mld_load_scales<XL>(scl + (uint32_t)(wr * C::SCALE_BYTES), r0, sp, xvalid, xissue,
+                            kt0 + next);
     }
     ml_cp_async_commit();
     const uint32_t cur = base + (uint32_t)(rd * SB);
@@ -574,36 +595,37 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
         sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
       }
       if (!p.no_mma) {
-        const float *sx =
-            (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * MLD_SCALE_BYTES));
+        const float *sx = (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * C::SCALE_BYTES));
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
         /* the stage's cp.async writes (generic proxy) before wgmma's reads
          * (async proxy): every thread fenced its own before the barrier */
         if (nv <= 1)
-          mld_wgmma_stage<8>(cur, acc, sx, sw);
-        else if (nv <= 2)
-          mld_wgmma_stage<16>(cur, acc, sx, sw);
-        else if (nv <= 4)
-          mld_wgmma_stage<32>(cur, acc, sx, sw);
-        else
-          mld_wgmma_stage<64>(cur, acc, sx, sw);
+          mld_wgmma_stage<8, NF>(cur, acc, sx, sw);
+        else if (NF <= 2 || nv <= 2)
+          mld_wgmma_stage<16, NF>(cur, acc, sx, sw);
+        else if constexpr (NF >= 8) {
+          if (nv <= 4)
+            mld_wgmma_stage<32, NF>(cur, acc, sx, sw);
+          else
+            mld_wgmma_stage<64, NF>(cur, acc, sx, sw);
+        }
 #else
-        float blk[2][8][4];
+        float blk[2][NF][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-          for (int ni = 0; ni < MLD_BN / 8; ++ni)
+          for (int ni = 0; ni < NF; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
-        mld_compute_stage<MODE, DT, 1>(cur, blk, nv, np);
-        mld_promote_fp8<8>(acc, blk, sx, sw, nv);
+        mld_compute_stage<MODE, DT, 1, NF>(cur, blk, nv, np);
+        mld_promote_fp8<NF, NF>(acc, blk, sx, sw, nv);
 #endif
       }
     } else if (!p.no_mma) {
-      mld_compute_stage<MODE, DT>(cur, acc, nv, np);
+      mld_compute_stage<MODE, DT, 0, NF>(cur, acc, nv, np);
     }
-    rd = rd + 1 == MLD_STAGES ? 0 : rd + 1;
-    wr = wr + 1 == MLD_STAGES ? 0 : wr + 1;
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
   }
   ml_cp_async_wait<0>();
   __syncthreads();
@@ -614,7 +636,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   const int fr = lane >> 2, ft = (lane & 3) * 2;
   const bool fused = MODE == MLD_SWIGLU && p.splits == 1;
 #pragma unroll
-  for (int ni = 0; ni < 8; ++ni) {
+  for (int ni = 0; ni < NF; ++ni) {
     if (ni >= nv) continue;
 #pragma unroll
     for (int h = 0; h < 2; ++h)

@@ -35,7 +35,10 @@ enum {
   ML_DECODE_PLAN_EARLY = 2,
   /* Benchmarks only: skip the MMAs (the output is wrong), so that the time of
    * the weight stream alone can be told from the compute. */
-  ML_DECODE_PROBE_NO_MMA = 4
+  ML_DECODE_PROBE_NO_MMA = 4,
+  /* Tests and benchmarks: the kernel of 64-row passes even where every pass
+   * has 16 rows or fewer (see max_rows). */
+  ML_DECODE_WIDE = 8
 };
 
 /* Scratch and policy of a launch. */
@@ -49,6 +52,12 @@ typedef struct ml_decode_opts {
   size_t ticket_count;   /* capacity of tickets */
   /* scaled launches only (bf16/f16 output): as ml_cuda_gemm_opts.out_rows */
   void *const *out_rows;
+  /* An upper bound on the rows of one tile of the tile list (0: none known;
+   * the problem's rows bound it anyway). Where the bound is 16 or less the
+   * launch takes the kernel of 16-row passes, whose ring holds 6 stages of
+   * weights instead of 4 (MOELINK_DECODE_SMALL=0: never). A layer whose
+   * router picked k distinct experts a token passes its token count. */
+  int max_rows;
 } ml_decode_opts;
 
 /* Upper bound on the tiles of a plan of `rows` valid rows over `experts`
@@ -124,6 +133,10 @@ moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uint8_t *a,
                                     const float *row_scale, const int32_t *scale_index,
                                     void *out, int out_f32, const ml_decode_opts *o,
                                     cudaStream_t stream);
+
+/* Token rows a pass of the calling thread's last decode launch (16 or 64;
+ * 0 before any): tests and benchmarks. */
+int ml_cuda_decode_last_pass_rows(void);
 
 /* The split count the policy picks for a launch (tests and benchmarks). */
 int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes, int sm_count);
