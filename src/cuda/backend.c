@@ -467,6 +467,8 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
    * may read the tiles and stream weights before its dependency wait. */
   ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL | ML_DECODE_PLAN_EARLY);
   o.max_rows = max_rows;
+  if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
+    o.flags |= ML_DECODE_NARROW;
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
@@ -508,6 +510,8 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
      * is complete. */
     ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
     o.max_rows = max_rows;
+    if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
+      o.flags |= ML_DECODE_NARROW;
     int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
     if (passes > plan->max_tiles) passes = plan->max_tiles;
     ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,

@@ -37,6 +37,14 @@ MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
 MOELINK_PARAM(DECODE_SPLITS, 0)
 /* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
 MOELINK_PARAM(DECODE_SMALL, 1)
+/* ml_cuda_decode_narrow: rows an expert on average up to which a layer's
+ * tiles are cut into 16-row passes (0: never). 8 measured: docs/PERF.md */
+MOELINK_PARAM(DECODE_NARROW, 8)
+
+extern "C" int ml_cuda_decode_narrow(int rows, int experts) {
+  const int64_t per = ml_param_DECODE_NARROW();
+  return per > 0 && experts > 0 && rows > 0 && (int64_t)rows <= per * experts;
+}
 
 static __thread int mld_last_bn = 0;
 
@@ -114,7 +122,7 @@ extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_pa
 }
 
 /* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS). */
-static void mld_need(int swiglu, int n, int k, int rows, int passes, int sm_count,
+static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int sm_count,
                      size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
   int kt_per = 0;
@@ -122,7 +130,7 @@ static void mld_need(int swiglu, int n, int k, int rows, int passes, int sm_coun
                            (int)ml_param_DECODE_SPLITS(), &kt_per);
   if (s <= 1) return;
   const size_t f = (size_t)s * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
-  const size_t t = (size_t)passes * (size_t)mb;
+  const size_t t = (size_t)passes * (size_t)sub * (size_t)mb;
   if (f > *floats) *floats = f;
   if (t > *tickets) *tickets = t;
 }
@@ -142,13 +150,15 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
     if (!routed && !shared) break;
     if (routed) {
       const int passes = ml_cuda_decode_passes(P, num_experts);
-      mld_need(1, inter, hidden, P, passes, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, inter, P, passes, sm_count, partial_floats, ticket_count);
+      /* (tickets for tiles cut into 16-row passes: ML_DECODE_NARROW) */
+      const int sub = ML_CUDA_TILE_ROWS / MLD_BN_SMALL;
+      mld_need(1, inter, hidden, P, passes, sub, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, inter, P, passes, sub, sm_count, partial_floats, ticket_count);
     }
     if (shared) {
       const int passes = ml_cuda_decode_passes(T, 1);
-      mld_need(1, shared_inter, hidden, T, passes, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, shared_inter, T, passes, sm_count, partial_floats, ticket_count);
+      mld_need(1, shared_inter, hidden, T, passes, 1, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, shared_inter, T, passes, 1, sm_count, partial_floats, ticket_count);
     }
   }
 }
@@ -252,8 +262,22 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   const int ktiles = mld_ceil_div(k, fp8 ? MLD_ROW_BYTES : MLD_BK);
   int kt_per = 0;
   const int forced = o->splits > 0 ? o->splits : (int)ml_param_DECODE_SPLITS();
+  /* (the split policy counts tiles: a tile's further row blocks add CTAs
+   * only where the tile has the rows) */
   const int splits = mld_splits(mb, ktiles, passes, o->sm_count, forced, &kt_per);
   if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
+  /* 16-row passes where no tile can have more rows (the problem's rows, or
+   * the caller's bound on a tile's), or where asked to cut tiles into them */
+  const int wide = (o->flags & ML_DECODE_WIDE) != 0 || ml_param_DECODE_SMALL() == 0;
+  const int bound = tiles != NULL && o->max_rows > 0 && o->max_rows < rows ? o->max_rows : rows;
+  p->small = !wide && bound <= MLD_BN_SMALL;
+  p->sub = 1;
+  if (!wide && !p->small && tiles != NULL && (o->flags & ML_DECODE_NARROW) != 0) {
+    p->small = 1;
+    p->sub =
+        (bound < ML_CUDA_TILE_ROWS ? bound + MLD_BN_SMALL - 1 : ML_CUDA_TILE_ROWS) / MLD_BN_SMALL;
+    passes *= p->sub;
+  }
   const int64_t ctas = (int64_t)passes * mb * splits;
   if (ctas > INT_MAX)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: %d passes x %d column blocks x %d splits is "
@@ -302,11 +326,6 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
    * when the caller says the plan is complete. */
   p->early = tiles == NULL || (o->flags & ML_DECODE_PLAN_EARLY) != 0;
   p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
-  /* 16-row passes where no tile can have more rows: the problem's rows, or
-   * the caller's bound on a tile's */
-  const int bound = tiles != NULL && o->max_rows > 0 && o->max_rows < rows ? o->max_rows : rows;
-  p->small =
-      bound <= MLD_BN_SMALL && (o->flags & ML_DECODE_WIDE) == 0 && ml_param_DECODE_SMALL() != 0;
   p->a_scale = NULL;
   p->b_scale = NULL;
   p->as_ld = lda / MLD_FP8_BLOCK;

@@ -30,6 +30,7 @@
  * CUDA graph. Times are medians with the L2 flushed before each run by a
  * 256 MiB memset (the CLI benchmarks read instead since commit e958a9d: see
  * docs/PERF.md; this tool keeps the memset so its numbers stay comparable). */
+#include "core/core.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
 #include "gpu_util.h"
@@ -274,36 +275,48 @@ static int max_tile_rows(const problem *p) {
   return m;
 }
 
-/* The pass rows a launch over p with options o must take: 16 where no tile
- * can have more (the problem's rows, or o->max_rows of a tile list), else 64. */
+/* The pass rows a launch over p with options o must take: 64 with
+ * ML_DECODE_WIDE (or MOELINK_DECODE_SMALL=0), else 16 where no tile can have
+ * more (the problem's rows, or o->max_rows of a tile list) or a tile list is
+ * cut into 16-row passes (ML_DECODE_NARROW). */
 static int want_pass_rows(const problem *p, const ml_decode_opts *o) {
+  if ((o->flags & ML_DECODE_WIDE) != 0 || ml_env_int("MOELINK_DECODE_SMALL", 1) == 0)
+    return 64;
   const int bound = p->tiles != NULL && o->max_rows > 0 && o->max_rows < p->R ? o->max_rows : p->R;
-  return bound <= 16 && (o->flags & ML_DECODE_WIDE) == 0 ? 16 : 64;
+  if (bound <= 16)
+    return 16;
+  return p->tiles != NULL && (o->flags & ML_DECODE_NARROW) != 0 ? 16 : 64;
 }
 
 /* Run rep of a GEMM's launches in a configuration: runs 0 and 1 as
- * configured, run 2 (only where the configuration takes 16-row passes) with
- * ML_DECODE_WIDE. Returns 0 for a run 2 with nothing to do, else fills *ou. */
+ * configured, run 2 on the other kernel where there is one (16-row passes:
+ * ML_DECODE_WIDE; 64-row passes of a tile list: ML_DECODE_NARROW). Returns 0
+ * for a run 2 with nothing to do, else fills *ou. */
 static int pass_run(const problem *p, const ml_decode_opts *o, int rep, ml_decode_opts *ou) {
   *ou = *o;
   if (rep < 2)
     return 1;
-  if (want_pass_rows(p, o) != 16)
+  if (want_pass_rows(p, o) == 16)
+    ou->flags |= ML_DECODE_WIDE;
+  else if (p->tiles != NULL)
+    ou->flags |= ML_DECODE_NARROW;
+  else
     return 0;
-  ou->flags |= ML_DECODE_WIDE;
-  return 1;
+  return want_pass_rows(p, ou) != want_pass_rows(p, o);
 }
 
 /* After run rep (its output in rep ? got : first): the pass rows it took,
- * and run 2 (64-row passes) bitwise run 0 (16-row passes). */
+ * and run 2 (the other kernel) bitwise run 0: each output element is the
+ * same MMA sums in the same order whatever the pass rows (FP8 too: wgmma of
+ * N = 16 and of N = 64 gave the same bits in every case here, H200). */
 static void pass_check(const char *label, const problem *p, const ml_decode_opts *ou, int rep,
                        const unsigned char *first, const unsigned char *got, size_t bytes) {
   const int want = want_pass_rows(p, ou);
   CHECK(ml_cuda_decode_last_pass_rows() == want, "%s: %d-row passes (max_rows %d, rows %d)", label,
         want, ou->max_rows, p->R);
   if (rep == 2)
-    CHECK(memcmp(first, got, bytes) == 0,
-          "%s: the 64-row kernel's output bitwise the 16-row kernel's", label);
+    CHECK(memcmp(first, got, bytes) == 0, "%s: the %d-row kernel's output bitwise the other's",
+          label, want);
 }
 
 static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int ncfg) {
@@ -392,7 +405,8 @@ static void run_case(const dcase *c, const problem *p, const run_cfg *cfgs, int 
   /* scratch for up to 16 splits */
   const int passes = dense ? ml_cuda_decode_passes(R, 1) : p->max_passes;
   const size_t pfloats = (size_t)16 * (R ? R : 1) * (size_t)(2 * n > k ? 2 * n : k);
-  const size_t nticket = (size_t)passes * (size_t)((2 * n + k) / 64 + 2);
+  /* (x 4: tiles cut into 16-row passes, ML_DECODE_NARROW) */
+  const size_t nticket = (size_t)4 * passes * (size_t)((2 * n + k) / 64 + 2);
   float *d_part = dev_alloc(pfloats * sizeof(float));
   uint32_t *d_tick = dev_alloc(nticket * sizeof(uint32_t));
   CUDA_CHECK(cudaMemset(d_tick, 0, nticket * sizeof(uint32_t)));
@@ -720,7 +734,7 @@ static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, 
   /* scratch for up to 16 splits */
   const int passes = dense ? ml_cuda_decode_passes(R, 1) : p->max_passes;
   const size_t pfloats = (size_t)16 * hrows * (size_t)(2 * n > k ? 2 * n : k);
-  const size_t nticket = (size_t)(passes > 0 ? passes : 1) * (size_t)((2 * n + k) / 64 + 2);
+  const size_t nticket = (size_t)4 * (passes > 0 ? passes : 1) * (size_t)((2 * n + k) / 64 + 2);
   float *d_part = dev_alloc(pfloats * sizeof(float));
   uint32_t *d_tick = dev_alloc(nticket * sizeof(uint32_t));
   CUDA_CHECK(cudaMemset(d_tick, 0, nticket * sizeof(uint32_t)));
@@ -988,6 +1002,12 @@ static void check_policy(void) {
   }
   CHECK(ok, "tile count never exceeds ml_cuda_decode_passes (2000 random spreads, slack <= %d)",
         worst_gap);
+  if (getenv("MOELINK_DECODE_NARROW") == NULL)
+    CHECK(ml_cuda_decode_narrow(64, 8) && !ml_cuda_decode_narrow(65, 8) &&
+              ml_cuda_decode_narrow(1024, 256) && ml_cuda_decode_narrow(1, 128) &&
+              !ml_cuda_decode_narrow(2048, 256) && !ml_cuda_decode_narrow(0, 8) &&
+              !ml_cuda_decode_narrow(8, 0),
+          "tiles in 16-row passes up to 8 rows an expert on average");
   if (getenv("MOELINK_DECODE_MAX_PAIRS") == NULL) {
     CHECK(ml_cuda_decode_wanted(8, 128) && ml_cuda_decode_wanted(1, 1) &&
               ml_cuda_decode_wanted(256, 8) && !ml_cuda_decode_wanted(257, 8) &&
@@ -1066,8 +1086,11 @@ static ml_decode_opts bench_opts(const bench_ctx *b, int flags) {
   o.partial_floats = b->pfloats;
   o.tickets = b->tick;
   o.ticket_count = b->nticket;
-  /* the routing comes from the library's router: k distinct experts a token */
+  /* the routing comes from the library's router: k distinct experts a token;
+   * tiles in 16-row passes as the layer cuts them */
   o.max_rows = b->T;
+  if (ml_cuda_decode_narrow(b->pairs, b->cfg.num_experts))
+    o.flags |= ML_DECODE_NARROW;
   return o;
 }
 

@@ -8,22 +8,24 @@
  * rows, and the grid is cut so that every SM streams weights:
  *
  *   CTA = (pass, column block, K split), pass fastest in blockIdx.x
- *     pass          one tile of the plan (<= 64 rows of one expert), or 64
- *                   rows of a dense problem
+ *     pass          BN rows of one tile of the plan (a tile: <= 64 rows of one
+ *                   expert; BN = 64, or 16 with the tile's rows in up to
+ *                   four passes), or BN rows of a dense problem
  *     column block  128 weight rows: 128 output columns of the plain GEMM, or
  *                   64 gate rows + the 64 up rows of the same columns
  *     K split       a range of 64-wide k tiles
  *
- * Passes of one expert are adjacent tiles, so the CTAs that read the same
- * weight block run side by side and the second read is served by L2.
+ * Passes of one expert are adjacent, so the CTAs that read the same weight
+ * block run side by side and the second read is served by L2.
  *
  * Each CTA runs a cp.async ring of stages of [128 weight rows x 64] + [BN
- * tokens x 64] bf16/f16 (mld_cfg: BN = 64 in 4 stages, or BN = 16 in 6
- * stages where no pass has more than 16 rows: the token rows a 64-row pass
- * leaves empty hold two more stages of weights, and a CTA with few stages in
- * flight is what limits a short weight stream), 128-byte rows with the chunk swizzle of the
- * tile engine (chunk c of row r at slot c ^ (r & 7): ldmatrix phases and the
- * copies of one row are both conflict free). Four warps each own 32 weight
+ * tokens x 64] bf16/f16 (mld_cfg: BN = 64 in 4 stages, or BN = 16 in 6: the
+ * token rows a 64-row pass leaves empty hold two more stages of weights, and
+ * a CTA's stages in flight are what limits a weight stream whose tiles have
+ * few rows; the launcher takes BN = 16 where no tile has more than 16 rows,
+ * or where the experts' tiles are cut into 16-row passes, ML_DECODE_NARROW),
+ * 128-byte rows with the chunk swizzle of the tile engine (chunk c of row r at slot c ^ (r & 7):
+ * ldmatrix phases and the copies of one row are both conflict free). Four warps each own 32 weight
  * rows (two m16 fragments) against all the tokens of the pass; only the n8
  * fragments that hold rows of the pass are loaded and multiplied.
  *
@@ -39,9 +41,9 @@
  * scale grid (hence n and k multiples of 128). The stage's products go into
  * an fp32 block sum, which is added to the running total times the block's
  * weight scale (one per 64-row half: its rows sit in one 128-row scale
- * block) and each token's activation scale (64 fp32 values copied with the
+ * block) and each token's activation scale (BN fp32 values copied with the
  * stage's token rows). On sm_90a the block sum comes from wgmma (m64nNk32
- * e4m3, N = 8..64 tokens, the warpgroup's two 64-row halves; the ring's
+ * e4m3, N = 8..BN tokens, the warpgroup's two 64-row halves; the ring's
  * chunk swizzle is wgmma's 128-byte swizzle once the stages are 1024-byte
  * aligned): sm_90 has no 8-bit mma.sync, which it emulates by unpacking to
  * f16 at a cost that halved the weight stream. Elsewhere (the compute_90
@@ -125,6 +127,8 @@ typedef struct mld_args {
   int passes, mblocks, splits, kt_per;
   int early;                 /* tile list and weights readable before the wait */
   int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
+  int sub;                   /* passes a tile (passes = tiles x sub): row block j of
+                              * BN rows of tile t is pass t x sub + j */
   int small;                 /* host only: the kernel of MLD_BN_SMALL-row passes */
   /* FP8 only: a_scale[g * as_ld + kb] for A row g, b_scale[(e * b_rblocks
    * + weight row / 128) * kblocks + kb] */
@@ -450,19 +454,22 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   if (!p.early) mld_grid_wait();
   int expert = 0, row0, rows;
   if (p.tiles != NULL) {
-    if (pass >= __ldcg(p.num_tiles)) {
+    /* row block j of tile t (p.sub blocks a tile, adjacent: their CTAs read
+     * the same weights side by side) */
+    const int t = pass / p.sub, j = pass - t * p.sub;
+    if (t >= __ldcg(p.num_tiles)) {
       if (p.early) mld_grid_wait();
       return;
     }
-    expert = __ldcg(p.tiles + 3 * pass);
-    row0 = __ldcg(p.tiles + 3 * pass + 1);
-    rows = __ldcg(p.tiles + 3 * pass + 2);
+    expert = __ldcg(p.tiles + 3 * t);
+    row0 = __ldcg(p.tiles + 3 * t + 1) + j * BN;
+    rows = __ldcg(p.tiles + 3 * t + 2) - j * BN;
   } else {
     row0 = pass * BN;
     rows = p.rows - row0;
   }
-  /* a tile never holds more than one pass of rows, nor rows past the
-   * problem's (the partials are laid out by p.rows) */
+  /* a pass never holds more than BN rows, nor rows past the problem's (the
+   * partials are laid out by p.rows) */
   rows = rows < BN ? rows : BN;
   if (row0 < 0 || row0 >= p.rows || rows <= 0) {
     if (p.early) mld_grid_wait();

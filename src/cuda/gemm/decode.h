@@ -38,7 +38,13 @@ enum {
   ML_DECODE_PROBE_NO_MMA = 4,
   /* Tests and benchmarks: the kernel of 64-row passes even where every pass
    * has 16 rows or fewer (see max_rows). */
-  ML_DECODE_WIDE = 8
+  ML_DECODE_WIDE = 8,
+  /* A tile list of any tiles through the kernel of 16-row passes: each tile
+   * in up to 4 passes of 16 rows, whose CTAs stream the same weights side by
+   * side (DRAM once, L2 once a pass). Needs 4x the tickets of a plain launch
+   * when K is split (ml_cuda_decode_scratch sizes them). Ignored for dense
+   * problems and with ML_DECODE_WIDE. */
+  ML_DECODE_NARROW = 16
 };
 
 /* Scratch and policy of a launch. */
@@ -137,6 +143,13 @@ moelink_status_t ml_cuda_fp8_scaled(moelink_dtype_t out_dt, const uint8_t *a,
 /* Token rows a pass of the calling thread's last decode launch (16 or 64;
  * 0 before any): tests and benchmarks. */
 int ml_cuda_decode_last_pass_rows(void);
+
+/* Whether a layer's routed decode GEMMs over `rows` rows of `experts`
+ * experts should cut their tiles into 16-row passes (ML_DECODE_NARROW): at
+ * most MOELINK_DECODE_NARROW (default 8) rows an expert on average. Where
+ * the experts' tiles average more, a tile's passes stream its weights more
+ * than once (measured: docs/PERF.md). */
+int ml_cuda_decode_narrow(int rows, int experts);
 
 /* The split count the policy picks for a launch (tests and benchmarks). */
 int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes, int sm_count);
