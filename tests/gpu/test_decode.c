@@ -1005,8 +1005,8 @@ static void check_policy(void) {
   if (getenv("MOELINK_DECODE_NARROW") == NULL)
     CHECK(ml_cuda_decode_narrow(64, 8) && !ml_cuda_decode_narrow(65, 8) &&
               ml_cuda_decode_narrow(1024, 256) && ml_cuda_decode_narrow(1, 128) &&
-              !ml_cuda_decode_narrow(2048, 256) && !ml_cuda_decode_narrow(0, 8) &&
-              !ml_cuda_decode_narrow(8, 0),
+              ml_cuda_decode_narrow(2048, 256) && !ml_cuda_decode_narrow(2049, 256) &&
+              !ml_cuda_decode_narrow(0, 8) && !ml_cuda_decode_narrow(8, 0),
           "tiles in 16-row passes up to 8 rows an expert on average");
   if (getenv("MOELINK_DECODE_MAX_PAIRS") == NULL) {
     CHECK(ml_cuda_decode_wanted(8, 128) && ml_cuda_decode_wanted(1, 1) &&
