@@ -407,6 +407,13 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
  * division became a reciprocal and two corrections: 2.2-2.5% faster layers
  * at 8192 tokens (docs/PERF.md, FP8 section). */
 MOELINK_PARAM(GEMM_FP8_QUANT, 1)
+/* 1: likewise in the decode gate/up GEMMs (ml_decode_opts.q_out), routed and
+ * shared, instead of a quantize kernel between the two GEMMs */
+MOELINK_PARAM(DECODE_FP8_QUANT, 1)
+/* 1: an FP8 layer of few tokens quantizes its token rows first and runs the
+ * router beside that kernel as a programmatic dependent, instead of after
+ * the router */
+MOELINK_PARAM(FP8_X_FIRST, 1)
 
 /* The token rows x [T, H] in e4m3 with their scales per 128 (m->xq, m->xs),
  * what the FP8 GEMMs of the routed and the shared experts read. */
@@ -425,7 +432,11 @@ static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T
  * x_ready: this call quantized them already) and then the fp32 SwiGLU rows
  * are quantized per 128 (moelink_quantize's FP8) and both GEMMs read e4m3
  * operands: the decode kernels while the experts have few rows each
- * (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. */
+ * (ml_cuda_decode_wanted_fp8), the sm_90a FP8 kernel past. x_ready 2: the
+ * kernel before these let its dependents start only after the plan was
+ * complete (as the quantize kernel here does), so the decode gate/up GEMM
+ * may read the tile list before its dependency wait; 1: not known (the
+ * router that builds the plan lets them start at once). */
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
                                          void *const *out_rows, const int32_t *down_index,
@@ -464,22 +475,35 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   }
   /* The plan was complete before the x quantize kernel started (a plain
    * launch), and that kernel lets the gate/up GEMM start at once: the GEMM
-   * may read the tiles and stream weights before its dependency wait. */
-  ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL | ML_DECODE_PLAN_EARLY);
+   * may read the tiles and stream weights before its dependency wait (so
+   * with x_ready 2, not with 1). */
+  ml_decode_opts o = ml_cu_decode_opts(
+      moe, ML_DECODE_PDL | (x_ready != 1 ? ML_DECODE_PLAN_EARLY : 0));
   o.max_rows = max_rows;
   if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
     o.flags |= ML_DECODE_NARROW;
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
+  /* h in e4m3 from the GEMM itself (its fp32 rows written too), or by a
+   * quantize kernel after it */
+  const int fused = ml_param_DECODE_FP8_QUANT() != 0;
+  o.q_out = fused ? m->hq : NULL;
+  o.q_scale = fused ? m->hs : NULL;
   ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,
                             cfg->top_k, (const uint8_t *)moe->w.gate_up, moe->w.gate_up_scale,
                             cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles, passes, pairs,
                             m->h, &o, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM (fp8)"));
-  ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
-                          m->hs, sms, st));
-  /* the down GEMM likewise streams its weights while h is quantized */
+  o.q_out = NULL;
+  o.q_scale = NULL;
+  if (!fused)
+    ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, m->h, pairs, cfg->inter, m->hq,
+                            m->hs, sms, st));
+  /* the down GEMM likewise streams its weights while the gate/up GEMM (or
+   * the quantize kernel) drains; the kernel before it let it start only
+   * after the plan was complete */
+  o.flags |= ML_DECODE_PLAN_EARLY;
   o.out_rows = out_rows;
   ML_TRY(ml_cuda_fp8_scaled(cfg->dtype, m->hq, m->hs, cfg->inter, (const uint8_t *)moe->w.down,
                             moe->w.down_scale, cfg->hidden, cfg->inter, plan->tiles,
@@ -575,17 +599,24 @@ static moelink_status_t ml_cu_quantize_sh_h(moelink_moe_t moe, int T, cudaStream
 
 /* The shared expert of a small batch on the decode GEMMs (dense rows):
  * gate/up into sh_h, then down into sh_out (fp32). fp8_shared: gate/up reads
- * the quantized token rows (m->xq, made by the caller), writes sh_h in fp32,
- * which is quantized (m->shq) before the down GEMM. */
+ * the quantized token rows (m->xq, made by the caller), writes sh_h in fp32
+ * and, with MOELINK_DECODE_FP8_QUANT, in e4m3 (m->shq) as well; else sh_h is
+ * quantized before the down GEMM. */
 static moelink_status_t ml_cu_shared_gate_up_decode(moelink_moe_t moe, const void *x, int T,
                                                     const ml_decode_opts *o, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
-  if (cfg->fp8_shared)
+  if (cfg->fp8_shared) {
+    ml_decode_opts oq = *o;
+    if (ml_param_DECODE_FP8_QUANT() != 0) {
+      oq.q_out = m->shq;
+      oq.q_scale = m->shs;
+    }
     return ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, NULL, 1,
                               (const uint8_t *)moe->w.shared_gate_up, moe->w.shared_gate_up_scale,
                               cfg->shared_inter, cfg->hidden, NULL, NULL,
-                              ml_cuda_decode_passes(T, 1), T, m->sh_h, o, st);
+                              ml_cuda_decode_passes(T, 1), T, m->sh_h, &oq, st);
+  }
   return ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, NULL, 1, moe->w.shared_gate_up,
                                cfg->shared_inter, cfg->hidden, NULL, NULL, 0, T, m->sh_h, o, st);
 }
@@ -595,7 +626,8 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   if (cfg->fp8_shared) {
-    ML_TRY(ml_cu_quantize_sh_h(moe, T, st));
+    if (ml_param_DECODE_FP8_QUANT() == 0)
+      ML_TRY(ml_cu_quantize_sh_h(moe, T, st));
     return ml_cuda_fp8_scaled(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
                               (const uint8_t *)moe->w.shared_down, moe->w.shared_down_scale,
                               cfg->hidden, cfg->shared_inter, NULL, NULL,
@@ -658,22 +690,32 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   /* fp8_shared: the token rows are quantized once, before the first FP8
    * GEMM that reads them (the shared expert's when it goes first) */
   int x_ready = 0;
+  /* FP8 experts on the decode GEMMs: the token rows quantized first, and the
+   * router (which reads x, not its e4m3 copy) beside that kernel as a
+   * programmatic dependent that waits for it before completing: the
+   * quantization leaves the chain between the router and the GEMMs */
+  const int x_first = cfg->fp8_experts && ml_param_FP8_X_FIRST() != 0 &&
+                      ml_cuda_pdl_allowed(st) &&
+                      ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts);
+  if (x_first || (shared_first && cfg->fp8_shared)) {
+    ML_TRY(ml_cu_quantize_x(moe, x, T, st));
+    x_ready = 1;
+  }
   if (shared_first) {
-    if (cfg->fp8_shared) {
-      ML_TRY(ml_cu_quantize_x(moe, x, T, st));
-      x_ready = 1;
-    }
     ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
   }
   /* a single block of tokens gets its plan from the router kernel */
   const int fused_plan =
       ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
-  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL, shared_first,
-                          st));
+  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL,
+                          shared_first || x_first, st));
   if (shared_first) {
     ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert down GEMM (decode)"));
+    /* a decode GEMM launched after the router: it lets the routed GEMMs
+     * start only after its own wait, when the plan is complete */
+    if (x_ready) x_ready = 2;
   }
   if (!fused_plan) {
     ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st));

@@ -128,9 +128,13 @@ static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, in
   int kt_per = 0;
   const int s = mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
                            (int)ml_param_DECODE_SPLITS(), &kt_per);
+  /* SwiGLU: the tickets of an FP8 output (ml_decode_opts.q_out) after the
+   * split ones, whether K is split or not */
+  const size_t pm = (size_t)passes * (size_t)sub * (size_t)mb;
+  const size_t t = swiglu ? pm + (size_t)passes * (size_t)sub * (size_t)(mb / 2) : pm;
+  if (swiglu && t > *tickets) *tickets = t;
   if (s <= 1) return;
   const size_t f = (size_t)s * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
-  const size_t t = (size_t)passes * (size_t)sub * (size_t)mb;
   if (f > *floats) *floats = f;
   if (t > *tickets) *tickets = t;
 }
@@ -288,6 +292,23 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   if (mld_misaligned(a) || mld_misaligned(b) || mld_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: operands must be 16-byte aligned (a %p, b %p, out %p)", what, a, b, out);
+  const int q = o->q_out != NULL || o->q_scale != NULL;
+  if (q) {
+    if (!(swiglu && fp8 && dt == MOELINK_DTYPE_F32))
+      return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                     "%s: an FP8 copy of the output (q_out) is for the FP8 SwiGLU with an fp32 "
+                     "output", what);
+    if (o->q_out == NULL || o->q_scale == NULL || mld_misaligned(o->q_out) ||
+        ((uintptr_t)o->q_scale & 3u))
+      return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
+                     "%s: q_out %p and q_scale %p go together (16- and 4-byte aligned)", what,
+                     (void *)o->q_out, (void *)o->q_scale);
+    /* its tickets follow the split ones */
+    const size_t need_t = (size_t)passes * (size_t)mb + (size_t)passes * (size_t)(mb / 2);
+    if (o->tickets == NULL || o->ticket_count < need_t)
+      return ml_fail(MOELINK_ERR_INTERNAL, "%s: %zu tickets for the FP8 output, have %zu", what,
+                     need_t, o->tickets ? o->ticket_count : (size_t)0);
+  }
   if (splits > 1) {
     const size_t need_f = (size_t)splits * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
     const size_t need_t = (size_t)passes * (size_t)mb;
@@ -326,6 +347,9 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
    * when the caller says the plan is complete. */
   p->early = tiles == NULL || (o->flags & ML_DECODE_PLAN_EARLY) != 0;
   p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
+  p->q = q ? o->q_out : NULL;
+  p->q_scale = q ? o->q_scale : NULL;
+  p->q_tickets = q ? o->tickets + (size_t)passes * (size_t)mb : NULL;
   p->a_scale = NULL;
   p->b_scale = NULL;
   p->as_ld = lda / MLD_FP8_BLOCK;

@@ -33,6 +33,7 @@
 #include "core/core.h"
 #include "cuda/cuda.h"
 #include "cuda/gemm/decode.h"
+#include "cuda/pipeline.h"
 #include "gpu_util.h"
 #include "harness.h"
 #include "moelink.h"
@@ -641,6 +642,86 @@ typedef struct fcase {
   int dense_scale;    /* dense problems: row_scale[r] without scale_index */
 } fcase;
 
+/* The device operands of an FP8 case. */
+typedef struct fp8_dev {
+  const uint8_t *x, *w1;
+  const float *xs, *w1s;
+  const int32_t *index, *tiles, *num;
+  int lda1;
+} fp8_dev;
+
+/* The fp32 SwiGLU (first: its output, bytes long) again with its FP8 copy
+ * made by the kernel (ml_decode_opts.q_out): the fp32 output bitwise as
+ * before; on the owned rows the e4m3 bytes and scales bitwise those of
+ * ml_cuda_quantize on that output; the other rows' bytes and scales still
+ * poisoned. */
+static void check_q_out(const fcase *c, const problem *p, const ml_decode_opts *o,
+                        const fp8_dev *d, void *d_out, const unsigned char *first, size_t bytes,
+                        int passes, cudaStream_t st) {
+  const int n = c->n, k = c->k, R = p->R, rows = R + GUARD_ROWS;
+  const size_t qn = (size_t)rows * n, sn = (size_t)rows * (n / 128);
+  uint8_t *d_q = dev_alloc(qn), *d_qr = dev_alloc(qn);
+  float *d_s = dev_alloc(sn * 4), *d_sr = dev_alloc(sn * 4);
+  uint8_t *q = xmalloc(qn), *qr = xmalloc(qn);
+  float *s = xmalloc(sn * 4), *sr = xmalloc(sn * 4);
+  unsigned char *got = xmalloc(bytes);
+  char label[256];
+  snprintf(label, sizeof label, "%s fp8 swiglu with its e4m3 copy (n %d, k %d, splits %d%s%s)",
+           c->name, n, k, o->splits, (o->flags & ML_DECODE_PDL) ? ", PDL" : "",
+           (o->flags & ML_DECODE_NARROW) ? ", 16-row passes" : "");
+  ml_decode_opts oq = *o;
+  oq.q_out = d_q;
+  oq.q_scale = d_s;
+  long bad_q = 0, bad_s = 0, poison = 0, owned = 0;
+  for (int rep = 0; rep < 2; ++rep) {
+    CUDA_CHECK(cudaMemsetAsync(d_q, 0xA5, qn, st));
+    CUDA_CHECK(cudaMemsetAsync(d_s, 0xFF, sn * 4, st));
+    CUDA_CHECK(cudaMemsetAsync(d_out, 0xFF, bytes, st));
+    CHECK_OK(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, d->x, d->xs, d->lda1, d->index, p->top_k,
+                                d->w1, d->w1s, n, k, d->tiles, d->num, passes, R, d_out, &oq, st),
+             label);
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    CUDA_CHECK(cudaMemcpy(got, d_out, bytes, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(got, first, bytes) == 0, "%s run %d: the fp32 output bitwise as without it",
+          label, rep);
+    CHECK_OK(ml_cuda_quantize(MOELINK_QUANT_FP8, MOELINK_DTYPE_F32, d_out, R, n, d_qr, d_sr,
+                              g_sm_count, st),
+             "quantize the fp32 output");
+    CUDA_CHECK(cudaStreamSynchronize(st));
+    CUDA_CHECK(cudaMemcpy(q, d_q, qn, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(qr, d_qr, qn, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s, d_s, sn * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(sr, d_sr, sn * 4, cudaMemcpyDeviceToHost));
+    for (int r = 0; r < rows; ++r) {
+      const int own = r < R && p->row_expert[r] >= 0;
+      owned += own && rep == 0;
+      for (int i = 0; i < n; ++i) {
+        const size_t at = (size_t)r * n + i;
+        if (own)
+          bad_q += q[at] != qr[at];
+        else
+          poison += q[at] != 0xA5;
+      }
+      for (int b = 0; b < n / 128; ++b) {
+        const size_t at = (size_t)r * (n / 128) + b;
+        uint32_t u;
+        memcpy(&u, s + at, 4);
+        if (own)
+          bad_s += memcmp(s + at, sr + at, 4) != 0;
+        else
+          poison += u != 0xFFFFFFFFu;
+      }
+    }
+  }
+  CHECK(owned > 0 && bad_q == 0 && bad_s == 0,
+        "%s: bytes and scales of %ld owned rows bitwise moelink_quantize's of the fp32 output, "
+        "twice (%ld bytes, %ld scales differ)",
+        label, owned, bad_q, bad_s);
+  CHECK(poison == 0, "%s: rows no tile owns keep their poison (%ld changed)", label, poison);
+  cudaFree(d_q), cudaFree(d_qr), cudaFree(d_s), cudaFree(d_sr);
+  free(q), free(qr), free(s), free(sr), free(got);
+}
+
 static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, int ncfg) {
   const moelink_dtype_t dt = c->dt;
   const int n = c->n, k = c->k, R = p->R, E = p->E;
@@ -745,6 +826,7 @@ static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, 
   CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   const int32_t *ai = dense ? NULL : d_index;
   const float *rs = use_rs ? d_wts : NULL;
+  const fp8_dev fd = {d_x, d_w1, d_xs, d_w1s, ai, d_tiles, d_num, lda1};
 
   for (int ci = 0; ci < ncfg; ++ci) {
     ml_decode_opts o;
@@ -785,6 +867,7 @@ static void run_fp8_case(const fcase *c, const problem *p, const run_cfg *cfgs, 
       snprintf(label, sizeof label, "%s fp8 swiglu (-> %s, n %d, k %d, lda %d, %s)", c->name,
                moelink_dtype_name(odt), n, k, lda1, cfgname);
       check_output(label, p, n, first, dt, f32, ref1, tol1, FP8_L2_TOL);
+      if (f32) check_q_out(c, p, &o, &fd, d_o1, first, bytes, passes, st);
     }
 
     /* the tile list may be read early: a decode launch on it came first */
@@ -855,6 +938,32 @@ static void check_fp8_rejections(void) {
   CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 200, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
                                   d, 0, &o, 0),
                MOELINK_ERR_UNSUPPORTED, "fp8 scaled lda 200");
+  /* an FP8 copy of the output (q_out): the SwiGLU into fp32 only, with its
+   * scales and tickets */
+  {
+    const moelink_dtype_t f32 = MOELINK_DTYPE_F32;
+    ml_decode_opts oq = o;
+    oq.q_out = (uint8_t *)d + 4096;
+    oq.q_scale = (float *)(d + 40960);
+    CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                    &oq, 0),
+                 MOELINK_ERR_UNSUPPORTED, "fp8 swiglu into bf16 with q_out");
+    CHECK_STATUS(ml_cuda_fp8_scaled(bf, q, sc, 128, q, sc, 128, 128, NULL, NULL, 0, 4, NULL, NULL,
+                                    d, 0, &oq, 0),
+                 MOELINK_ERR_UNSUPPORTED, "fp8 scaled with q_out");
+    CHECK_STATUS(ml_cuda_fp8_swiglu(f32, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                    &oq, 0),
+                 MOELINK_ERR_INTERNAL, "fp8 swiglu with q_out and no tickets");
+    oq.q_scale = NULL;
+    CHECK_STATUS(ml_cuda_fp8_swiglu(f32, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                    &oq, 0),
+                 MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu with q_out and no q_scale");
+    oq.q_scale = (float *)(d + 40960);
+    oq.q_out = (uint8_t *)d + 4100;
+    CHECK_STATUS(ml_cuda_fp8_swiglu(f32, q, sc, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
+                                    &oq, 0),
+                 MOELINK_ERR_INVALID_ARGUMENT, "fp8 swiglu with a misaligned q_out");
+  }
   /* scales are required */
   CHECK_STATUS(ml_cuda_fp8_swiglu(bf, q, NULL, 128, NULL, 1, q, sc, 128, 128, NULL, NULL, 0, 4, d,
                                   &o, 0),

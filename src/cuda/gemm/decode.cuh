@@ -127,6 +127,13 @@ typedef struct mld_args {
   int passes, mblocks, splits, kt_per;
   int early;                 /* tile list and weights readable before the wait */
   int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
+  /* SwiGLU into fp32 only, NULL: none. The output also quantized per 128
+   * columns (moelink_quantize's FP8) into q [rows][n] and q_scale [rows][n /
+   * 128] by the second CTA of each pair of column blocks to finish (its
+   * ticket in q_tickets [passes][mblocks / 2]) */
+  uint8_t *q;
+  float *q_scale;
+  uint32_t *q_tickets;
   int sub;                   /* passes a tile (passes = tiles x sub): row block j of
                               * BN rows of tile t is pass t x sub + j */
   int small;                 /* host only: the kernel of MLD_BN_SMALL-row passes */
@@ -429,6 +436,44 @@ static __device__ __forceinline__ void mld_add8(float *acc, const float *src) {
   acc[7] += hi.w;
 }
 
+/* The FP8 output of a SwiGLU launch (mld_args.q): once this CTA's fp32
+ * output block (rows row0 .. row0 + rows - 1, column block mb of 64) is
+ * stored, the CTA that finishes the second of the pair of column blocks
+ * making a 128-column quantization block reads both back and quantizes them
+ * as moelink_quantize's FP8 does (ml_q_quantize8: the same bytes and scales):
+ * two rows a warp, 8 values a lane. Every thread of the CTA calls it. */
+static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int row0,
+                                        int rows) {
+  __shared__ int s_second;
+  __threadfence(); /* this CTA's output visible device-wide before its ticket */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t *t = p.q_tickets + (size_t)pass * (size_t)(p.mblocks / 2) + (size_t)(mb / 2);
+    s_second = atomicAdd(t, 1u) == 1u;
+    if (s_second) *t = 0u; /* both blocks are in: zero for the next launch */
+  }
+  __syncthreads();
+  if (!s_second) return;
+  __threadfence();
+  const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
+  const int col = (mb / 2) * MLD_FP8_BLOCK + (lane & 15) * 8;
+  const float *out = (const float *)p.out;
+  for (int r2 = 2 * warp; r2 < rows; r2 += 2 * (MLD_THREADS / 32)) {
+    const int r = r2 + (lane >> 4), live = r < rows;
+    const size_t row = (size_t)(row0 + (live ? r : 0));
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (live) {
+      const float4 lo = __ldcg((const float4 *)(out + row * (size_t)p.n + col));
+      const float4 hi = __ldcg((const float4 *)(out + row * (size_t)p.n + col) + 1);
+      f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+      f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+    }
+    const uint2 b = ml_q_quantize8<MOELINK_QUANT_FP8>(
+        f, col, live, p.q_scale + row * (size_t)(p.n / MLD_FP8_BLOCK), lane);
+    if (live) *(uint2 *)(p.q + row * (size_t)p.n + col) = b;
+  }
+}
+
 /* ---- the kernel ---------------------------------------------------------------- */
 
 /* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
@@ -679,6 +724,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
       }
       mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
     }
+    if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL) mld_quantize_out(p, pass, mb, row0, rows);
     return;
   }
 
@@ -729,6 +775,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     }
     mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
   }
+  if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL) mld_quantize_out(p, pass, mb, row0, rows);
 }
 
 #endif

@@ -58,6 +58,15 @@ typedef struct ml_decode_opts {
   size_t ticket_count;   /* capacity of tickets */
   /* scaled launches only (bf16/f16 output): as ml_cuda_gemm_opts.out_rows */
   void *const *out_rows;
+  /* ml_cuda_fp8_swiglu with an fp32 output only (NULL: none): the output
+   * also quantized per 128 columns as moelink_quantize's FP8 does it (the
+   * same bytes and scales), e4m3 into q_out [rows][n] (16-byte aligned),
+   * scales into q_scale [rows][n / 128], by the kernel itself (the second
+   * CTA of each pair of 64-column blocks to finish). Its tickets follow the
+   * split ones: tickets needs passes x column blocks x 3 / 2 of them
+   * (ml_cuda_decode_scratch sizes them). */
+  uint8_t *q_out;
+  float *q_scale;
   /* An upper bound on the rows of one tile of the tile list (0: none known;
    * the problem's rows bound it anyway). Where the bound is 16 or less the
    * launch takes the kernel of 16-row passes, whose ring holds 6 stages of
