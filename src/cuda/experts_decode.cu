@@ -149,15 +149,25 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
     if (P64 > INT_MAX) break;
     const int P = (int)P64;
     const int routed = ml_cuda_decode_wanted(P, num_experts);
+    /* an FP8 layer's routed GEMMs go on past that, unsplit (no partials),
+     * but the e4m3 output of their gate/up GEMM takes tickets */
+    const int routed_fp8 = ml_cuda_decode_wanted_fp8(P, num_experts);
     const int shared = shared_inter > 0 && ml_cuda_decode_wanted(T, 1);
-    /* both are monotone in T: once neither runs, no larger T does */
-    if (!routed && !shared) break;
+    /* all are monotone in T: once none runs, no larger T does */
+    if (!routed && !routed_fp8 && !shared)
+      break;
+    /* (tickets for tiles cut into 16-row passes: ML_DECODE_NARROW) */
+    const int sub = ML_CUDA_TILE_ROWS / MLD_BN_SMALL;
     if (routed) {
       const int passes = ml_cuda_decode_passes(P, num_experts);
-      /* (tickets for tiles cut into 16-row passes: ML_DECODE_NARROW) */
-      const int sub = ML_CUDA_TILE_ROWS / MLD_BN_SMALL;
       mld_need(1, inter, hidden, P, passes, sub, sm_count, partial_floats, ticket_count);
       mld_need(0, hidden, inter, P, passes, sub, sm_count, partial_floats, ticket_count);
+    } else if (routed_fp8) {
+      const size_t passes = (size_t)ml_cuda_decode_passes(P, num_experts) * (size_t)sub;
+      const size_t mb = (size_t)mld_mblocks(1, inter);
+      const size_t t = passes * mb + passes * (mb / 2);
+      if (t > *ticket_count)
+        *ticket_count = t;
     }
     if (shared) {
       const int passes = ml_cuda_decode_passes(T, 1);
