@@ -408,12 +408,24 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
  * at 8192 tokens (docs/PERF.md, FP8 section). */
 MOELINK_PARAM(GEMM_FP8_QUANT, 1)
 /* 1: likewise in the decode gate/up GEMMs (ml_decode_opts.q_out), routed and
- * shared, instead of a quantize kernel between the two GEMMs */
+ * shared, where their passes have 16 rows (ml_cu_fp8_quant_in_gemm), instead
+ * of a quantize kernel between the two GEMMs */
 MOELINK_PARAM(DECODE_FP8_QUANT, 1)
-/* 1: an FP8 layer of few tokens quantizes its token rows first and runs the
- * router beside that kernel as a programmatic dependent, instead of after
- * the router */
+/* 1: an FP8 layer whose router builds the plan (one block of tokens)
+ * quantizes its token rows first and runs the router beside that kernel as
+ * a programmatic dependent, instead of after the router */
 MOELINK_PARAM(FP8_X_FIRST, 1)
+
+/* Whether an FP8 decode gate/up GEMM over tiles of at most max_rows rows (0:
+ * no bound known) quantizes its output itself. Measured together with the
+ * token rows quantized first (FP8_X_FIRST; graph replays, docs/PERF.md):
+ * T = 1 1-7 us faster, T = 16 the same, T = 128 0.7-2.5% slower, the two
+ * not told apart (at T = 128 the plan comes from its own kernels and the
+ * gate/up GEMM gave up reading it early): both are kept to where they were
+ * measured faster, 16-row passes and a plan from the router. */
+static int ml_cu_fp8_quant_in_gemm(int max_rows) {
+  return ml_param_DECODE_FP8_QUANT() != 0 && max_rows > 0 && max_rows <= ML_DECODE_SMALL_ROWS;
+}
 
 /* The token rows x [T, H] in e4m3 with their scales per 128 (m->xq, m->xs),
  * what the FP8 GEMMs of the routed and the shared experts read. */
@@ -487,7 +499,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (passes > plan->max_tiles) passes = plan->max_tiles;
   /* h in e4m3 from the GEMM itself (its fp32 rows written too), or by a
    * quantize kernel after it */
-  const int fused = ml_param_DECODE_FP8_QUANT() != 0;
+  const int fused = ml_cu_fp8_quant_in_gemm(max_rows);
   o.q_out = fused ? m->hq : NULL;
   o.q_scale = fused ? m->hs : NULL;
   ML_TRY(ml_cuda_fp8_swiglu(MOELINK_DTYPE_F32, m->xq, m->xs, cfg->hidden, plan->sorted_pairs,
@@ -608,7 +620,7 @@ static moelink_status_t ml_cu_shared_gate_up_decode(moelink_moe_t moe, const voi
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   if (cfg->fp8_shared) {
     ml_decode_opts oq = *o;
-    if (ml_param_DECODE_FP8_QUANT() != 0) {
+    if (ml_cu_fp8_quant_in_gemm(T)) {
       oq.q_out = m->shq;
       oq.q_scale = m->shs;
     }
@@ -626,7 +638,7 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   if (cfg->fp8_shared) {
-    if (ml_param_DECODE_FP8_QUANT() == 0)
+    if (!ml_cu_fp8_quant_in_gemm(T))
       ML_TRY(ml_cu_quantize_sh_h(moe, T, st));
     return ml_cuda_fp8_scaled(MOELINK_DTYPE_BF16, m->shq, m->shs, cfg->shared_inter,
                               (const uint8_t *)moe->w.shared_down, moe->w.shared_down_scale,
@@ -690,11 +702,16 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   /* fp8_shared: the token rows are quantized once, before the first FP8
    * GEMM that reads them (the shared expert's when it goes first) */
   int x_ready = 0;
-  /* FP8 experts on the decode GEMMs: the token rows quantized first, and the
-   * router (which reads x, not its e4m3 copy) beside that kernel as a
-   * programmatic dependent that waits for it before completing: the
-   * quantization leaves the chain between the router and the GEMMs */
-  const int x_first = cfg->fp8_experts && ml_param_FP8_X_FIRST() != 0 &&
+  /* a single block of tokens gets its plan from the router kernel */
+  const int fused_plan = ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
+  /* FP8 experts on the decode GEMMs, a plan from the router: the token rows
+   * quantized first, and the router (which reads x, not its e4m3 copy)
+   * beside that kernel as a programmatic dependent that waits for it before
+   * completing: the quantization leaves the chain between the router and the
+   * GEMMs. (With a plan of its own kernels, the quantize kernel after them
+   * lets the gate/up GEMM read the plan early and stream weights under it:
+   * see ml_cu_fp8_quant_in_gemm for what was measured.) */
+  const int x_first = cfg->fp8_experts && fused_plan && ml_param_FP8_X_FIRST() != 0 &&
                       ml_cuda_pdl_allowed(st) &&
                       ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts);
   if (x_first || (shared_first && cfg->fp8_shared)) {
@@ -705,9 +722,6 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
   }
-  /* a single block of tokens gets its plan from the router kernel */
-  const int fused_plan =
-      ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
   ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL,
                           shared_first || x_first, st));
   if (shared_first) {

@@ -58,6 +58,7 @@
 #define MOELINK_CUDA_GEMM_DECODE_CUH
 
 #include "cuda/cuda.h"
+#include "cuda/gemm/decode.h"
 #include "cuda/gemm/ptx.cuh"
 #include "cuda/gemm/sm90.cuh"
 
@@ -67,7 +68,7 @@
 #define MLD_THREADS 128
 #define MLD_BM 128 /* weight rows a CTA */
 #define MLD_BN 64  /* token rows a pass (the wide kernel; see mld_cfg) */
-#define MLD_BN_SMALL 16 /* the narrow kernel's */
+#define MLD_BN_SMALL ML_DECODE_SMALL_ROWS /* the narrow kernel's */
 #define MLD_BK 64       /* k elements a stage: 128-byte rows */
 #define MLD_ROW_BYTES (MLD_BK * 2)
 #define MLD_W_BYTES (MLD_BM * MLD_ROW_BYTES)

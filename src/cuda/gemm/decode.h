@@ -21,6 +21,9 @@
 extern "C" {
 #endif
 
+/* Token rows a pass of the narrow kernel (ml_decode_opts.max_rows). */
+#define ML_DECODE_SMALL_ROWS 16
+
 /* Launch flags. */
 enum {
   /* Launch with programmatic stream serialization: the kernel may start
