@@ -8,7 +8,11 @@
  * graph. Outputs are filled with 0xFF bytes before each run (NaN in every
  * output dtype): owned rows are checked element by element, every other byte
  * must still be 0xFF. Each configuration runs twice and must be bitwise equal,
- * and the split-K tickets must be back at zero afterwards. Tile entries past
+ * then once more on the other kernel (16-row passes where the launch took
+ * 64-row ones with a tile list, and the other way round), bitwise equal too;
+ * odd configurations pass the exact bound on a tile's rows (max_rows), and
+ * the kernel of the pass rows the rules call for must have run. The split-K
+ * tickets must be back at zero afterwards. Tile entries past
  * *num_tiles name another expert's rows, so running them would show.
  *
  * Inputs are multiples of 2^-8 times a power of two with 8 significant bits,
@@ -21,8 +25,9 @@
  * experts with 0, 1, 5, 63, 64, 65, 200 and 1000 rows, the dense form with 1
  * and 1000 rows, gathered rows (a_div = top_k), splits 1, 2, 3, 16 and the
  * policy, bf16, f16 and fp32 outputs of both GEMMs, row scales by pair and by
- * row, NaN codes and NaN scales in padding and unowned rows; and their
- * argument checks.
+ * row, NaN codes and NaN scales in padding and unowned rows; the fp32
+ * SwiGLU again with its e4m3 copy made by the kernel (q_out), bitwise
+ * moelink_quantize's of that output; and their argument checks.
  *
  * With --bench (not run by ctest): the decode GEMMs beside the tile engine's
  * on full-size presets (weights filled on the device, routing and plan from
