@@ -2,7 +2,8 @@
  * layout as ml_cuda_gemm_swiglu / ml_cuda_gemm_scaled (cuda.h), for the case
  * where each expert has few rows. The weights are the MMA's M side (128
  * weight rows a CTA), the rows of one plan tile are its N side (up to 64 a
- * pass), and K is split across CTAs when rows x column blocks alone would
+ * pass, or 16 in a deeper ring: max_rows, ML_DECODE_NARROW), and K is split
+ * across CTAs when rows x column blocks alone would
  * leave SMs idle. Split partials go to an fp32 workspace and are summed in
  * split order by the last CTA of each output block to finish (an integer
  * ticket decides who is last), so results are bitwise reproducible.
