@@ -750,4 +750,36 @@ GU_FN void gu_check_routes(const char *what, gu_route_stats st) {
         st.max_wrel, st.weight_bad);
 }
 
+/* An e4m3 copy q [rows][n] with its scales s [rows][n / 128] against a
+ * reference (qr, sr): on the owned rows (r < R and row_expert[r] >= 0) byte
+ * for byte and scale for scale, elsewhere the poison (bytes 0xA5, scales of
+ * all-one bits) unchanged. Adds to the counts. */
+typedef struct gu_q_diff {
+  long owned, bad_q, bad_s, poison;
+} gu_q_diff;
+
+GU_FN void gu_q_compare(const int *row_expert, int R, int rows, int n, const uint8_t *q,
+                        const uint8_t *qr, const float *s, const float *sr, gu_q_diff *d) {
+  for (int r = 0; r < rows; ++r) {
+    const int own = r < R && row_expert[r] >= 0;
+    d->owned += own;
+    for (int i = 0; i < n; ++i) {
+      const size_t at = (size_t)r * n + i;
+      if (own)
+        d->bad_q += q[at] != qr[at];
+      else
+        d->poison += q[at] != 0xA5;
+    }
+    for (int b = 0; b < n / 128; ++b) {
+      const size_t at = (size_t)r * (n / 128) + b;
+      uint32_t u;
+      memcpy(&u, s + at, 4);
+      if (own)
+        d->bad_s += memcmp(s + at, sr + at, 4) != 0;
+      else
+        d->poison += u != 0xFFFFFFFFu;
+    }
+  }
+}
+
 #endif

@@ -677,7 +677,7 @@ static void check_q_out(const fcase *c, const problem *p, const ml_decode_opts *
   ml_decode_opts oq = *o;
   oq.q_out = d_q;
   oq.q_scale = d_s;
-  long bad_q = 0, bad_s = 0, poison = 0, owned = 0;
+  gu_q_diff qd = {0, 0, 0, 0};
   for (int rep = 0; rep < 2; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_q, 0xA5, qn, st));
     CUDA_CHECK(cudaMemsetAsync(d_s, 0xFF, sn * 4, st));
@@ -697,32 +697,13 @@ static void check_q_out(const fcase *c, const problem *p, const ml_decode_opts *
     CUDA_CHECK(cudaMemcpy(qr, d_qr, qn, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(s, d_s, sn * 4, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(sr, d_sr, sn * 4, cudaMemcpyDeviceToHost));
-    for (int r = 0; r < rows; ++r) {
-      const int own = r < R && p->row_expert[r] >= 0;
-      owned += own && rep == 0;
-      for (int i = 0; i < n; ++i) {
-        const size_t at = (size_t)r * n + i;
-        if (own)
-          bad_q += q[at] != qr[at];
-        else
-          poison += q[at] != 0xA5;
-      }
-      for (int b = 0; b < n / 128; ++b) {
-        const size_t at = (size_t)r * (n / 128) + b;
-        uint32_t u;
-        memcpy(&u, s + at, 4);
-        if (own)
-          bad_s += memcmp(s + at, sr + at, 4) != 0;
-        else
-          poison += u != 0xFFFFFFFFu;
-      }
-    }
+    gu_q_compare(p->row_expert, R, rows, n, q, qr, s, sr, &qd);
   }
-  CHECK(owned > 0 && bad_q == 0 && bad_s == 0,
-        "%s: bytes and scales of %ld owned rows bitwise moelink_quantize's of the fp32 output, "
-        "twice (%ld bytes, %ld scales differ)",
-        label, owned, bad_q, bad_s);
-  CHECK(poison == 0, "%s: rows no tile owns keep their poison (%ld changed)", label, poison);
+  CHECK(qd.owned > 0 && qd.bad_q == 0 && qd.bad_s == 0,
+        "%s: bytes and scales of the owned rows bitwise moelink_quantize's of the fp32 output, "
+        "two runs (%ld owned rows compared, %ld bytes, %ld scales differ)",
+        label, qd.owned, qd.bad_q, qd.bad_s);
+  CHECK(qd.poison == 0, "%s: rows no tile owns keep their poison (%ld changed)", label, qd.poison);
   cudaFree(d_q), cudaFree(d_qr), cudaFree(d_s), cudaFree(d_sr);
   free(q), free(qr), free(s), free(sr), free(got);
 }

@@ -560,33 +560,14 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
       }
       CUDA_CHECK(cudaMemcpy(qr, d_qr, qn, cudaMemcpyDeviceToHost));
       CUDA_CHECK(cudaMemcpy(sr, d_sr, sn * sizeof(float), cudaMemcpyDeviceToHost));
-      long bad_q = 0, bad_s = 0, poison = 0, owned = 0;
-      for (int r = 0; r < R + GUARD_ROWS; ++r) {
-        const int own = r < R && p->row_expert[r] >= 0;
-        owned += own;
-        for (int i = 0; i < n; ++i) {
-          const size_t at = (size_t)r * n + i;
-          if (own)
-            bad_q += q[at] != qr[at];
-          else
-            poison += q[at] != 0xA5;
-        }
-        for (int b = 0; b < n / 128; ++b) {
-          const size_t at = (size_t)r * (n / 128) + b;
-          uint32_t u;
-          memcpy(&u, sc + at, 4);
-          if (own)
-            bad_s += memcmp(sc + at, sr + at, 4) != 0;
-          else
-            poison += u != 0xFFFFFFFFu;
-        }
-      }
-      CHECK(owned > 0 && bad_q == 0 && bad_s == 0,
+      gu_q_diff qd = {0, 0, 0, 0};
+      gu_q_compare(p->row_expert, R, R + GUARD_ROWS, n, q, qr, sc, sr, &qd);
+      CHECK(qd.owned > 0 && qd.bad_q == 0 && qd.bad_s == 0,
             "%s [%s] swiglu e4m3 out: bytes and scales of %ld owned rows bitwise those of "
             "quantizing the fp32 output (%ld bytes, %ld scales differ)",
-            c->name, en, owned, bad_q, bad_s);
-      CHECK(poison == 0, "%s [%s] swiglu e4m3 out: unowned rows stay poisoned (%ld changed)",
-            c->name, en, poison);
+            c->name, en, qd.owned, qd.bad_q, qd.bad_s);
+      CHECK(qd.poison == 0, "%s [%s] swiglu e4m3 out: unowned rows stay poisoned (%ld changed)",
+            c->name, en, qd.poison);
       CHECK(q_differ == 0,
             "%s [%s] swiglu e4m3 out: static schedule, dynamic schedule and both tiles bitwise "
             "equal (%ld of 3 runs differ)",
