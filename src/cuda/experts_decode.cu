@@ -121,13 +121,15 @@ extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_pa
                     &kt_per);
 }
 
-/* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS). */
-static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int sm_count,
-                     size_t *floats, size_t *tickets) {
+/* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS;
+ * unsplit 1: the launch runs one K split). */
+static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int unsplit,
+                     int sm_count, size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
   int kt_per = 0;
-  const int s = mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
-                           (int)ml_param_DECODE_SPLITS(), &kt_per);
+  const int s = unsplit ? 1
+                        : mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
+                                     (int)ml_param_DECODE_SPLITS(), &kt_per);
   /* SwiGLU: the tickets of an FP8 output (ml_decode_opts.q_out) after the
    * split ones, whether K is split or not */
   const size_t pm = (size_t)passes * (size_t)sub * (size_t)mb;
@@ -158,21 +160,15 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
       break;
     /* (tickets for tiles cut into 16-row passes: ML_DECODE_NARROW) */
     const int sub = ML_CUDA_TILE_ROWS / MLD_BN_SMALL;
-    if (routed) {
+    if (routed || routed_fp8) {
       const int passes = ml_cuda_decode_passes(P, num_experts);
-      mld_need(1, inter, hidden, P, passes, sub, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, inter, P, passes, sub, sm_count, partial_floats, ticket_count);
-    } else if (routed_fp8) {
-      const size_t passes = (size_t)ml_cuda_decode_passes(P, num_experts) * (size_t)sub;
-      const size_t mb = (size_t)mld_mblocks(1, inter);
-      const size_t t = passes * mb + passes * (mb / 2);
-      if (t > *ticket_count)
-        *ticket_count = t;
+      mld_need(1, inter, hidden, P, passes, sub, !routed, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, inter, P, passes, sub, !routed, sm_count, partial_floats, ticket_count);
     }
     if (shared) {
       const int passes = ml_cuda_decode_passes(T, 1);
-      mld_need(1, shared_inter, hidden, T, passes, 1, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, shared_inter, T, passes, 1, sm_count, partial_floats, ticket_count);
+      mld_need(1, shared_inter, hidden, T, passes, 1, 0, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, shared_inter, T, passes, 1, 0, sm_count, partial_floats, ticket_count);
     }
   }
 }
