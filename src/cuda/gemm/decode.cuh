@@ -478,8 +478,8 @@ static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int
 /* ---- the kernel ---------------------------------------------------------------- */
 
 /* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
- * (operands e4m3). BN: token rows a pass (mld_cfg); the launcher takes 16
- * only where no tile has more rows. */
+ * (operands e4m3). BN: token rows a pass (mld_cfg): 64, or 16 where no tile
+ * has more rows or tiles are cut into passes (p.sub > 1). */
 template <int DT, int MODE, int OUT_F32, int FP8, int BN>
 static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
   extern __shared__ __align__(128) char mld_smem[];
