@@ -4,12 +4,18 @@
  * 256 MiB memset, 10 timed runs after 2 untimed. Not a library tool: it
  * drives an internal launcher, so it links the static library.
  *   scripts/gpu-check.sh probe          (builds and runs it)
- * MOELINK_ROUTER_CTA_SELECT=0 times the previous selection and sum. */
+ * MOELINK_ROUTER_CTA_SELECT=0 times the previous selection and sum.
+ * Then 10 more runs with the kernel's phase stamps (args.stamps): medians,
+ * in microseconds after the first CTA began (%globaltimer), of when the last
+ * CTA had its logits, had stored them, and when the CTA that took the last
+ * ticket had summed, selected and planned; and the same CTA's own clock64
+ * intervals (at the SM clock) of its sum, selection and plan. */
 #include "cuda/pipeline.h"
 
 #include <cuda_runtime_api.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define TRY(call)                                                                      \
   do {                                                                                 \
@@ -27,7 +33,72 @@ typedef struct shape {
   int groups, keep, bias;
 } shape;
 
-static void probe(const shape *s, int T, int sms, void *flush) {
+static int cmp_f(const void *a, const void *b) {
+  const float x = *(const float *)a, y = *(const float *)b;
+  return x < y ? -1 : x > y;
+}
+
+static float median(float *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_f);
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+#define RUNS 10
+/* The stamp columns: globaltimer microseconds after the first CTA's start. */
+enum {
+  C_STARTS,
+  C_LOGITS,
+  C_STORED,
+  C_GROUP,
+  C_LAST,
+  C_SUMMED,
+  C_SELECTED,
+  C_PLANNED,
+  C_SUM_CLK,
+  C_SEL_CLK,
+  C_PLAN_CLK,
+  C_N
+};
+static const char *col_name[C_N] = {"starts",  "logits",     "stored",   "group",
+                                    "last",    "summed",     "selected", "planned",
+                                    "sum@clk", "select@clk", "plan@clk"};
+
+/* One run's phases from the stamps of n CTAs (0: not reached). */
+static void phases(const int64_t *st, int n, double ghz, float *out) {
+  int64_t t0 = INT64_MAX, mx[ML_R_PH_COUNT];
+  memset(mx, 0, sizeof mx);
+  int win = -1;
+  for (int c = 0; c < n; ++c) {
+    const int64_t *q = st + (size_t)c * ML_CUDA_ROUTER_STAMPS;
+    if (q[ML_R_PH_START] > 0 && q[ML_R_PH_START] < t0)
+      t0 = q[ML_R_PH_START];
+    for (int ph = 0; ph < ML_R_PH_COUNT; ++ph)
+      if (q[ph] > mx[ph])
+        mx[ph] = q[ph];
+    if (q[ML_R_PH_SUMMED] > 0)
+      win = c;
+  }
+  for (int i = 0; i < C_N; ++i)
+    out[i] = -1.0f;
+  if (t0 == INT64_MAX)
+    return;
+  const int map[] = {ML_R_PH_START, ML_R_PH_LOGITS, ML_R_PH_STORED,   ML_R_PH_GROUP,
+                     ML_R_PH_LAST,  ML_R_PH_SUMMED, ML_R_PH_SELECTED, ML_R_PH_PLANNED};
+  for (int i = 0; i < 8; ++i)
+    out[i] = mx[map[i]] > 0 ? (float)(mx[map[i]] - t0) * 1e-3f : -1.0f;
+  if (win >= 0) {
+    const int64_t *k = st + (size_t)win * ML_CUDA_ROUTER_STAMPS + ML_R_PH_COUNT;
+    const int64_t *g = st + (size_t)win * ML_CUDA_ROUTER_STAMPS;
+    /* the sum starts at the last ticket (split launches) or at the logits */
+    const int from = g[ML_R_PH_LAST] > 0 ? ML_R_PH_LAST : ML_R_PH_LOGITS;
+    out[C_SUM_CLK] = (float)((double)(k[ML_R_PH_SUMMED] - k[from]) / ghz * 1e-3);
+    out[C_SEL_CLK] = (float)((double)(k[ML_R_PH_SELECTED] - k[ML_R_PH_SUMMED]) / ghz * 1e-3);
+    if (g[ML_R_PH_PLANNED] > 0)
+      out[C_PLAN_CLK] = (float)((double)(k[ML_R_PH_PLANNED] - k[ML_R_PH_SELECTED]) / ghz * 1e-3);
+  }
+}
+
+static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
   moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
   cfg.hidden = s->H;
   cfg.inter = 64;
@@ -80,6 +151,36 @@ static void probe(const shape *s, int T, int sms, void *flush) {
   printf("%-14s T %2d  splits %2d  min %6.1f us  runs", s->name, T, a.splits, best);
   for (int it = 2; it < 12; ++it) printf(" %.1f", times[it]);
   printf("\n");
+  /* the same launches with the phase stamps */
+  const int ctas = ((T + 15) / 16) * a.splits;
+  const size_t sbytes = (size_t)ctas * ML_CUDA_ROUTER_STAMPS * sizeof(int64_t);
+  int64_t *dst, *hst = malloc(sbytes);
+  TRY(cudaMalloc((void **)&dst, sbytes));
+  a.stamps = dst;
+  float cols[C_N][RUNS];
+  for (int it = 0; it < RUNS; ++it) {
+    TRY(cudaMemset(flush, it, (size_t)256 << 20));
+    TRY(cudaMemset(dst, 0, sbytes));
+    if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
+      fprintf(stderr, "router_probe: %s\n", moelink_last_error());
+      exit(1);
+    }
+    TRY(cudaMemcpy(hst, dst, sbytes, cudaMemcpyDeviceToHost));
+    float out[C_N];
+    phases(hst, ctas, ghz, out);
+    for (int c = 0; c < C_N; ++c)
+      cols[c][it] = out[c];
+  }
+  printf("  phases (us, medians of %d):", RUNS);
+  for (int c = 0; c < C_N; ++c) {
+    const float m = median(cols[c], RUNS);
+    if (m >= 0.0f)
+      printf(" %s %.2f", col_name[c], m);
+  }
+  printf("\n");
+  a.stamps = NULL;
+  cudaFree(dst);
+  free(hst);
   cudaFree(x);
   cudaFree(w);
   cudaFree(bias);
@@ -101,6 +202,9 @@ int main(void) {
   }
   void *flush;
   TRY(cudaMalloc(&flush, (size_t)256 << 20));
+  int khz = 0;
+  TRY(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  const double ghz = khz > 0 ? khz * 1e-6 : 1.98; /* the SM clock the stamps' cycles count */
   printf("router_probe: %s, %d SMs; event time of one launch, L2 flushed (memset) before each\n",
          prop.name, prop.multiProcessorCount);
   const shape shapes[] = {
@@ -111,7 +215,7 @@ int main(void) {
   const int Ts[] = {1, 4, 16};
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
     for (size_t j = 0; j < sizeof Ts / sizeof Ts[0]; ++j)
-      probe(&shapes[i], Ts[j], prop.multiProcessorCount, flush);
+      probe(&shapes[i], Ts[j], prop.multiProcessorCount, ghz, flush);
   cudaFree(flush);
   return 0;
 }

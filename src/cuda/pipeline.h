@@ -58,6 +58,11 @@ typedef struct ml_cuda_router_args {
   /* logits given: in this many parts [logit_parts][T][E] that the kernel
    * adds in order (ml_cuda_gemm_splitk); 0 or 1: one */
   int logit_parts;
+  /* Measurements only (bench/router_probe.c; the library leaves it NULL):
+   * ML_CUDA_ROUTER_STAMPS int64 a CTA (CTA (bx, by) at (bx * splits + by)),
+   * thread 0's %globaltimer at each ml_cuda_router_phase it reaches, then
+   * the same CTA's clock64 at each; phases not reached keep their value */
+  int64_t *stamps;
 } ml_cuda_router_args;
 
 /* The arguments that route T tokens of x as the layer cfg does, with router
@@ -93,6 +98,20 @@ size_t ml_cuda_router_smem(int num_experts);
  * the current device (bounded by smem_optin). */
 moelink_status_t ml_cuda_router_prepare(int smem_optin);
 moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStream_t stream);
+/* The points of the router kernel that args.stamps records. */
+typedef enum ml_cuda_router_phase {
+  ML_R_PH_START,     /* the CTA began */
+  ML_R_PH_LOGITS,    /* its chunks are in and multiplied */
+  ML_R_PH_STORED,    /* its partial logits written (split launches) */
+  ML_R_PH_GROUP,     /* it took the last ticket of its group (two-level sums) */
+  ML_R_PH_GROUP_SUM, /* the group's sum written */
+  ML_R_PH_LAST,      /* it took the block's last ticket */
+  ML_R_PH_SUMMED,    /* the block's logits summed into shared memory */
+  ML_R_PH_SELECTED,  /* ids and weights written */
+  ML_R_PH_PLANNED,   /* the plan written (build_plan) */
+  ML_R_PH_COUNT
+} ml_cuda_router_phase;
+#define ML_CUDA_ROUTER_STAMPS (2 * ML_R_PH_COUNT)
 /* The router as a layer runs it: where ml_cuda_router_gemm_wanted, logits
  * (ml_cuda_router_logits_floats of the layer's max_tokens) is given and the
  * kernel builds no plan (a->plan NULL), the logits first by the grouped GEMM

@@ -82,11 +82,23 @@ typedef struct ml_router_params {
   int T, H, E, k;
   int router, renormalize, n_group, topk_group;
   float scaling;
+  int64_t *stamps; /* measurements: ml_cuda_router_args.stamps */
 } ml_router_params;
 
 static __host__ __device__ __forceinline__ int ml_r_epad(int E) { return (E + 7) & ~7; }
 
 /* ---- small PTX wrappers ------------------------------------------------------ */
+
+/* Thread 0 records the time of phase ph (args.stamps: measurements only). */
+static __device__ __forceinline__ void ml_r_stamp(const ml_router_params &p, int ph) {
+  if (p.stamps == NULL || threadIdx.x != 0)
+    return;
+  int64_t *s = p.stamps + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * ML_CUDA_ROUTER_STAMPS;
+  uint64_t g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  s[ph] = (int64_t)g;
+  s[ML_R_PH_COUNT + ph] = (int64_t)clock64();
+}
 
 static __device__ __forceinline__ void ml_r_cp16(void *smem, const void *gmem, int src_bytes) {
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -535,6 +547,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   }
   if (warp < rows)
     ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
+  ml_r_stamp(p, ML_R_PH_SELECTED); /* thread 0's warp: its token's */
   if (p.build_plan) {
     /* the host asks for it only with one block of tokens (t0 = 0) */
     __syncthreads(); /* every token's winners are in O */
@@ -543,6 +556,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
     ml_plan_block(
         id, pairs, p.E, p.plan,
         ml_plan_scratch_at((int *)((char *)L + ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES)));
+    ml_r_stamp(p, ML_R_PH_PLANNED);
   }
 }
 
@@ -563,6 +577,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
   const int stage_bytes = (ML_R_TOKENS + E_pad) * ML_R_ROW;
   /* Dependents may launch now; they wait for this grid before reading. */
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  ml_r_stamp(p, ML_R_PH_START);
 
   float acc[ML_R_TILES_PER_WARP][4];
 #pragma unroll
@@ -590,6 +605,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
   }
   ml_r_wait<0>();
   __syncthreads(); /* the ring is dead from here: its memory becomes the logits */
+  ml_r_stamp(p, ML_R_PH_LOGITS);
 
   float *L = (float *)ml_r_smem;
   /* Rows of tokens past T are padding: never stored, summed or selected. */
@@ -599,6 +615,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     float4 *part = (float4 *)(p.partials + (size_t)blockIdx.x * splits * ML_R_TOKENS * E_pad);
     float4 *P = (float4 *)(ml_r_smem + ml_r_select_bytes(E_pad));
     ml_r_store_acc((float *)(part + (size_t)s * stride4), E_pad, acc, warp, g, c, n_tiles, rows);
+    ml_r_stamp(p, ML_R_PH_STORED);
     const int gs = p.cta_select ? ml_r_group_splits(splits, n4) : splits;
     if (gs < splits) {
       /* Two levels: the last CTA of each group of gs ranges sums them into
@@ -607,18 +624,23 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
       const int q1 = q0 + gs < splits ? q0 + gs : splits;
       if (!ml_r_ticket(p.tickets + gridDim.x + blockIdx.x * ng + grp, q1 - q0, &ml_r_last))
         return;
+      ml_r_stamp(p, ML_R_PH_GROUP);
       ml_r_sum_partials(part + (size_t)q0 * stride4, q1 - q0, stride4, n4,
                         part + (size_t)q0 * stride4, P);
+      ml_r_stamp(p, ML_R_PH_GROUP_SUM);
       if (!ml_r_ticket(p.tickets + blockIdx.x, ng, &ml_r_last)) return;
+      ml_r_stamp(p, ML_R_PH_LAST);
       ml_r_sum_partials(part, ng, gs * stride4, n4, (float4 *)L, P);
     } else {
       if (!ml_r_ticket(p.tickets + blockIdx.x, splits, &ml_r_last)) return;
+      ml_r_stamp(p, ML_R_PH_LAST);
       ml_r_sum_partials(part, splits, stride4, n4, (float4 *)L, P);
     }
   } else {
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
   }
   __syncthreads();
+  ml_r_stamp(p, ML_R_PH_SUMMED);
   ml_r_select(p, L, t0, rows, E_pad);
   /* a no-op unless launched as a programmatic dependent */
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -834,6 +856,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.n_group = a->n_group;
   p.topk_group = a->topk_group;
   p.scaling = a->routed_scaling;
+  p.stamps = a->stamps;
   const dim3 grid((unsigned)((a->num_tokens + ML_R_TOKENS - 1) / ML_R_TOKENS),
                   (unsigned)a->splits, 1);
   void (*kernel)(const ml_router_params) = a->logits != NULL ? ml_router_select_kernel
