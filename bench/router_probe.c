@@ -55,13 +55,16 @@ enum {
   C_SELECTED,
   C_PLANNED,
   C_SUM_CLK,
+  C_SCORE_CLK,
+  C_CHOOSE_CLK,
+  C_WEIGHT_CLK,
   C_SEL_CLK,
   C_PLAN_CLK,
   C_N
 };
-static const char *col_name[C_N] = {"starts",  "logits",     "stored",   "group",
-                                    "last",    "summed",     "selected", "planned",
-                                    "sum@clk", "select@clk", "plan@clk"};
+static const char *col_name[C_N] = {
+    "starts",  "logits",  "stored",    "group",      "last",        "summed",     "selected",
+    "planned", "sum@clk", "score@clk", "choose@clk", "weights@clk", "select@clk", "plan@clk"};
 
 /* One run's phases from the stamps of n CTAs (0: not reached). */
 static void phases(const int64_t *st, int n, double ghz, float *out) {
@@ -92,7 +95,11 @@ static void phases(const int64_t *st, int n, double ghz, float *out) {
     /* the sum starts at the last ticket (split launches) or at the logits */
     const int from = g[ML_R_PH_LAST] > 0 ? ML_R_PH_LAST : ML_R_PH_LOGITS;
     out[C_SUM_CLK] = (float)((double)(k[ML_R_PH_SUMMED] - k[from]) / ghz * 1e-3);
-    out[C_SEL_CLK] = (float)((double)(k[ML_R_PH_SELECTED] - k[ML_R_PH_SUMMED]) / ghz * 1e-3);
+    const double us = 1e-3 / ghz;
+    out[C_SCORE_CLK] = (float)((double)(k[ML_R_PH_SCORED] - k[ML_R_PH_SUMMED]) * us);
+    out[C_CHOOSE_CLK] = (float)((double)(k[ML_R_PH_CHOSEN] - k[ML_R_PH_SCORED]) * us);
+    out[C_WEIGHT_CLK] = (float)((double)(k[ML_R_PH_SELECTED] - k[ML_R_PH_CHOSEN]) * us);
+    out[C_SEL_CLK] = (float)((double)(k[ML_R_PH_SELECTED] - k[ML_R_PH_SUMMED]) * us);
     if (g[ML_R_PH_PLANNED] > 0)
       out[C_PLAN_CLK] = (float)((double)(k[ML_R_PH_PLANNED] - k[ML_R_PH_SELECTED]) / ghz * 1e-3);
   }
@@ -211,6 +218,9 @@ int main(void) {
       {"mixtral-8x7b", 8, 2, 4096, MOELINK_ROUTER_SOFTMAX_TOPK, 1, 1, 0},
       {"qwen3-30b-a3b", 128, 8, 2048, MOELINK_ROUTER_SOFTMAX_TOPK, 1, 1, 0},
       {"deepseek-v3", 256, 8, 7168, MOELINK_ROUTER_SIGMOID_TOPK, 8, 4, 1},
+      /* deepseek-v3's selection without the correction bias, without the groups */
+      {"ds3-no-bias", 256, 8, 7168, MOELINK_ROUTER_SIGMOID_TOPK, 8, 4, 0},
+      {"ds3-no-groups", 256, 8, 7168, MOELINK_ROUTER_SIGMOID_TOPK, 1, 1, 1},
   };
   const int Ts[] = {1, 4, 16};
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)

@@ -17,7 +17,8 @@
 # tests with one rank on one GPU; not in all), profile (nsys + ncu kernel times at decode
 # sizes; not in all), trace (bench/trace_layer.py: the kernels of back-to-back calls at 8192
 # tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and fp8,
-# AB_ENV variants after each default run, DECODE_REPS rounds; not in all); test = gpu mgpu;
+# AB_ENV variants after each default run, DECODE_REPS rounds, DECODE_DTYPES (bf16 fp8); not
+# in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
 # all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
 # machine) is their rank count, the mgpu tests' too (issue 7: 4 and 8).
@@ -256,7 +257,7 @@ fi
 # space-separated) runs the bf16 case again under it, in the same process order. Not in all.
 if case "$PARTS" in *" decode "*) true;; *) false;; esac; then
   for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
-    for q in bf16 fp8; do
+    for q in ${DECODE_DTYPES:-bf16 fp8}; do
       f=""; [ $q = fp8 ] && f=--fp8-experts
       # each AB_ENV word (VAR=v[,VAR=v]) right after the default, DECODE_REPS times over
       for r in $(seq "${DECODE_REPS:-1}"); do

@@ -15,6 +15,10 @@
  * 256 rows: 777 against 774), at 1024 rows slower (qwen3-30b-a3b T = 128: 386
  * against 364; deepseek-v3: 1937 against 1869). */
 MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
+/* Routed GEMMs of more than one expert: the decode path also needs the
+ * experts to average at most this many rows (pairs <= n x experts; 0: never
+ * the decode path for routed GEMMs). */
+MOELINK_PARAM(DECODE_ROWS_PER_EXPERT, 32)
 /* FP8 routed GEMMs: the decode path also runs while the experts average at
  * most this many rows (0: the bf16 rule alone). Measured on an H200 (moelink
  * bench --fp8-experts, commit 1e4a3dc): deepseek-v3 T = 64..512 (up to 16
@@ -70,6 +74,11 @@ extern "C" int ml_cuda_decode_wanted(int rows, int experts) {
   /* A dense problem (the shared expert) past one pass would stream its
    * weights once per pass: the tile engine takes it from there. */
   if (experts == 1 && limit > ML_CUDA_TILE_ROWS) limit = ML_CUDA_TILE_ROWS;
+  if (experts > 1) {
+    const int64_t per = ml_param_DECODE_ROWS_PER_EXPERT() * (int64_t)experts;
+    if (per < limit)
+      limit = per;
+  }
   return (int64_t)rows <= limit;
 }
 

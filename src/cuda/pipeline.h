@@ -107,6 +107,8 @@ typedef enum ml_cuda_router_phase {
   ML_R_PH_GROUP_SUM, /* the group's sum written */
   ML_R_PH_LAST,      /* it took the block's last ticket */
   ML_R_PH_SUMMED,    /* the block's logits summed into shared memory */
+  ML_R_PH_SCORED,    /* thread 0's token scored */
+  ML_R_PH_CHOSEN,    /* its experts chosen */
   ML_R_PH_SELECTED,  /* ids and weights written */
   ML_R_PH_PLANNED,   /* the plan written (build_plan) */
   ML_R_PH_COUNT

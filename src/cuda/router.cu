@@ -536,6 +536,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   const int t = t0 + warp;
   if (warp < rows)
     ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, lane);
+  ml_r_stamp(p, ML_R_PH_SCORED);
   if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
     __syncthreads();
     ml_r_choose_block(p, S, G, O, E_pad, rows);
@@ -545,6 +546,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
     ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
     __syncwarp();
   }
+  ml_r_stamp(p, ML_R_PH_CHOSEN);
   if (warp < rows)
     ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
   ml_r_stamp(p, ML_R_PH_SELECTED); /* thread 0's warp: its token's */

@@ -32,7 +32,8 @@
  * With --bench (not run by ctest): the decode GEMMs beside the tile engine's
  * on full-size presets (weights filled on the device, routing and plan from
  * the library), K-split sweeps, and the whole layer eager and replayed from a
- * CUDA graph. Times are medians with the L2 flushed before each run by a
+ * CUDA graph (DECODE_BENCH_TOKENS=1,2,4: these token counts instead of
+ * 1, 16, 64, .. 2048). Times are medians with the L2 flushed before each run by a
  * 256 MiB memset (the CLI benchmarks read instead since commit e958a9d: see
  * docs/PERF.md; this tool keeps the memset so its numbers stay comparable). */
 #include "core/core.h"
@@ -1495,12 +1496,33 @@ static int bench_main(int argc, char **argv) {
     printf("Bail out! CUDA context: %s\n", moelink_last_error());
     return 2;
   }
-  const int Ts[] = {1, 16, 64, 128, 256, 512, 1024, 2048};
+  int Ts[16] = {1, 16, 64, 128, 256, 512, 1024, 2048}, nT = 8;
+  /* DECODE_BENCH_TOKENS=1,2,4: these token counts instead (at most 16) */
+  const char *tl = getenv("DECODE_BENCH_TOKENS");
+  if (tl != NULL && *tl) {
+    nT = 0;
+    for (const char *c = tl; *c && nT < 16;) {
+      char *end;
+      const long v = strtol(c, &end, 10);
+      if (end == c)
+        break;
+      if (v >= 1 && v <= 65536)
+        Ts[nT++] = (int)v;
+      c = *end == ',' ? end + 1 : end;
+    }
+    if (nT == 0) {
+      printf("Bail out! DECODE_BENCH_TOKENS=%s: no token count\n", tl);
+      moelink_context_destroy(ctx);
+      return 2;
+    }
+  }
   const char *def[] = {"mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"};
   if (argc > 2) {
-    for (int i = 2; i < argc; ++i) bench_preset(ctx, argv[i], Ts, 8, 128);
+    for (int i = 2; i < argc; ++i)
+      bench_preset(ctx, argv[i], Ts, nT, 128);
   } else {
-    for (int i = 0; i < 3; ++i) bench_preset(ctx, def[i], Ts, 8, 128);
+    for (int i = 0; i < 3; ++i)
+      bench_preset(ctx, def[i], Ts, nT, 128);
   }
   moelink_context_destroy(ctx);
   return 0;
