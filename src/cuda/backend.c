@@ -460,7 +460,8 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (pairs == 0) return MOELINK_SUCCESS;
   if (!x_ready)
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
-  if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts)) {
+  const int min_k = cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter;
+  if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts, min_k)) {
     const ml_cuda_gemm_opts go =
         ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 1);
     /* h quantized in the gate/up GEMM's epilogue when asked for and the
@@ -494,7 +495,8 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   o.max_rows = max_rows;
   if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
     o.flags |= ML_DECODE_NARROW;
-  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts)) o.splits = 1; /* no scratch for it */
+  if (!ml_cuda_decode_wanted(pairs, cfg->num_experts, min_k))
+    o.splits = 1; /* no scratch for it */
   int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
   if (passes > plan->max_tiles) passes = plan->max_tiles;
   /* h in e4m3 from the GEMM itself (its fp32 rows written too), or by a
@@ -539,7 +541,8 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
     return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, max_rows, st);
-  if (ml_cuda_decode_wanted(pairs, cfg->num_experts)) {
+  if (ml_cuda_decode_wanted(pairs, cfg->num_experts,
+                            cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter)) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
      * its dependency wait: the gate/up GEMM lets it start only after the plan
@@ -695,7 +698,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
    * chain of round trips hides behind the shared weights' stream. The router
    * waits for the gate/up GEMM before it completes, so every later kernel's
    * wait still covers both. */
-  const int shared_decode = cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1);
+  const int shared_decode = cfg->shared_inter > 0 && ml_cuda_decode_wanted(T, 1, 0);
   const int shared_first = shared_decode && ml_param_SHARED_FIRST() != 0 &&
                            ml_cuda_pdl_allowed(st);
   const ml_decode_opts so = ml_cu_decode_opts(moe, ML_DECODE_PDL);
@@ -711,9 +714,10 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
    * GEMMs. (With a plan of its own kernels, the quantize kernel after them
    * lets the gate/up GEMM read the plan early and stream weights under it:
    * see ml_cu_fp8_quant_in_gemm for what was measured.) */
-  const int x_first = cfg->fp8_experts && fused_plan && ml_param_FP8_X_FIRST() != 0 &&
-                      ml_cuda_pdl_allowed(st) &&
-                      ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts);
+  const int x_first =
+      cfg->fp8_experts && fused_plan && ml_param_FP8_X_FIRST() != 0 && ml_cuda_pdl_allowed(st) &&
+      ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts,
+                                cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter);
   if (x_first || (shared_first && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;

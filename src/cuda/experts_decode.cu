@@ -15,10 +15,18 @@
  * 256 rows: 777 against 774), at 1024 rows slower (qwen3-30b-a3b T = 128: 386
  * against 364; deepseek-v3: 1937 against 1869). */
 MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
-/* Routed GEMMs of more than one expert: the decode path also needs the
- * experts to average at most this many rows (pairs <= n x experts; 0: never
- * the decode path for routed GEMMs). */
-MOELINK_PARAM(DECODE_ROWS_PER_EXPERT, 32)
+/* Routed GEMMs whose k are all at least DECODE_LONG_K (the gate/up GEMM's
+ * hidden and the down GEMM's inter; 0: no such rule) take the decode path up
+ * to DECODE_LONG_K_PAIRS rows only: past a few experts the tile engine's
+ * persistent CTAs stream those long rows faster. Measured on an H200 (graph
+ * replays, two alternations, docs/PERF.md): the tile engine instead of the
+ * decode GEMMs made deepseek-v3 (k 7168 / 2048) T = 4 / 8 / 16 / 32 1.4 /
+ * 2.1 / 2.0 / 2.9% faster, T = 2 the same, T = 1 3% slower; mixtral-8x7b
+ * (4096 / 14336) T = 8 / 16 / 32 / 64 / 128 1.3 / 1.5 / 2.7 / 5.5 / 7.5%
+ * faster, T = 2 and 4 the same, T = 1 22% slower; qwen3-30b-a3b (2048 / 768)
+ * 7-20% slower at every T from 1 to 32. */
+MOELINK_PARAM(DECODE_LONG_K, 2048)
+MOELINK_PARAM(DECODE_LONG_K_PAIRS, 8)
 /* FP8 routed GEMMs: the decode path also runs while the experts average at
  * most this many rows (0: the bf16 rule alone). Measured on an H200 (moelink
  * bench --fp8-experts, commit 1e4a3dc): deepseek-v3 T = 64..512 (up to 16
@@ -68,22 +76,21 @@ extern "C" int ml_cuda_decode_passes(int rows, int experts) {
   return busy + (rows - busy) / ML_CUDA_TILE_ROWS;
 }
 
-extern "C" int ml_cuda_decode_wanted(int rows, int experts) {
+extern "C" int ml_cuda_decode_wanted(int rows, int experts, int min_k) {
   if (rows <= 0 || experts <= 0) return 0;
   int64_t limit = ml_param_DECODE_MAX_PAIRS();
   /* A dense problem (the shared expert) past one pass would stream its
    * weights once per pass: the tile engine takes it from there. */
   if (experts == 1 && limit > ML_CUDA_TILE_ROWS) limit = ML_CUDA_TILE_ROWS;
-  if (experts > 1) {
-    const int64_t per = ml_param_DECODE_ROWS_PER_EXPERT() * (int64_t)experts;
-    if (per < limit)
-      limit = per;
-  }
+  const int64_t long_k = ml_param_DECODE_LONG_K();
+  if (experts > 1 && long_k > 0 && min_k >= long_k && limit > ml_param_DECODE_LONG_K_PAIRS())
+    limit = ml_param_DECODE_LONG_K_PAIRS();
   return (int64_t)rows <= limit;
 }
 
-extern "C" int ml_cuda_decode_wanted_fp8(int rows, int experts) {
-  if (ml_cuda_decode_wanted(rows, experts)) return 1;
+extern "C" int ml_cuda_decode_wanted_fp8(int rows, int experts, int min_k) {
+  if (ml_cuda_decode_wanted(rows, experts, min_k))
+    return 1;
   if (rows <= 0 || experts <= 1) return 0;
   return (int64_t)rows <= ml_param_DECODE_FP8_ROWS_PER_EXPERT() * (int64_t)experts;
 }
@@ -159,11 +166,12 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
     const int64_t P64 = (int64_t)T * top_k;
     if (P64 > INT_MAX) break;
     const int P = (int)P64;
-    const int routed = ml_cuda_decode_wanted(P, num_experts);
+    const int min_k = hidden < inter ? hidden : inter;
+    const int routed = ml_cuda_decode_wanted(P, num_experts, min_k);
     /* an FP8 layer's routed GEMMs go on past that, unsplit (no partials),
      * but the e4m3 output of their gate/up GEMM takes tickets */
-    const int routed_fp8 = ml_cuda_decode_wanted_fp8(P, num_experts);
-    const int shared = shared_inter > 0 && ml_cuda_decode_wanted(T, 1);
+    const int routed_fp8 = ml_cuda_decode_wanted_fp8(P, num_experts, min_k);
+    const int shared = shared_inter > 0 && ml_cuda_decode_wanted(T, 1, 0);
     /* all are monotone in T: once none runs, no larger T does */
     if (!routed && !routed_fp8 && !shared)
       break;

@@ -1105,11 +1105,18 @@ static void check_policy(void) {
               !ml_cuda_decode_narrow(0, 8) && !ml_cuda_decode_narrow(8, 0),
           "tiles in 16-row passes up to 8 rows an expert on average");
   if (getenv("MOELINK_DECODE_MAX_PAIRS") == NULL) {
-    CHECK(ml_cuda_decode_wanted(8, 128) && ml_cuda_decode_wanted(1, 1) &&
-              ml_cuda_decode_wanted(256, 8) && !ml_cuda_decode_wanted(257, 8) &&
-              ml_cuda_decode_wanted(64, 1) && !ml_cuda_decode_wanted(65, 1) &&
-              !ml_cuda_decode_wanted(100000, 8) && !ml_cuda_decode_wanted(0, 8),
+    CHECK(ml_cuda_decode_wanted(8, 128, 768) && ml_cuda_decode_wanted(1, 1, 0) &&
+              ml_cuda_decode_wanted(256, 8, 768) && !ml_cuda_decode_wanted(257, 8, 768) &&
+              ml_cuda_decode_wanted(64, 1, 0) && !ml_cuda_decode_wanted(65, 1, 0) &&
+              !ml_cuda_decode_wanted(100000, 8, 768) && !ml_cuda_decode_wanted(0, 8, 768),
           "decode path up to 256 routed rows and one dense pass, not for a large batch");
+  }
+  if (getenv("MOELINK_DECODE_MAX_PAIRS") == NULL && getenv("MOELINK_DECODE_LONG_K") == NULL &&
+      getenv("MOELINK_DECODE_LONG_K_PAIRS") == NULL) {
+    CHECK(ml_cuda_decode_wanted(8, 8, 4096) && !ml_cuda_decode_wanted(9, 8, 4096) &&
+              !ml_cuda_decode_wanted(16, 256, 2048) && ml_cuda_decode_wanted(16, 256, 2047) &&
+              ml_cuda_decode_wanted(64, 1, 8192) && ml_cuda_decode_wanted_fp8(256, 8, 4096),
+          "routed GEMMs of k >= 2048 on the decode path up to 8 rows (FP8: 32 an expert)");
   }
   size_t pf = 0, tk = 0;
   ml_cuda_decode_scratch(16, 8, 256, 7168, 2048, 2048, 132, &pf, &tk);

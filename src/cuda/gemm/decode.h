@@ -85,17 +85,19 @@ typedef struct ml_decode_opts {
 int ml_cuda_decode_passes(int rows, int experts);
 
 /* Whether the decode GEMMs should run for `rows` rows over `experts`
- * experts (the routed GEMMs: T*k and E; the shared expert: T and 1): up to
- * MOELINK_DECODE_MAX_PAIRS rows (default 256, measured; 0 = never), and for
- * a dense problem (experts == 1) one pass of ML_CUDA_TILE_ROWS at most.
- * Monotone in rows. */
-int ml_cuda_decode_wanted(int rows, int experts);
+ * experts (the routed GEMMs: T*k and E; the shared expert: T and 1) whose
+ * two GEMMs' k are at least min_k (min(hidden, inter)): up to
+ * MOELINK_DECODE_MAX_PAIRS rows (default 256, measured; 0 = never), routed
+ * GEMMs with min_k >= MOELINK_DECODE_LONG_K up to MOELINK_DECODE_LONG_K_PAIRS
+ * (2048 and 8, measured), and for a dense problem (experts == 1) one pass of
+ * ML_CUDA_TILE_ROWS at most. Monotone in rows. */
+int ml_cuda_decode_wanted(int rows, int experts, int min_k);
 
 /* The routed GEMMs of an FP8 layer: ml_cuda_decode_wanted, or an average of
  * at most MOELINK_DECODE_FP8_ROWS_PER_EXPERT rows (default 32, measured) an
  * expert. Past ml_cuda_decode_wanted the layer's split-K scratch was not
  * sized for the call: launch with opts.splits = 1. */
-int ml_cuda_decode_wanted_fp8(int rows, int experts);
+int ml_cuda_decode_wanted_fp8(int rows, int experts, int min_k);
 
 /* Scratch a layer needs so that every decode launch it makes for up to
  * max_tokens tokens fits: fp32 partials and tickets (counts, not bytes).

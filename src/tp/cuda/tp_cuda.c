@@ -303,7 +303,7 @@ static moelink_status_t ml_tpc_gemm(const ml_tpc *t, moelink_dtype_t dt, const v
   if (n % 8 || k % 8 || (((uintptr_t)a | (uintptr_t)b | (uintptr_t)out) & 15))
     return ml_tpc_gemm_simple(dt, a, b, out, rows, n, k, st);
   if (ml_param_TP_GEMM() != 1) return ml_tpc_blas_gemm(t->blas, dt, a, b, out, rows, n, k, st);
-  if (t->partials && ml_cuda_decode_wanted(rows, 1)) {
+  if (t->partials && ml_cuda_decode_wanted(rows, 1, 0)) {
     ml_decode_opts o;
     memset(&o, 0, sizeof o);
     o.sm_count = t->sms;
