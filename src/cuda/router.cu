@@ -228,45 +228,52 @@ static __device__ __forceinline__ float ml_r_warp_sum(float v) {
   return v;
 }
 
+/* Order-preserving 32-bit key of a score (no NaN: ml_r_scores turned those
+ * into -inf): a > b as floats exactly when key(a) > key(b), -0 and +0 the
+ * same key; every key is above 0, which stands for "no element". */
+static __device__ __forceinline__ uint32_t ml_r_key(float v) {
+  const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* The score of a key (-0 comes back as +0). */
+static __device__ __forceinline__ float ml_r_unkey(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 /* The k largest of a[0..n) (n <= 32 NL <= 512, no NaN) in decreasing order,
  * ties to the lower index. Lane l holds elements l + 32 i, i < NL. Returns the
  * lane's mask of chosen elements (bit i = element lane + 32 i); lane 0 writes
- * the winners to out[0..k) when out != NULL. */
+ * the winners to out[0..k) when out != NULL. Each round: every lane's best
+ * free element (the lowest slot on ties: the lowest index), the warp's
+ * largest key and then the lowest index holding it, both by redux.sync. */
 template <int NL>
 static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *out, int lane) {
   static_assert(NL <= ML_R_PER_LANE, "a lane's slots");
-  float v[NL];
+  uint32_t key[NL];
   unsigned taken = 0, chosen = 0;
 #pragma unroll
   for (int i = 0; i < NL; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < n ? a[e] : -INFINITY;
+    key[i] = e < n ? ml_r_key(a[e]) : 0u;
     if (e >= n) taken |= 1u << i;
   }
   for (int j = 0; j < k; ++j) {
-    /* This lane's best free element; ascending scan keeps the lower index on
-     * ties, and the first free element is taken even at -inf so that a
-     * winner always exists. */
-    float bv = -INFINITY;
-    int be = INT_MAX;
+    uint32_t bk = 0u;
+    int bi = 0;
 #pragma unroll
     for (int i = 0; i < NL; ++i) {
-      if (!((taken >> i) & 1u) && (be == INT_MAX || v[i] > bv)) {
-        bv = v[i];
-        be = lane + 32 * i;
+      const uint32_t ki = ((taken >> i) & 1u) ? 0u : key[i];
+      if (ki > bk) {
+        bk = ki;
+        bi = i;
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(ML_FULL, bv, o);
-      const int oe = __shfl_xor_sync(ML_FULL, be, o);
-      if (oe != INT_MAX && (be == INT_MAX || ov > bv || (ov == bv && oe < be))) {
-        bv = ov;
-        be = oe;
-      }
-    }
-    be = __shfl_sync(ML_FULL, be, 0);
-    if (be == INT_MAX) be = 0; /* cannot happen with k <= n; keeps indices valid */
+    const uint32_t m = __reduce_max_sync(ML_FULL, bk);
+    /* m > 0 while k <= n: some element is free */
+    const uint32_t w =
+        __reduce_min_sync(ML_FULL, bk == m && m != 0u ? (uint32_t)(lane + 32 * bi) : 0xffffffffu);
+    const int be = w == 0xffffffffu ? 0 : (int)w; /* cannot happen with k <= n */
     if ((be & 31) == lane) {
       taken |= 1u << (be >> 5);
       chosen |= 1u << (be >> 5);
@@ -290,7 +297,8 @@ static __device__ __forceinline__ unsigned ml_r_warp_topk(const float *a, int n,
 /* One token's scores, by one warp: L holds its fp32 logits and becomes the
  * unbiased scores, S gets the selection scores (bias added, NaN as -inf: a
  * total order). */
-static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S, int lane) {
+static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S, const float *B,
+                                   int lane) {
   const int E = p.E;
   if (p.router == MOELINK_ROUTER_SOFTMAX_TOPK) {
     float m = -INFINITY;
@@ -304,7 +312,7 @@ static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S
     for (int e = lane; e < E; e += 32) L[e] = 1.0f / (1.0f + expf(-L[e]));
   }
   for (int e = lane; e < E; e += 32) {
-    const float s = p.bias != NULL ? L[e] + p.bias[e] : L[e];
+    const float s = p.bias != NULL ? L[e] + B[e] : L[e];
     S[e] = isnan(s) ? -INFINITY : s;
   }
 }
@@ -333,7 +341,25 @@ static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, flo
   const int E = p.E;
   if (p.n_group > 1) {
     const int gsize = E / p.n_group;
-    for (int g = lane; g < p.n_group; g += 32) G[g] = ml_r_group_score(S, g, gsize);
+    if (gsize == 32 && p.n_group <= ML_R_PER_LANE) {
+      /* group g is slot g of every lane: its two best keys by redux */
+#pragma unroll
+      for (int g = 0; g < ML_R_PER_LANE; ++g) {
+        if (g >= p.n_group)
+          break;
+        const uint32_t kg = ml_r_key(S[lane + 32 * g]);
+        const uint32_t m1 = __reduce_max_sync(ML_FULL, kg);
+        const uint32_t wl = __reduce_min_sync(ML_FULL, kg == m1 ? (uint32_t)lane : 32u);
+        const uint32_t m2 = __reduce_max_sync(ML_FULL, (uint32_t)lane == wl ? 0u : kg);
+        if (lane == 0) {
+          const float gs = ml_r_unkey(m1) + ml_r_unkey(m2);
+          G[g] = isnan(gs) ? -INFINITY : gs;
+        }
+      }
+    } else {
+      for (int g = lane; g < p.n_group; g += 32)
+        G[g] = ml_r_group_score(S, g, gsize);
+    }
     __syncwarp();
     const unsigned kept = ml_r_warp_topk(G, p.n_group, p.topk_group, NULL, lane);
     __syncwarp(); /* every lane has read G before it turns into flags */
@@ -515,9 +541,32 @@ static __device__ __forceinline__ int ml_r_group_splits(int splits, int n4) {
 #define ML_R_SUM_BYTES (ML_R_THREADS * 16)
 #define ML_R_PLAN_BYTES (ML_PLAN_SCRATCH_INTS * 4)
 
+/* The selection's scratch: logits L, selection scores S, group scratch G
+ * (each [16][E_pad] fp32), the winners O [16][ML_CUDA_MAX_TOPK], then the
+ * correction bias B [E_pad]. */
 static __host__ __device__ __forceinline__ size_t ml_r_select_bytes(int E_pad) {
   return 3 * (size_t)ML_R_TOKENS * (size_t)E_pad * sizeof(float) +
-         (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int);
+         (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int) + (size_t)E_pad * sizeof(float);
+}
+
+static __device__ __forceinline__ float *ml_r_bias_smem(float *L, int E_pad) {
+  return (float *)((char *)L + 3 * (size_t)ML_R_TOKENS * (size_t)E_pad * sizeof(float) +
+                   (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int));
+}
+
+/* The CTA that will select copies the correction bias (if any) into its
+ * scratch while it sums the logits: cp.async copies in a group of their
+ * own, which the cp.async wait before ml_r_select completes. */
+static __device__ __forceinline__ void ml_r_fetch_bias(const ml_router_params &p, float *L,
+                                                       int E_pad) {
+  if (p.bias == NULL)
+    return;
+  float *B = ml_r_bias_smem(L, E_pad);
+  for (int e = (int)threadIdx.x; e < p.E; e += ML_R_THREADS) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(B + e);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(p.bias + e) : "memory");
+  }
+  ml_r_commit();
 }
 
 /* The selection of a block's rows t0 .. t0 + rows - 1, whose fp32 logits
@@ -535,7 +584,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   int *O = (int *)(G + ML_R_TOKENS * E_pad);
   const int t = t0 + warp;
   if (warp < rows)
-    ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, lane);
+    ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, ml_r_bias_smem(L, E_pad), lane);
   ml_r_stamp(p, ML_R_PH_SCORED);
   if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
     __syncthreads();
@@ -632,15 +681,19 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
       ml_r_stamp(p, ML_R_PH_GROUP_SUM);
       if (!ml_r_ticket(p.tickets + blockIdx.x, ng, &ml_r_last)) return;
       ml_r_stamp(p, ML_R_PH_LAST);
+      ml_r_fetch_bias(p, L, E_pad);
       ml_r_sum_partials(part, ng, gs * stride4, n4, (float4 *)L, P);
     } else {
       if (!ml_r_ticket(p.tickets + blockIdx.x, splits, &ml_r_last)) return;
       ml_r_stamp(p, ML_R_PH_LAST);
+      ml_r_fetch_bias(p, L, E_pad);
       ml_r_sum_partials(part, splits, stride4, n4, (float4 *)L, P);
     }
   } else {
+    ml_r_fetch_bias(p, L, E_pad);
     ml_r_store_acc(L, E_pad, acc, warp, g, c, n_tiles, rows);
   }
+  ml_r_wait<0>(); /* the bias */
   __syncthreads();
   ml_r_stamp(p, ML_R_PH_SUMMED);
   ml_r_select(p, L, t0, rows, E_pad);
@@ -665,6 +718,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
    * the stores (one load latency, not one a float) */
   const float4 *src = (const float4 *)(p.logits + (size_t)t0 * (size_t)p.E);
   const int n4 = rows * p.E / 4;
+  ml_r_fetch_bias(p, L, E_pad);
   if (p.parts <= 1) {
     for (int i0 = (int)threadIdx.x; i0 < n4; i0 += ML_R_BATCH * ML_R_THREADS) {
       float4 v[ML_R_BATCH];
@@ -706,6 +760,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
       *(float4 *)(L + r * E_pad + e) = v;
     }
   }
+  ml_r_wait<0>(); /* the bias */
   __syncthreads();
   ml_r_select(p, L, t0, rows, E_pad);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
