@@ -4,7 +4,7 @@
  * 256 MiB memset, 10 timed runs after 2 untimed. Not a library tool: it
  * drives an internal launcher, so it links the static library.
  *   scripts/gpu-check.sh probe          (builds and runs it)
- * MOELINK_ROUTER_CTA_SELECT=0 times the previous selection and sum.
+ * MOELINK_ROUTER_TWO_LEVEL=0 times the one-level sum of the split logits.
  * Then 10 more runs with the kernel's phase stamps (args.stamps): medians,
  * in microseconds after the first CTA began (%globaltimer), of when the last
  * CTA had its logits, had stored them, and when the CTA that took the last

@@ -22,14 +22,12 @@
  * ~sqrt(splits) ranges sums them, then the last of those sums the groups.
  * Nobody waits for anybody, so there is no deadlock whatever the scheduling.
  *
- * Selection: each token's warp computes its scores; the winners come from
- * the whole CTA (every (token, expert) computes its rank) while rows * E^2
- * is small, else from k rounds of a warp-wide argmax per token; each token's
- * warp then writes its ids and weights (given logits, from the GEMM engine
- * at large batches: ml_router_select_kernel, selection only). A single block
- * of tokens (T <= 16) also gets its plan from this kernel: the CTA that
- * selected the experts sorts the T*k pairs (plan.cuh), which saves the
- * plan's launch.
+ * Selection: each token's warp computes its scores, keeps the best groups
+ * (group limit), takes its k winners in k rounds of a warp-wide argmax
+ * (redux.sync of order-preserving keys) and writes its ids and weights (given logits, from the GEMM
+ * engine at large batches: ml_router_select_kernel, selection only). A single block of tokens (T <=
+ * 16) also gets its plan from this kernel: the CTA that selected the experts sorts the T*k pairs
+ * (plan.cuh), which saves the plan's launch.
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
@@ -78,7 +76,7 @@ typedef struct ml_router_params {
   int parts;           /* logits: their parts, added in order */
   ml_plan_ptrs plan;
   int build_plan;             /* one block of tokens: this CTA builds the plan too */
-  int cta_select;             /* the whole CTA selects (small rows * E^2); two-level sums */
+  int two_level;              /* split sums in two levels past 512 KiB (ml_r_group_splits) */
   int T, H, E, k;
   int router, renormalize, n_group, topk_group;
   float scaling;
@@ -236,11 +234,6 @@ static __device__ __forceinline__ uint32_t ml_r_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* The score of a key (-0 comes back as +0). */
-static __device__ __forceinline__ float ml_r_unkey(uint32_t k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
 /* The k largest of a[0..n) (n <= 32 NL <= 512, no NaN) in decreasing order,
  * ties to the lower index. Lane l holds elements l + 32 i, i < NL. Returns the
  * lane's mask of chosen elements (bit i = element lane + 32 i); lane 0 writes
@@ -318,11 +311,16 @@ static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S
 }
 
 /* A group's score: the sum of its two best selection scores (its best alone
- * for groups of one), -inf rather than NaN. */
+ * for groups of one), -inf rather than NaN. The scan starts g elements in,
+ * so that the lanes scanning neighbouring groups of 32 read distinct banks
+ * (the best two do not depend on the order). */
 static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, int gsize) {
   float best = -INFINITY, second = -INFINITY;
-  for (int e = g * gsize; e < (g + 1) * gsize; ++e) {
-    const float s = S[e];
+  const float *grp = S + (size_t)g * gsize;
+  int j = g % gsize;
+  for (int q = 0; q < gsize; ++q) {
+    const float s = grp[j];
+    j = j + 1 == gsize ? 0 : j + 1;
     if (s > best) {
       second = best;
       best = s;
@@ -332,48 +330,6 @@ static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, 
   }
   const float gs = gsize >= 2 ? best + second : best;
   return isnan(gs) ? -INFINITY : gs;
-}
-
-/* One token's k winners into O, by one warp: group limit, then k rounds of a
- * warp-wide argmax (the path for many tokens or experts). */
-static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, float *G, int *O,
-                                        int lane) {
-  const int E = p.E;
-  if (p.n_group > 1) {
-    const int gsize = E / p.n_group;
-    if (gsize == 32 && p.n_group <= ML_R_PER_LANE) {
-      /* group g is slot g of every lane: its two best keys by redux */
-#pragma unroll
-      for (int g = 0; g < ML_R_PER_LANE; ++g) {
-        if (g >= p.n_group)
-          break;
-        const uint32_t kg = ml_r_key(S[lane + 32 * g]);
-        const uint32_t m1 = __reduce_max_sync(ML_FULL, kg);
-        const uint32_t wl = __reduce_min_sync(ML_FULL, kg == m1 ? (uint32_t)lane : 32u);
-        const uint32_t m2 = __reduce_max_sync(ML_FULL, (uint32_t)lane == wl ? 0u : kg);
-        if (lane == 0) {
-          const float gs = ml_r_unkey(m1) + ml_r_unkey(m2);
-          G[g] = isnan(gs) ? -INFINITY : gs;
-        }
-      }
-    } else {
-      for (int g = lane; g < p.n_group; g += 32)
-        G[g] = ml_r_group_score(S, g, gsize);
-    }
-    __syncwarp();
-    const unsigned kept = ml_r_warp_topk(G, p.n_group, p.topk_group, NULL, lane);
-    __syncwarp(); /* every lane has read G before it turns into flags */
-#pragma unroll
-    for (int i = 0; i < ML_R_PER_LANE; ++i) {
-      const int g = lane + 32 * i;
-      if (g < p.n_group) G[g] = ((kept >> i) & 1u) ? 1.0f : 0.0f;
-    }
-    __syncwarp();
-    for (int e = lane; e < E; e += 32)
-      if (G[e / gsize] == 0.0f) S[e] = -INFINITY; /* dropped groups: excluded, never 0 */
-    __syncwarp();
-  }
-  (void)ml_r_warp_topk(S, E, p.k, O, lane);
 }
 
 /* Where element i of a[0..n) ranks: how many come before it in decreasing
@@ -389,38 +345,37 @@ static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
   return r;
 }
 
-/* All tokens' k winners, by the whole CTA (every thread calls it): each
- * (token, group) finds its group's rank, each (token, expert) its rank
- * among the kept experts, and the k first write themselves into O. The same
- * winners in the same order as the warp path. Its work grows as rows * E^2,
- * the warp path's as k rounds of dependent shuffles per token (in parallel
- * over tokens), so it is taken while rows * E^2 <= ML_R_RANK_WORK: measured
- * on the H200, graph-replayed layers 4-7 us faster at T = 1 (qwen3-30b-a3b,
- * deepseek-v3), and 6-38 us slower when taken at T = 16 and 128. */
-#define ML_R_RANK_WORK 65536
-
-static __device__ void ml_r_choose_block(const ml_router_params &p, float *S, float *G, int *O,
-                                         int E_pad, int rows) {
-  const int E = p.E, tid = (int)threadIdx.x;
+/* One token's k winners into O, by one warp: group limit (each group's
+ * score by one lane, then its rank among the groups), then k rounds of a
+ * warp-wide argmax. */
+static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, float *G, int *O,
+                                        int lane) {
+  const int E = p.E;
   if (p.n_group > 1) {
-    const int ng = p.n_group, gsize = E / ng;
-    for (int u = tid; u < rows * ng; u += ML_R_THREADS) {
-      const int t = u / ng, g = u % ng;
-      G[t * E_pad + g] = ml_r_group_score(S + t * E_pad, g, gsize);
+    const int gsize = E / p.n_group;
+    for (int g = lane; g < p.n_group; g += 32)
+      G[g] = ml_r_group_score(S, g, gsize);
+    __syncwarp();
+    /* the topk_group best groups: those of rank < topk_group */
+    unsigned kept = 0;
+#pragma unroll
+    for (int i = 0; i < ML_R_PER_LANE; ++i) {
+      const int g = lane + 32 * i;
+      if (g < p.n_group && ml_r_rank(G, p.n_group, g) < p.topk_group)
+        kept |= 1u << i;
     }
-    __syncthreads();
-    /* experts of groups past the topk_group best: excluded, never 0 */
-    for (int u = tid; u < rows * E; u += ML_R_THREADS) {
-      const int t = u / E, e = u % E;
-      if (ml_r_rank(G + t * E_pad, ng, e / gsize) >= p.topk_group) S[t * E_pad + e] = -INFINITY;
+    __syncwarp(); /* every lane has read G before it turns into flags */
+#pragma unroll
+    for (int i = 0; i < ML_R_PER_LANE; ++i) {
+      const int g = lane + 32 * i;
+      if (g < p.n_group) G[g] = ((kept >> i) & 1u) ? 1.0f : 0.0f;
     }
-    __syncthreads();
+    __syncwarp();
+    for (int e = lane; e < E; e += 32)
+      if (G[e / gsize] == 0.0f) S[e] = -INFINITY; /* dropped groups: excluded, never 0 */
+    __syncwarp();
   }
-  for (int u = tid; u < rows * E; u += ML_R_THREADS) {
-    const int t = u / E, e = u % E;
-    const int r = ml_r_rank(S + t * E_pad, E, e);
-    if (r < p.k) O[t * ML_CUDA_MAX_TOPK + r] = e;
-  }
+  (void)ml_r_warp_topk(S, E, p.k, O, lane);
 }
 
 /* One token's routing weights from its winners O and unbiased scores L, by
@@ -572,8 +527,7 @@ static __device__ __forceinline__ void ml_r_fetch_bias(const ml_router_params &p
 /* The selection of a block's rows t0 .. t0 + rows - 1, whose fp32 logits
  * are in L (rows E_pad floats apart, the scratch of ml_r_select_bytes after
  * them; the plan's scratch after ML_R_SUM_BYTES more): warp w scores token
- * t0 + w; the winners come from the whole CTA (small rows * E^2) or from the
- * token's warp; warp w then writes token t0 + w's ids and weights; with
+ * t0 + w, chooses its winners and writes its ids and weights; with
  * p.build_plan the CTA then builds the plan. Every thread of the CTA calls
  * it. */
 static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, int rows,
@@ -586,11 +540,7 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   if (warp < rows)
     ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, ml_r_bias_smem(L, E_pad), lane);
   ml_r_stamp(p, ML_R_PH_SCORED);
-  if (p.cta_select && (long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
-    __syncthreads();
-    ml_r_choose_block(p, S, G, O, E_pad, rows);
-    __syncthreads();
-  } else if (warp < rows) {
+  if (warp < rows) {
     __syncwarp();
     ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
     __syncwarp();
@@ -667,7 +617,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 1) ml_router_kernel(const
     float4 *P = (float4 *)(ml_r_smem + ml_r_select_bytes(E_pad));
     ml_r_store_acc((float *)(part + (size_t)s * stride4), E_pad, acc, warp, g, c, n_tiles, rows);
     ml_r_stamp(p, ML_R_PH_STORED);
-    const int gs = p.cta_select ? ml_r_group_splits(splits, n4) : splits;
+    const int gs = p.two_level ? ml_r_group_splits(splits, n4) : splits;
     if (gs < splits) {
       /* Two levels: the last CTA of each group of gs ranges sums them into
        * the group's first range, then the last group sums the groups. */
@@ -768,9 +718,9 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
 
 /* ---- host side ------------------------------------------------------------------ */
 
-/* 0: each token's warp selects its experts and one CTA sums all partial
- * logits (the kernel before the CTA-wide selection; for A/B measurements). */
-MOELINK_PARAM(ROUTER_CTA_SELECT, 1)
+/* 0: one CTA sums all split partial logits of a token block, however many
+ * (for A/B measurements; ml_r_group_splits). */
+MOELINK_PARAM(ROUTER_TWO_LEVEL, 1)
 
 extern "C" size_t ml_cuda_router_smem(int num_experts) {
   const int E_pad = ml_r_epad(num_experts);
@@ -902,7 +852,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
                    ML_R_MAX_PARTS);
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
-  p.cta_select = ml_param_ROUTER_CTA_SELECT() != 0;
+  p.two_level = ml_param_ROUTER_TWO_LEVEL() != 0;
   if (a->plan != NULL) p.plan = ml_plan_ptrs_of(a->plan);
   p.T = a->num_tokens;
   p.H = a->hidden;

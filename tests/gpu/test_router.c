@@ -12,10 +12,11 @@
  *   bitwise equal, and the tickets must be back at zero after each. Partial
  *   volumes past 512 KiB (deepseek-like T 16) take the two-level sum, the
  *   others one level.
- * - The experts are chosen by the whole CTA (ranks: T * E^2 <= 65536, e.g.
- *   qwen3-like T 1 and 3) or by one warp per token; both against one CTA,
- *   and the ids against the double-precision reference's routing
- *   (ref_route_token) where no near tie.
+ * - The experts are chosen by one warp per token (group limit, then k rounds
+ *   of a warp-wide argmax): against one CTA, and the ids against the
+ *   double-precision reference's routing (ref_route_token) where no near
+ *   tie; and through exact ties (equal router rows), where the winners must
+ *   be the reference's in its order (ties to the lower index).
  *
  * - Logits given (large batches: the layer computes them with the grouped GEMM
  *   engine, ml_cuda_gemm_scaled with fp32 out, and the kernel only selects):
@@ -298,6 +299,87 @@ static void run_case(const rcase *c, int T, uint64_t seed) {
   gu_free(dplan);
 }
 
+/* Exact ties: router rows whose every element is q_e 2^-13 (q_e = 1 + 7e mod
+ * 5, five values repeating), token rows of 1, 2 and -1, no bias: the logits
+ * are exact (multiples of 2^-13 well inside fp32's mantissa, in any order of
+ * summation), so experts of equal q tie exactly, in fp32 as in the
+ * reference's double. The winners must be the reference's, in its order
+ * (ties to the lower index, groups too), with the default splits and with
+ * one CTA. */
+static void run_tie_case(const rcase *c) {
+  char what[200];
+  const int E = c->E, k = c->k, H = c->H, T = 3;
+  const moelink_moe_config_t cfg = case_config(c, T);
+  float *fx = gu_host((size_t)T * H * sizeof(float)), *fw = gu_host((size_t)E * H * sizeof(float));
+  const float xv[3] = {1.0f, 2.0f, -1.0f};
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h)
+      fx[(size_t)t * H + h] = xv[t];
+  for (int e = 0; e < E; ++e)
+    for (int h = 0; h < H; ++h)
+      fw[(size_t)e * H + h] = (float)(1 + (7 * e) % 5) * 0x1p-13f;
+  uint16_t *hx = gu_host((size_t)T * H * 2), *hw = gu_host((size_t)E * H * 2);
+  ml_from_f32(MOELINK_DTYPE_BF16, fx, hx, (size_t)T * H);
+  ml_from_f32(MOELINK_DTYPE_BF16, fw, hw, (size_t)E * H);
+  float *hb = gu_host((size_t)E * 4);
+  memset(hb, 0, (size_t)E * 4);
+  void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
+  float *db = gu_dev((size_t)E * 4);
+  gu_h2d(dx, hx, (size_t)T * H * 2);
+  gu_h2d(dw, hw, (size_t)E * H * 2);
+  gu_h2d(db, hb, (size_t)E * 4);
+  int32_t *dids = gu_dev((size_t)T * k * 4);
+  float *dwts = gu_dev((size_t)T * k * 4);
+  float *parts = gu_dev(ml_cuda_router_partial_floats(E, g_sms) * sizeof(float));
+  const size_t ntickets = ml_cuda_router_tickets(g_sms);
+  int32_t *tickets = gu_dev(ntickets * 4);
+  GU_CUDA(cudaMemset(tickets, 0, ntickets * 4));
+  ml_cuda_router_args a =
+      ml_cuda_router_args_for(&cfg, dx, dw, db, T, dids, dwts, parts, tickets, g_sms);
+  const moelink_moe_weights_t w = case_weights(c, hw, hb);
+  const int split_counts[2] = {a.splits, 1};
+  for (int si = 0; si < 2; ++si) {
+    routed R;
+    R.ids = gu_host((size_t)T * k * 4);
+    R.w = gu_host((size_t)T * k * 4);
+    R.plan = NULL;
+    snprintf(what, sizeof what, "%s ties T %d (%d splits)", c->name, T, split_counts[si]);
+    launch(what, a, T, k, E, split_counts[si], NULL, 0, 0, 0, tickets, &R);
+    int wrong = 0, wbad = 0;
+    for (int t = 0; t < T; ++t) {
+      int32_t rid[ML_CUDA_MAX_TOPK];
+      double rw[ML_CUDA_MAX_TOPK];
+      if (ref_route_token(&cfg, &w, hx + (size_t)t * H, rid, rw) != 0) {
+        ++wrong;
+        continue;
+      }
+      wrong += memcmp(rid, R.ids + (size_t)t * k, (size_t)k * 4) != 0;
+      for (int j = 0; j < k; ++j) {
+        const double d = fabs(R.w[(size_t)t * k + j] - rw[j]);
+        wbad += !(d <= 1e-4 * fmax(fabs(rw[j]), 1e-30));
+      }
+    }
+    CHECK(wrong == 0 && wbad == 0,
+          "%s: the reference's experts in its order through exact ties (%d tokens differ, %d "
+          "weights off)",
+          what, wrong, wbad);
+    free(R.ids);
+    free(R.w);
+  }
+  free(fx);
+  free(fw);
+  free(hx);
+  free(hw);
+  free(hb);
+  gu_free(dx);
+  gu_free(dw);
+  gu_free(db);
+  gu_free(dids);
+  gu_free(dwts);
+  gu_free(parts);
+  gu_free(tickets);
+}
+
 /* Logits from the GEMM engine, the kernel selecting only, against the
  * kernel's own logits (one CTA per block). */
 static void run_logits_case(const rcase *c, int T, uint64_t seed) {
@@ -432,6 +514,8 @@ int main(void) {
   for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c)
     for (size_t i = 0; i < sizeof Ts / sizeof Ts[0]; ++i)
       run_case(&g_cases[c], Ts[i], 100 * c + i);
+  for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c)
+    run_tie_case(&g_cases[c]);
   for (size_t c = 0; c < sizeof g_cases / sizeof g_cases[0]; ++c) {
     run_logits_case(&g_cases[c], 16, 1000 + 10 * c);
     run_logits_case(&g_cases[c], 333, 1001 + 10 * c);
