@@ -28,13 +28,14 @@ MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
 MOELINK_PARAM(DECODE_LONG_K, 2048)
 MOELINK_PARAM(DECODE_LONG_K_PAIRS, 8)
 /* FP8 routed GEMMs: the decode path also runs while the experts average at
- * most this many rows (0: the bf16 rule alone). Measured on an H200 (moelink
- * bench --fp8-experts, commit 1e4a3dc): deepseek-v3 T = 64..512 (up to 16
- * rows an expert) 2669-3527 us against 3727-4565 on the sm_90a FP8 GEMM,
- * qwen3-30b-a3b T = 64..512 (up to 32) 242-318 against 344-377, while
- * mixtral-8x7b at 64 rows an expert (T = 256) is faster on the sm_90a GEMM
- * (650 against 827). */
-MOELINK_PARAM(DECODE_FP8_ROWS_PER_EXPERT, 32)
+ * most this many rows (0: the bf16 rule alone). Measured on an H200 (graph
+ * replays, 8 against 32, docs/PERF.md): mixtral-8x7b T = 64 / 128 (16 / 32
+ * rows an expert) 371 / 379 us on the sm_90a FP8 GEMM against 404 / 440 on
+ * the decode GEMMs, deepseek-v3 T = 512 (16 rows) 2846 against 3193,
+ * qwen3-30b-a3b T = 512 (32 rows) 260 against 276, but qwen3 T = 256 (16
+ * rows) 245 against 236. (32 came from commit 1e4a3dc, before the FP8 GEMM's
+ * wide tile: deepseek-v3 T = 64..512 2669-3527 us against 3727-4565 then.) */
+MOELINK_PARAM(DECODE_FP8_ROWS_PER_EXPERT, 8)
 /* Programmatic dependent launch of the decode GEMMs (0: plain launches). */
 MOELINK_PARAM(DECODE_PDL, 1)
 /* CTAs per SM the split policy aims for. 1 (fewer, longer K splits: each

@@ -94,7 +94,7 @@ int ml_cuda_decode_passes(int rows, int experts);
 int ml_cuda_decode_wanted(int rows, int experts, int min_k);
 
 /* The routed GEMMs of an FP8 layer: ml_cuda_decode_wanted, or an average of
- * at most MOELINK_DECODE_FP8_ROWS_PER_EXPERT rows (default 32, measured) an
+ * at most MOELINK_DECODE_FP8_ROWS_PER_EXPERT rows (default 8, measured) an
  * expert. Past ml_cuda_decode_wanted the layer's split-K scratch was not
  * sized for the call: launch with opts.splits = 1. */
 int ml_cuda_decode_wanted_fp8(int rows, int experts, int min_k);
