@@ -22,9 +22,11 @@
  * ~sqrt(splits) ranges sums them, then the last of those sums the groups.
  * Nobody waits for anybody, so there is no deadlock whatever the scheduling.
  *
- * Selection: each token's warp computes its scores, keeps the best groups
- * (group limit), takes its k winners in k rounds of a warp-wide argmax
- * (redux.sync of order-preserving keys) and writes its ids and weights (given logits, from the GEMM
+ * Selection: each token's warp computes its scores; the winners come from
+ * the whole CTA (every (token, expert) computes its rank) while rows * E^2
+ * is small, else each token's warp keeps the best groups (group limit) and
+ * takes its k winners in k rounds of a warp-wide argmax (redux.sync of
+ * order-preserving keys); each token's warp writes its ids and weights (given logits, from the GEMM
  * engine at large batches: ml_router_select_kernel, selection only). A single block of tokens (T <=
  * 16) also gets its plan from this kernel: the CTA that selected the experts sorts the T*k pairs
  * (plan.cuh), which saves the plan's launch.
@@ -378,6 +380,46 @@ static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, flo
   (void)ml_r_warp_topk(S, E, p.k, O, lane);
 }
 
+/* All tokens' k winners, by the whole CTA (every thread calls it): each
+ * (token, group) finds its group's rank, each (token, expert) its rank
+ * among the kept experts, and the k first write themselves into O. The same
+ * winners in the same order as the warp path. Its work grows as rows * E^2,
+ * the warp path's as k dependent rounds per token, so it is taken while
+ * rows * E^2 <= ML_R_RANK_WORK. Measured on the H200 (graph replays): with
+ * the warp path's argmax by shuffles it made the layers 4-7 us faster at
+ * T = 1 (qwen3-30b-a3b, deepseek-v3) and 6-38 us slower at T = 16 and 128;
+ * against the warp path by redux.sync (same run, two rounds) deepseek-v3
+ * T = 1 224.0 against 228.4 us (the router beside the shared expert's
+ * GEMM: eight warps in parallel instead of one warp's chain), qwen3-30b-a3b
+ * and mixtral-8x7b T = 1 the same. */
+#define ML_R_RANK_WORK 65536
+
+static __device__ void ml_r_choose_block(const ml_router_params &p, float *S, float *G, int *O,
+                                         int E_pad, int rows) {
+  const int E = p.E, tid = (int)threadIdx.x;
+  if (p.n_group > 1) {
+    const int ng = p.n_group, gsize = E / ng;
+    for (int u = tid; u < rows * ng; u += ML_R_THREADS) {
+      const int t = u / ng, g = u % ng;
+      G[t * E_pad + g] = ml_r_group_score(S + t * E_pad, g, gsize);
+    }
+    __syncthreads();
+    /* experts of groups past the topk_group best: excluded, never 0 */
+    for (int u = tid; u < rows * E; u += ML_R_THREADS) {
+      const int t = u / E, e = u % E;
+      if (ml_r_rank(G + t * E_pad, ng, e / gsize) >= p.topk_group)
+        S[t * E_pad + e] = -INFINITY;
+    }
+    __syncthreads();
+  }
+  for (int u = tid; u < rows * E; u += ML_R_THREADS) {
+    const int t = u / E, e = u % E;
+    const int r = ml_r_rank(S + t * E_pad, E, e);
+    if (r < p.k)
+      O[t * ML_CUDA_MAX_TOPK + r] = e;
+  }
+}
+
 /* One token's routing weights from its winners O and unbiased scores L, by
  * one warp, written out with the ids. */
 static __device__ void ml_r_weights(const ml_router_params &p, const float *L, const int *O, int t,
@@ -527,7 +569,8 @@ static __device__ __forceinline__ void ml_r_fetch_bias(const ml_router_params &p
 /* The selection of a block's rows t0 .. t0 + rows - 1, whose fp32 logits
  * are in L (rows E_pad floats apart, the scratch of ml_r_select_bytes after
  * them; the plan's scratch after ML_R_SUM_BYTES more): warp w scores token
- * t0 + w, chooses its winners and writes its ids and weights; with
+ * t0 + w; the winners come from the whole CTA (small rows * E^2) or from the
+ * token's warp; warp w then writes token t0 + w's ids and weights; with
  * p.build_plan the CTA then builds the plan. Every thread of the CTA calls
  * it. */
 static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, int rows,
@@ -540,7 +583,11 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   if (warp < rows)
     ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, ml_r_bias_smem(L, E_pad), lane);
   ml_r_stamp(p, ML_R_PH_SCORED);
-  if (warp < rows) {
+  if ((long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
+    __syncthreads();
+    ml_r_choose_block(p, S, G, O, E_pad, rows);
+    __syncthreads();
+  } else if (warp < rows) {
     __syncwarp();
     ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
     __syncwarp();

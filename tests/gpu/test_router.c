@@ -12,8 +12,9 @@
  *   bitwise equal, and the tickets must be back at zero after each. Partial
  *   volumes past 512 KiB (deepseek-like T 16) take the two-level sum, the
  *   others one level.
- * - The experts are chosen by one warp per token (group limit, then k rounds
- *   of a warp-wide argmax): against one CTA, and the ids against the
+ * - The experts are chosen by the whole CTA (ranks: T * E^2 <= 65536, e.g.
+ *   qwen3-like T 1 and 3) or by one warp per token (group limit, then k
+ *   rounds of a warp-wide argmax); both against one CTA, and the ids against the
  *   double-precision reference's routing (ref_route_token) where no near
  *   tie; and through exact ties (equal router rows), where the winners must
  *   be the reference's in its order (ties to the lower index).
