@@ -23,8 +23,8 @@ MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
  * decode GEMMs made deepseek-v3 (k 7168 / 2048) T = 4 / 8 / 16 / 32 1.4 /
  * 2.1 / 2.0 / 2.9% faster, T = 2 the same, T = 1 3% slower; mixtral-8x7b
  * (4096 / 14336) T = 8 / 16 / 32 / 64 / 128 1.3 / 1.5 / 2.7 / 5.5 / 7.5%
- * faster, T = 2 and 4 the same, T = 1 22% slower; qwen3-30b-a3b (2048 / 768)
- * 7-20% slower at every T from 1 to 32. */
+ * faster, T = 2 and 4 the same within the spread, T = 1 21-24% slower;
+ * qwen3-30b-a3b (2048 / 768) 9-28% slower at every T from 1 to 32. */
 MOELINK_PARAM(DECODE_LONG_K, 2048)
 MOELINK_PARAM(DECODE_LONG_K_PAIRS, 8)
 /* FP8 routed GEMMs: the decode path also runs while the experts average at
