@@ -181,6 +181,46 @@ static moelink_moe_weights_t case_weights(const rcase *c, const uint16_t *hw, co
   return w;
 }
 
+/* A case's device buffers: x, the router weight and bias uploaded, ids,
+ * weights, the split scratch and zeroed tickets, and the router's arguments
+ * over them (the layer's splits for T tokens). */
+typedef struct rdev {
+  void *x, *w;
+  float *b, *wts, *parts;
+  int32_t *ids, *tickets;
+  ml_cuda_router_args a;
+} rdev;
+
+static rdev rdev_make(const moelink_moe_config_t *cfg, int T, const uint16_t *hx,
+                      const uint16_t *hw, const float *hb) {
+  const int E = cfg->num_experts, k = cfg->top_k, H = cfg->hidden;
+  rdev d;
+  d.x = gu_dev((size_t)T * H * 2);
+  d.w = gu_dev((size_t)E * H * 2);
+  d.b = gu_dev((size_t)E * 4);
+  gu_h2d(d.x, hx, (size_t)T * H * 2);
+  gu_h2d(d.w, hw, (size_t)E * H * 2);
+  gu_h2d(d.b, hb, (size_t)E * 4);
+  d.ids = gu_dev((size_t)T * k * 4);
+  d.wts = gu_dev((size_t)T * k * 4);
+  d.parts = gu_dev(ml_cuda_router_partial_floats(E, g_sms) * sizeof(float));
+  const size_t ntickets = ml_cuda_router_tickets(g_sms);
+  d.tickets = gu_dev(ntickets * 4);
+  GU_CUDA(cudaMemset(d.tickets, 0, ntickets * 4));
+  d.a = ml_cuda_router_args_for(cfg, d.x, d.w, d.b, T, d.ids, d.wts, d.parts, d.tickets, g_sms);
+  return d;
+}
+
+static void rdev_free(rdev *d) {
+  gu_free(d->x);
+  gu_free(d->w);
+  gu_free(d->b);
+  gu_free(d->ids);
+  gu_free(d->wts);
+  gu_free(d->parts);
+  gu_free(d->tickets);
+}
+
 static void run_case(const rcase *c, int T, uint64_t seed) {
   char what[200];
   const int E = c->E, k = c->k, H = c->H;
@@ -189,22 +229,12 @@ static void run_case(const rcase *c, int T, uint64_t seed) {
   uint16_t *hx, *hw;
   float *hb;
   case_inputs(c, T, seed, &hx, &hw, &hb);
-  void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
-  float *db = gu_dev((size_t)E * 4);
-  gu_h2d(dx, hx, (size_t)T * H * 2);
-  gu_h2d(dw, hw, (size_t)E * H * 2);
-  gu_h2d(db, hb, (size_t)E * 4);
-  int32_t *dids = gu_dev((size_t)T * k * 4);
-  float *dwts = gu_dev((size_t)T * k * 4);
-  float *parts = gu_dev(ml_cuda_router_partial_floats(E, g_sms) * sizeof(float));
-  const size_t ntickets = ml_cuda_router_tickets(g_sms);
-  int32_t *tickets = gu_dev(ntickets * 4);
-  GU_CUDA(cudaMemset(tickets, 0, ntickets * 4));
+  rdev dv = rdev_make(&cfg, T, hx, hw, hb);
+  int32_t *tickets = dv.tickets;
   const size_t pb = moelink_plan_bytes(T, k, E, ML_CUDA_TILE_ROWS);
   void *dplan = gu_dev(pb);
 
-  ml_cuda_router_args a = ml_cuda_router_args_for(&cfg, dx, dw, db, T, dids, dwts, parts,
-                                                  tickets, g_sms);
+  const ml_cuda_router_args a = dv.a;
   const int splits = a.splits;
   routed A, B, C, D;
   routed *all[4] = {&A, &B, &C, &D};
@@ -290,13 +320,7 @@ static void run_case(const rcase *c, int T, uint64_t seed) {
   free(hx);
   free(hw);
   free(hb);
-  gu_free(dx);
-  gu_free(dw);
-  gu_free(db);
-  gu_free(dids);
-  gu_free(dwts);
-  gu_free(parts);
-  gu_free(tickets);
+  rdev_free(&dv);
   gu_free(dplan);
 }
 
@@ -324,19 +348,9 @@ static void run_tie_case(const rcase *c) {
   ml_from_f32(MOELINK_DTYPE_BF16, fw, hw, (size_t)E * H);
   float *hb = gu_host((size_t)E * 4);
   memset(hb, 0, (size_t)E * 4);
-  void *dx = gu_dev((size_t)T * H * 2), *dw = gu_dev((size_t)E * H * 2);
-  float *db = gu_dev((size_t)E * 4);
-  gu_h2d(dx, hx, (size_t)T * H * 2);
-  gu_h2d(dw, hw, (size_t)E * H * 2);
-  gu_h2d(db, hb, (size_t)E * 4);
-  int32_t *dids = gu_dev((size_t)T * k * 4);
-  float *dwts = gu_dev((size_t)T * k * 4);
-  float *parts = gu_dev(ml_cuda_router_partial_floats(E, g_sms) * sizeof(float));
-  const size_t ntickets = ml_cuda_router_tickets(g_sms);
-  int32_t *tickets = gu_dev(ntickets * 4);
-  GU_CUDA(cudaMemset(tickets, 0, ntickets * 4));
-  ml_cuda_router_args a =
-      ml_cuda_router_args_for(&cfg, dx, dw, db, T, dids, dwts, parts, tickets, g_sms);
+  rdev dv = rdev_make(&cfg, T, hx, hw, hb);
+  int32_t *tickets = dv.tickets;
+  const ml_cuda_router_args a = dv.a;
   const moelink_moe_weights_t w = case_weights(c, hw, hb);
   const int split_counts[2] = {a.splits, 1};
   for (int si = 0; si < 2; ++si) {
@@ -372,13 +386,7 @@ static void run_tie_case(const rcase *c) {
   free(hx);
   free(hw);
   free(hb);
-  gu_free(dx);
-  gu_free(dw);
-  gu_free(db);
-  gu_free(dids);
-  gu_free(dwts);
-  gu_free(parts);
-  gu_free(tickets);
+  rdev_free(&dv);
 }
 
 /* Logits from the GEMM engine, the kernel selecting only, against the
