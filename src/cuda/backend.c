@@ -440,6 +440,12 @@ static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T
   return ml_cu_step(st, "quantize x (fp8)");
 }
 
+/* The least k of a layer's two expert GEMMs (hidden for gate/up, inter for
+ * down): the decode policy's long-k rule (ml_cuda_decode_wanted). */
+static int ml_cu_least_k(const moelink_moe_config_t *cfg) {
+  return cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter;
+}
+
 /* The routed GEMMs of an FP8 layer (cfg.fp8_experts): the token rows (unless
  * x_ready: this call quantized them already) and then the fp32 SwiGLU rows
  * are quantized per 128 (moelink_quantize's FP8) and both GEMMs read e4m3
@@ -460,7 +466,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   if (pairs == 0) return MOELINK_SUCCESS;
   if (!x_ready)
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
-  const int min_k = cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter;
+  const int min_k = ml_cu_least_k(cfg);
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts, min_k)) {
     const ml_cuda_gemm_opts go =
         ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 1);
@@ -541,8 +547,7 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
     return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, max_rows, st);
-  if (ml_cuda_decode_wanted(pairs, cfg->num_experts,
-                            cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter)) {
+  if (ml_cuda_decode_wanted(pairs, cfg->num_experts, ml_cu_least_k(cfg))) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
      * its dependency wait: the gate/up GEMM lets it start only after the plan
@@ -716,8 +721,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
    * see ml_cu_fp8_quant_in_gemm for what was measured.) */
   const int x_first =
       cfg->fp8_experts && fused_plan && ml_param_FP8_X_FIRST() != 0 && ml_cuda_pdl_allowed(st) &&
-      ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts,
-                                cfg->hidden < cfg->inter ? cfg->hidden : cfg->inter);
+      ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts, ml_cu_least_k(cfg));
   if (x_first || (shared_first && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;

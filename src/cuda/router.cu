@@ -26,10 +26,11 @@
  * the whole CTA (every (token, expert) computes its rank) while rows * E^2
  * is small, else each token's warp keeps the best groups (group limit) and
  * takes its k winners in k rounds of a warp-wide argmax (redux.sync of
- * order-preserving keys); each token's warp writes its ids and weights (given logits, from the GEMM
- * engine at large batches: ml_router_select_kernel, selection only). A single block of tokens (T <=
- * 16) also gets its plan from this kernel: the CTA that selected the experts sorts the T*k pairs
- * (plan.cuh), which saves the plan's launch.
+ * order-preserving keys); each token's warp writes its ids and weights
+ * (given logits, from the GEMM engine at large batches:
+ * ml_router_select_kernel, selection only). A single block of tokens
+ * (T <= 16) also gets its plan from this kernel: the CTA that selected the
+ * experts sorts the T*k pairs (plan.cuh), which saves the plan's launch.
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
