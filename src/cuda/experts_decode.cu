@@ -138,8 +138,21 @@ extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_pa
                     &kt_per);
 }
 
+/* The tickets of a launch of `passes` passes x mb column blocks: one a
+ * (pass, column block) for the split sums, then, with an FP8 output (q), one
+ * a pair of column blocks for its quantization (mld_args.q_tickets). */
+static size_t mld_tickets(int passes, int mb, int q) {
+  const size_t split = (size_t)passes * (size_t)mb;
+  return q ? split + (size_t)passes * (size_t)(mb / 2) : split;
+}
+
+/* The fp32 partials of a launch of `splits` K splits over `rows` rows. */
+static size_t mld_partials(int swiglu, int n, int rows, int splits) {
+  return (size_t)splits * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
+}
+
 /* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS;
- * unsplit 1: the launch runs one K split). */
+ * unsplit 1: the launch runs one K split; sub: passes a tile). */
 static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int unsplit,
                      int sm_count, size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
@@ -147,13 +160,11 @@ static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, in
   const int s = unsplit ? 1
                         : mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
                                      (int)ml_param_DECODE_SPLITS(), &kt_per);
-  /* SwiGLU: the tickets of an FP8 output (ml_decode_opts.q_out) after the
-   * split ones, whether K is split or not */
-  const size_t pm = (size_t)passes * (size_t)sub * (size_t)mb;
-  const size_t t = swiglu ? pm + (size_t)passes * (size_t)sub * (size_t)(mb / 2) : pm;
+  /* a SwiGLU may have an FP8 output (ml_decode_opts.q_out), split or not */
+  const size_t t = mld_tickets(passes * sub, mb, swiglu);
   if (swiglu && t > *tickets) *tickets = t;
   if (s <= 1) return;
-  const size_t f = (size_t)s * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
+  const size_t f = mld_partials(swiglu, n, rows, s);
   if (f > *floats) *floats = f;
   if (t > *tickets) *tickets = t;
 }
@@ -163,11 +174,11 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
                                        size_t *partial_floats, size_t *ticket_count) {
   *partial_floats = 0;
   *ticket_count = 0;
+  const int min_k = hidden < inter ? hidden : inter;
   for (int T = 1; T <= max_tokens; ++T) {
     const int64_t P64 = (int64_t)T * top_k;
     if (P64 > INT_MAX) break;
     const int P = (int)P64;
-    const int min_k = hidden < inter ? hidden : inter;
     const int routed = ml_cuda_decode_wanted(P, num_experts, min_k);
     /* an FP8 layer's routed GEMMs go on past that, unsplit (no partials),
      * but the e4m3 output of their gate/up GEMM takes tickets */
@@ -327,15 +338,14 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
       return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
                      "%s: q_out %p and q_scale %p go together (16- and 4-byte aligned)", what,
                      (void *)o->q_out, (void *)o->q_scale);
-    /* its tickets follow the split ones */
-    const size_t need_t = (size_t)passes * (size_t)mb + (size_t)passes * (size_t)(mb / 2);
+    const size_t need_t = mld_tickets(passes, mb, 1);
     if (o->tickets == NULL || o->ticket_count < need_t)
       return ml_fail(MOELINK_ERR_INTERNAL, "%s: %zu tickets for the FP8 output, have %zu", what,
                      need_t, o->tickets ? o->ticket_count : (size_t)0);
   }
   if (splits > 1) {
-    const size_t need_f = (size_t)splits * (size_t)rows * (size_t)(swiglu ? 2 * n : n);
-    const size_t need_t = (size_t)passes * (size_t)mb;
+    const size_t need_f = mld_partials(swiglu, n, rows, splits);
+    const size_t need_t = mld_tickets(passes, mb, 0);
     if (o->partials == NULL || o->partial_floats < need_f || o->tickets == NULL ||
         o->ticket_count < need_t)
       return ml_fail(MOELINK_ERR_INTERNAL,
@@ -373,7 +383,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   p->no_mma = (o->flags & ML_DECODE_PROBE_NO_MMA) != 0;
   p->q = q ? o->q_out : NULL;
   p->q_scale = q ? o->q_scale : NULL;
-  p->q_tickets = q ? o->tickets + (size_t)passes * (size_t)mb : NULL;
+  p->q_tickets = q ? o->tickets + mld_tickets(passes, mb, 0) : NULL; /* after the split ones */
   p->a_scale = NULL;
   p->b_scale = NULL;
   p->as_ld = lda / MLD_FP8_BLOCK;
