@@ -401,6 +401,22 @@ static ml_decode_opts ml_cu_decode_opts(moelink_moe_t moe, int flags) {
   return o;
 }
 
+/* The options of a plan's routed decode GEMMs (flags as above; max_rows as
+ * ml_decode_opts.max_rows: tiles cut into 16-row passes where the experts
+ * have few rows, ml_cuda_decode_narrow) and their pass count (*passes). */
+static ml_decode_opts ml_cu_routed_decode_opts(moelink_moe_t moe, const moelink_plan_t *plan,
+                                               int flags, int max_rows, int *passes) {
+  const int pairs = plan->num_tokens * plan->top_k, E = moe->cfg.num_experts;
+  ml_decode_opts o = ml_cu_decode_opts(moe, flags);
+  o.max_rows = max_rows;
+  if (ml_cuda_decode_narrow(pairs, E))
+    o.flags |= ML_DECODE_NARROW;
+  *passes = ml_cuda_decode_passes(pairs, E);
+  if (*passes > plan->max_tiles)
+    *passes = plan->max_tiles;
+  return o;
+}
+
 /* 1: an FP8 layer's h is quantized in the sm_90a gate/up GEMM's epilogue
  * (ml_cuda_gemm_swiglu_fp8 with out_scale) instead of by a kernel of its own
  * after the GEMM writes it in fp32; the same bytes either way. On since its
@@ -496,15 +512,11 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
    * launch), and that kernel lets the gate/up GEMM start at once: the GEMM
    * may read the tiles and stream weights before its dependency wait (so
    * with x_ready 2, not with 1). */
-  ml_decode_opts o = ml_cu_decode_opts(
-      moe, ML_DECODE_PDL | (x_ready != 1 ? ML_DECODE_PLAN_EARLY : 0));
-  o.max_rows = max_rows;
-  if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
-    o.flags |= ML_DECODE_NARROW;
+  int passes = 0;
+  ml_decode_opts o = ml_cu_routed_decode_opts(
+      moe, plan, ML_DECODE_PDL | (x_ready != 1 ? ML_DECODE_PLAN_EARLY : 0), max_rows, &passes);
   if (!ml_cuda_decode_wanted(pairs, cfg->num_experts, min_k))
     o.splits = 1; /* no scratch for it */
-  int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
-  if (passes > plan->max_tiles) passes = plan->max_tiles;
   /* h in e4m3 from the GEMM itself (its fp32 rows written too), or by a
    * quantize kernel after it */
   const int fused = ml_cu_fp8_quant_in_gemm(max_rows);
@@ -552,12 +564,8 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
      * threshold is measured there). The down GEMM may read the tiles before
      * its dependency wait: the gate/up GEMM lets it start only after the plan
      * is complete. */
-    ml_decode_opts o = ml_cu_decode_opts(moe, ML_DECODE_PDL);
-    o.max_rows = max_rows;
-    if (ml_cuda_decode_narrow(pairs, cfg->num_experts))
-      o.flags |= ML_DECODE_NARROW;
-    int passes = ml_cuda_decode_passes(pairs, cfg->num_experts);
-    if (passes > plan->max_tiles) passes = plan->max_tiles;
+    int passes = 0;
+    ml_decode_opts o = ml_cu_routed_decode_opts(moe, plan, ML_DECODE_PDL, max_rows, &passes);
     ML_TRY(ml_cuda_decode_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                                  moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles,
                                  plan->num_tiles, passes, pairs, m->h, &o, st));
