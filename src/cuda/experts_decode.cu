@@ -44,6 +44,11 @@ MOELINK_PARAM(DECODE_PDL, 1)
  * mixtral-8x7b T = 1 240.8 -> 225.2, deepseek-v3 T = 1 298.4 -> 289.1,
  * T = 8..128 within 1% (4 before). */
 MOELINK_PARAM(DECODE_CTAS_PER_SM, 1)
+/* 1: where a routed launch's K is long (splits of 16 k tiles or more), the
+ * split count may grow past the policy's to the one whose CTAs fill their
+ * last wave of two an SM best (mixtral-8x7b T = 1: 448 gate/up CTAs fill 85% of
+ * two waves of 264, four splits' 1792 fill 97%). 0: the policy alone. */
+MOELINK_PARAM(DECODE_WAVES, 1)
 /* Measurements only: a K split count for every decode launch whose caller
  * left opts.splits at 0 (0: the policy); the layers size their split scratch
  * for it (ml_cuda_decode_scratch). */
@@ -67,6 +72,8 @@ extern "C" int ml_cuda_decode_last_pass_rows(void) { return mld_last_bn; }
  * columns = 64 KiB), and there are at most this many splits. */
 #define MLD_MIN_SPLIT_KTILES 4
 #define MLD_MAX_SPLITS 16
+/* k tiles a split keeps at least where MOELINK_DECODE_WAVES moves the count */
+#define MLD_WAVE_SPLIT_KTILES 16
 
 static int mld_ceil_div(int a, int b) { return (a + b - 1) / b; }
 
@@ -100,7 +107,7 @@ extern "C" int ml_cuda_decode_wanted_fp8(int rows, int experts, int min_k) {
  * enough CTAs for every SM to stream weights (DECODE_CTAS_PER_SM per SM)
  * while each split keeps a useful length. Returns the count with no empty
  * split; *kt_per gets the k tiles of each. */
-static int mld_splits(int mblocks, int ktiles, int max_passes, int sm_count, int forced,
+static int mld_splits(int mblocks, int ktiles, int max_passes, int sm_count, int forced, int routed,
                       int *kt_per) {
   int s = 1;
   if (forced > 0) {
@@ -116,6 +123,25 @@ static int mld_splits(int mblocks, int ktiles, int max_passes, int sm_count, int
       if (want > MLD_MAX_SPLITS) want = MLD_MAX_SPLITS;
       if (want > most) want = most;
       s = want > 1 ? (int)want : 1;
+    }
+    if (routed && ml_param_DECODE_WAVES() != 0) {
+      /* the fullest last wave among the counts that keep 16 k tiles a split
+       * (the first of equals) */
+      const int64_t slots = 2 * (int64_t)(sm_count > 0 ? sm_count : 1);
+      int hi = ktiles / MLD_WAVE_SPLIT_KTILES;
+      if (hi > MLD_MAX_SPLITS)
+        hi = MLD_MAX_SPLITS;
+      double best = -1.0;
+      int pick = s;
+      for (int c = s; c <= hi; ++c) {
+        const int64_t ctas = base * c, waves = (ctas + slots - 1) / slots;
+        const double eff = (double)ctas / (double)(waves * slots);
+        if (eff > best + 1e-9) {
+          best = eff;
+          pick = c;
+        }
+      }
+      s = pick;
     }
   }
   if (ktiles <= 0) {
@@ -134,7 +160,7 @@ static int mld_mblocks(int swiglu, int n) {
 extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes,
                                             int sm_count) {
   int kt_per = 0;
-  return mld_splits(mld_mblocks(swiglu, n), mld_ceil_div(k, MLD_BK), max_passes, sm_count, 0,
+  return mld_splits(mld_mblocks(swiglu, n), mld_ceil_div(k, MLD_BK), max_passes, sm_count, 0, 1,
                     &kt_per);
 }
 
@@ -154,12 +180,12 @@ static size_t mld_partials(int swiglu, int n, int rows, int splits) {
 /* Scratch of one launch shape under the policy (or MOELINK_DECODE_SPLITS;
  * unsplit 1: the launch runs one K split; sub: passes a tile). */
 static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int unsplit,
-                     int sm_count, size_t *floats, size_t *tickets) {
+                     int routed, int sm_count, size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
   int kt_per = 0;
   const int s = unsplit ? 1
                         : mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
-                                     (int)ml_param_DECODE_SPLITS(), &kt_per);
+                                     (int)ml_param_DECODE_SPLITS(), routed, &kt_per);
   /* a SwiGLU may have an FP8 output (ml_decode_opts.q_out), split or not */
   const size_t t = mld_tickets(passes * sub, mb, swiglu);
   if (swiglu && t > *tickets) *tickets = t;
@@ -191,13 +217,15 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
     const int sub = ML_CUDA_TILE_ROWS / MLD_BN_SMALL;
     if (routed || routed_fp8) {
       const int passes = ml_cuda_decode_passes(P, num_experts);
-      mld_need(1, inter, hidden, P, passes, sub, !routed, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, inter, P, passes, sub, !routed, sm_count, partial_floats, ticket_count);
+      mld_need(1, inter, hidden, P, passes, sub, !routed, 1, sm_count, partial_floats,
+               ticket_count);
+      mld_need(0, hidden, inter, P, passes, sub, !routed, 1, sm_count, partial_floats,
+               ticket_count);
     }
     if (shared) {
       const int passes = ml_cuda_decode_passes(T, 1);
-      mld_need(1, shared_inter, hidden, T, passes, 1, 0, sm_count, partial_floats, ticket_count);
-      mld_need(0, hidden, shared_inter, T, passes, 1, 0, sm_count, partial_floats, ticket_count);
+      mld_need(1, shared_inter, hidden, T, passes, 1, 0, 0, sm_count, partial_floats, ticket_count);
+      mld_need(0, hidden, shared_inter, T, passes, 1, 0, 0, sm_count, partial_floats, ticket_count);
     }
   }
 }
@@ -303,7 +331,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   const int forced = o->splits > 0 ? o->splits : (int)ml_param_DECODE_SPLITS();
   /* (the split policy counts tiles: a tile's further row blocks add CTAs
    * only where the tile has the rows) */
-  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, forced, &kt_per);
+  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, forced, tiles != NULL, &kt_per);
   if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
   /* 16-row passes where no tile can have more rows (the problem's rows, or
    * the caller's bound on a tile's), or where asked to cut tiles into them */
