@@ -9,7 +9,8 @@
 # FP8_NCU=1 kernel times),
 # comm (moelink bench comm beside NCCL, 2+ GPUs), tp (moelink bench tp and compare_tp.py,
 # 2+ GPUs), ep (moelink bench ep: the expert-parallel layer, 2+ GPUs), probe (the weight-stream
-# probe bench/stream_probe.cu, the router alone (bench/router_probe.c) and the decode GEMMs'
+# probe bench/stream_probe.cu, the router alone (bench/router_probe.c), the one-kernel layer
+# alone (bench/small_probe.c) and the decode GEMMs'
 # own benchmark, gpu_test_decode --bench; not in all), tpprobe (the one-kernel gemm_ar GEMMs
 # alone on one GPU beside cuBLAS, bench/gemm_ar_probe.cu, with ncu; not in all), prefill (the
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
@@ -20,8 +21,9 @@
 # AB_ENV variants after each default run, DECODE_REPS rounds, DECODE_DTYPES (bf16 fp8); not
 # in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
-# all = every part. Parts that need 2 GPUs are skipped on one; RANKS (default: every GPU of the
-# machine) is their rank count, the mgpu tests' too (issue 7: 4 and 8).
+# GPU_TESTS: a ctest -R regex for the gpu part; all = every part. Parts that need 2 GPUs are
+# skipped on one; RANKS (default: every GPU of the machine) is their rank count, the mgpu tests'
+# too (issue 7: 4 and 8).
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +71,8 @@ log "build ok"
 rc=0
 if want gpu; then
   log "ctest -L gpu"
-  (cd "$BUILD" && ctest -L '^gpu$' -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
+  # GPU_TESTS: a ctest -R regex (only those tests)
+  (cd "$BUILD" && ctest -L '^gpu$' ${GPU_TESTS:+-R "$GPU_TESTS"} -V --timeout ${TEST_TIMEOUT:-300}) >"$OUT/test.log" 2>&1 || rc=1
   # ctest -V prefixes each test's lines with "N: "; show failures and per-test counts.
   grep -E ': not ok |: [0-9]+ passed, [0-9]+ failed|: FAIL|Test +#|tests passed' "$OUT/test.log" | tail -60
   log "gpu tests: $(grep -E 'tests passed' "$OUT/test.log" | tail -1)"
@@ -224,6 +227,11 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
     "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm -lpthread \
     -ldl -o "$BUILD/router_probe" >>"$OUT/build.log" 2>&1 &&
     ./"$BUILD"/router_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  log "one-kernel layer probe"
+  gcc -std=c11 -O2 -Isrc -Iinclude -I"${CUDA_HOME:-/usr/local/cuda}/include" bench/small_probe.c \
+    "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm -lpthread \
+    -ldl -o "$BUILD/small_probe" >>"$OUT/build.log" 2>&1 &&
+    ./"$BUILD"/small_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1

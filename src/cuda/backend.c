@@ -35,6 +35,8 @@ typedef struct ml_cu_layout {
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
+  size_t small;                 /* the one-kernel layer of a few tokens (moe_small.cu) */
+  size_t small_bytes, small_zero;
   size_t plan_counts_bytes, tickets_bytes, dec_part_floats, dec_ticket_count, logits_floats, total;
 } ml_cu_layout;
 
@@ -53,6 +55,7 @@ typedef struct ml_cu_moe {
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
   float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
+  void *small;           /* ml_cuda_moe_small's scratch, or NULL where the layer never takes it */
   uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
   float *xs, *hs;        /* in e4m3, with their scales per 128 (xq, xs also fp8_shared's) */
   uint8_t *shq;          /* fp8_shared: the shared expert's SwiGLU rows [T, Is] in e4m3 */
@@ -103,6 +106,12 @@ MOELINK_PARAM(ROUTER_PLAN, 1)
 /* 0: a small batch's shared expert runs after the routed experts instead of
  * beside the router (an A/B switch for the benchmarks). */
 MOELINK_PARAM(SHARED_FIRST, 1)
+/* Batches of up to this many tokens of a layer without a shared expert run
+ * as one kernel (ml_cuda_moe_small; at most 8; 0: never). Off by default:
+ * measured slower than the kernel-per-step pipeline on an H200 (graph
+ * replays, docs/PERF.md): mixtral-8x7b T = 1 193-200 us against 185-186,
+ * qwen3-30b-a3b 49.9 against 48.0-48.7. */
+MOELINK_PARAM(SMALL_LAYER_TOKENS, 0)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
   if (!ml_param_CUDA_SYNC_CHECK()) return MOELINK_SUCCESS;
@@ -223,6 +232,11 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
   L->logits = ml_cu_take(&cur, L->logits_floats * sizeof(float));
+  /* (sm_90a machine code: compute capability 9.0) */
+  if (c->cc_major == 9 && c->cc_minor == 0 && ml_cuda_moe_small_fits(cfg, 1, c->smem_optin)) {
+    L->small_bytes = ml_cuda_moe_small_scratch(cfg, c->sm_count, &L->small_zero);
+    L->small = ml_cu_take(&cur, L->small_bytes);
+  }
   if (cfg->fp8_experts || cfg->fp8_shared) {
     L->xq = ml_cu_take(&cur, T * H);
     L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
@@ -298,6 +312,7 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
   m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
+  m->small = L->small_bytes > 0 ? m->base + L->small : NULL;
   if (cfg->fp8_experts || cfg->fp8_shared) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
@@ -318,6 +333,8 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
     e = cudaMemset(m->dec_tickets, 0, L->dec_ticket_count * sizeof(uint32_t));
   if (e == cudaSuccess) /* and the grouped GEMMs' counter (one stream: one counter) */
     e = cudaMemset(m->sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  if (e == cudaSuccess && m->small != NULL) /* and the one-kernel layer's counters */
+    e = cudaMemset(m->small, 0, L->small_zero);
   if (e == cudaSuccess) e = cudaStreamSynchronize(0);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
@@ -703,6 +720,25 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   if (ml_cu_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "out %p must be 16-byte aligned on the CUDA backend",
                    out);
+  const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
+  if (m->small != NULL && T <= ml_param_SMALL_LAYER_TOKENS() &&
+      ml_cuda_moe_small_fits(cfg, T, c->smem_optin)) {
+    ml_cuda_moe_small_args a;
+    memset(&a, 0, sizeof a);
+    a.cfg = cfg;
+    a.x = x;
+    a.num_tokens = T;
+    a.router = w->router;
+    a.bias = w->correction_bias;
+    a.gate_up = w->gate_up;
+    a.down = w->down;
+    a.out = out;
+    a.scratch = m->small;
+    a.scratch_bytes = m->lay.small_bytes;
+    a.sm_count = c->sm_count;
+    ML_TRY(ml_cuda_moe_small(&a, st));
+    return ml_cu_step(st, "one-kernel layer");
+  }
   moelink_plan_t plan;
   ML_TRY(moelink_plan_view(m->plan, T, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS, &plan));
   /* A small batch's shared expert takes the decode GEMMs. Its gate/up GEMM

@@ -170,6 +170,64 @@ moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y, const int32_
                                  const void *x, const void *shared_gate, void *out,
                                  cudaStream_t stream);
 
+/* ---- the layer of a few tokens in one kernel (moe_small.cu) --------------------
+ * moelink_moe_forward's output for num_tokens tokens of a layer with routed
+ * experts only (no shared expert), bf16 or f16 throughout: the router's
+ * logits, the selection (as the CPU backend's, every CTA for itself), both
+ * expert GEMMs and the combine in one persistent kernel of one CTA an SM
+ * (a cooperative launch: every CTA resident). Its rounding points are the
+ * pipeline's: h and the weighted y rows in the dtype, the k rows summed in
+ * fp32 in order. Deterministic. */
+typedef struct ml_cuda_moe_small_args {
+  const moelink_moe_config_t *cfg;
+  const void *x; /* [num_tokens, H], 16-byte aligned (as every pointer here) */
+  int num_tokens;
+  const void *router;  /* [E, H] */
+  const float *bias;   /* [E] where cfg->correction_bias */
+  const void *gate_up; /* [E, 2I, H] */
+  const void *down;    /* [E, H, I] */
+  void *out;           /* [num_tokens, H] */
+  void *scratch;       /* ml_cuda_moe_small_scratch bytes; its first zero_bytes zero
+                          before the first launch, and every launch leaves them zero */
+  size_t scratch_bytes;
+  int sm_count;   /* the device's SMs (the scratch was sized for them) */
+  int ctas;       /* 0: one CTA an SM; tests: fewer */
+  int32_t *ids;   /* NULL, or [num_tokens, k]: the experts chosen (tests) */
+  float *weights; /* with ids: their weights */
+  /* Measurements only (bench/small_probe.c; the library leaves it NULL):
+   * ML_CUDA_SMALL_STAMPS int64 a CTA, the %globaltimer at which its thread 0
+   * (the producer's: SELECTED, LAST_ISSUE) reached each ml_cuda_small_phase;
+   * phases not reached keep their value */
+  int64_t *stamps;
+} ml_cuda_moe_small_args;
+
+enum ml_cuda_small_phase {
+  ML_SMALL_PH_START,          /* the CTA began */
+  ML_SMALL_PH_LOGITS,         /* its share of the router's logits stored */
+  ML_SMALL_PH_BARRIER,        /* every CTA's logits stored */
+  ML_SMALL_PH_SEL_LOADED,     /* token 0's logits read back */
+  ML_SMALL_PH_SEL_SCORED,     /* its scores and selection values stored */
+  ML_SMALL_PH_SEL_RANKED,     /* its groups and winners ranked */
+  ML_SMALL_PH_SELECTED,       /* experts chosen (every token) */
+  ML_SMALL_PH_FIRST_BOX,      /* the first weight box landed */
+  ML_SMALL_PH_GATE_UP_DONE,   /* its gate/up steps and their sums done */
+  ML_SMALL_PH_READY,          /* the SwiGLU rows of its first down unit ready */
+  ML_SMALL_PH_FIRST_DOWN_BOX, /* the first down box landed */
+  ML_SMALL_PH_LAST_ISSUE,     /* the producer issued its last box */
+  ML_SMALL_PH_CONSUMED,       /* every box used, every sum stored */
+  ML_SMALL_PH_COUNT
+};
+#define ML_CUDA_SMALL_STAMPS 16
+
+/* Whether the kernel takes num_tokens tokens of layer cfg on a device with
+ * smem_optin bytes of shared memory a block (at most 8 tokens, and never
+ * past cfg->max_tokens). */
+int ml_cuda_moe_small_fits(const moelink_moe_config_t *cfg, int num_tokens, int smem_optin);
+/* Scratch bytes for every launch that fits the layer on up to sm_count CTAs;
+ * *zero_bytes: the leading part that must start zeroed. */
+size_t ml_cuda_moe_small_scratch(const moelink_moe_config_t *cfg, int sm_count, size_t *zero_bytes);
+moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *args, cudaStream_t stream);
+
 /* ---- fill (fill.cu) -----------------------------------------------------------
  * p[i] = dtype(offset + scale * ml_random_unit(seed, i)), bitwise what the
  * CPU writes. dt is F32, BF16 or F16. */

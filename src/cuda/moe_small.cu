@@ -1,0 +1,990 @@
+/* The routed-expert layer of a few tokens in one kernel (pipeline.h,
+ * ml_cuda_moe_small).
+ *
+ * At one token the layer is a stream over the k chosen experts' weights, and
+ * what the kernel-per-step pipeline adds to that stream is the chain before
+ * it (the router's logits, a ticket, the selection, the plan) and the gaps
+ * between its kernels (a GEMM's stream drains before the next one's fills).
+ * Here one persistent grid, one CTA an SM, all resident (a cooperative
+ * launch), does everything:
+ *
+ *   logits   every warp of the grid takes some (token, expert) dot products
+ *            of the router, x . w_e in fp32, into a small global array;
+ *   barrier  one grid-wide arrival counter;
+ *   select   every CTA selects each token's experts and weights itself, from
+ *            the same logits with the same code (so all CTAs agree), as the
+ *            CPU backend's router does: scores, correction bias, group limit,
+ *            top-k with ties toward the lower index, renormalization, scale;
+ *   stream   one producer thread an SM streams TMA boxes of 128 weight rows x
+ *            64 k (16 KiB, 128-byte swizzle) through a ring of stages in
+ *            shared memory, gate/up boxes first, then down boxes, without a
+ *            pause between the two; four consumer warps multiply each box by
+ *            the token's vector on tensor cores (mma m16n8k16 with the weight
+ *            rows as M and the token as the one live column of N);
+ *   combine  finished output rows are weighted, rounded like the pipeline's
+ *            y rows, and summed over the token's k experts in order.
+ *
+ * Work is shared out stream-K: the units of a phase (gate/up: a pair's 64
+ * output columns, whose 64 gate and 64 up rows make one box; down: a pair's
+ * 128 output rows) are cut into k steps of 64, and CTA b takes the steps
+ * [b W / G, (b + 1) W / G) of the W of the phase, so every SM streams the
+ * same number of bytes whatever the shapes. A unit cut between CTAs leaves
+ * fp32 partial sums in global memory, one slot per part, and the CTA that
+ * takes the unit's last ticket adds them in part order (the sum does not
+ * depend on who came last: results are bitwise reproducible). A down unit
+ * needs its pair's SwiGLU row complete: a counter per pair says how many of
+ * its column units are stored, and the consumers wait on it before the first
+ * box of such a unit (the producer never waits: the down weights stream while
+ * the last gate/up units finish elsewhere). The output rows of a (token,
+ * 128-row block) are summed by whichever of its k units is stored last
+ * (a second ticket).
+ *
+ * Every counter is zero between launches: tickets are reset by the CTA that
+ * takes the last one, the pair counters and the barrier by the last CTA to
+ * leave. A wait that outlives MLS_WAIT_NS (a bug, never the schedule: every
+ * CTA is resident) traps, so the launch fails instead of hanging. */
+#include "core/dtype.cuh"
+#include "core/launch.cuh"
+#include "cuda/cuda.h"
+#include "cuda/gemm/ptx.cuh"
+#include "cuda/gemm/sm90.cuh"
+#include "cuda/pipeline.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MLS_CONSUMERS 4                        /* warps that multiply */
+#define MLS_THREADS ((MLS_CONSUMERS + 1) * 32) /* and one that loads */
+#define MLS_BK 64                              /* k a box */
+#define MLS_ROWS 128                           /* weight rows a box */
+#define MLS_BOX (MLS_ROWS * MLS_BK * 2)        /* bytes a box: 16 KiB */
+#define MLS_COLS_A 64                          /* output columns of a gate/up unit */
+#define MLS_MIN_STAGES 4
+#define MLS_SEL_FLOATS 1560       /* a warp's selection scratch (in the ring) */
+#define MLS_WAIT_NS 4000000000ull /* 4 s */
+#define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
+
+static_assert(MLS_THREADS / 32 * MLS_SEL_FLOATS * 4 <= MLS_MIN_STAGES * MLS_BOX,
+              "the selection scratch fits the ring");
+static_assert(ML_CUDA_MAX_EXPERTS <= 512 && ML_CUDA_MAX_TOPK <= 16,
+              "the selection scratch's layout");
+
+typedef struct mls_params {
+  const char *x;                                     /* [T, H] */
+  const char *wr;                                    /* router [E, H] */
+  const float *bias;                                 /* [E] or NULL */
+  void *out;                                         /* [T, H] */
+  float *logits;                                     /* [T, E] */
+  char *h;                                           /* [P, I] SwiGLU rows (dtype) */
+  char *y;                                           /* [P, H] weighted expert outputs (dtype) */
+  float *part_a, *part_b;                            /* [units][maxp][128] partial sums */
+  uint32_t *tick_a, *tick_b, *tick_g, *ready, *sync; /* zero between launches */
+  int64_t *stamps;  /* measurements: [G][ML_CUDA_SMALL_STAMPS] %globaltimer, or NULL */
+  int32_t *ids_out; /* [T, k] or NULL: CTA 0's selection */
+  float *wts_out;
+  int T, H, I, E, k;
+  int router, renormalize, n_group, topk_group;
+  float scaling;
+  int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
+  long long w_a, w_b;       /* k steps of each phase */
+  int maxp_a, maxp_b;       /* partial slots a unit */
+  int stages, vec_elems;
+} mls_params;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* (sm_90a machine code only: the mbarrier and TMA helpers of gemm/sm90.cuh) */
+
+/* ---- PTX ------------------------------------------------------------------------ */
+
+static __device__ __forceinline__ uint64_t mls_evict_first(void) {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+/* A 4D TMA box into shared memory, completing on bar, read once (evict first). */
+static __device__ __forceinline__ void mls_tma_4d(uint32_t dst, const CUtensorMap *map,
+                                                  uint32_t bar, int c0, int c1, int c2, int c3,
+                                                  uint64_t pol) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(pol)
+               : "memory");
+}
+
+static __device__ __forceinline__ uint32_t mls_ld_acquire(const uint32_t *p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+static __device__ __forceinline__ uint64_t mls_now(void) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+/* Measurements: %globaltimer of phase ph of this CTA (args.stamps). */
+static __device__ __forceinline__ void mls_stamp(const mls_params &p, int ph) {
+  if (p.stamps != NULL)
+    p.stamps[(size_t)blockIdx.x * ML_CUDA_SMALL_STAMPS + ph] = (int64_t)mls_now();
+}
+
+/* Spins until *p >= want (acquire); traps past MLS_WAIT_NS. */
+static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_t want) {
+  if (mls_ld_acquire(p) >= want)
+    return;
+  const uint64_t t0 = mls_now();
+  while (mls_ld_acquire(p) < want)
+    if (mls_now() - t0 > MLS_WAIT_NS)
+      __trap();
+}
+
+/* The consumer warps meet (named barrier 1; the producer warp never joins). */
+static __device__ __forceinline__ void mls_consumers_sync(void) {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(MLS_CONSUMERS * 32) : "memory");
+}
+
+/* The consumers' stores so far are published, then one arrival on ticket t:
+ * whether it was the one that made the count `last` + 1 (which then puts it
+ * back to zero and may read what the others published). One fence by one
+ * thread after the CTA barrier, as a grid barrier does it. Every consumer
+ * thread calls it; flag: a shared word. */
+static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, int *flag) {
+  mls_consumers_sync();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const int mine = atomicAdd(t, 1u) == last;
+    if (mine) {
+      *t = 0u;
+      __threadfence();
+    }
+    *flag = mine;
+  }
+  mls_consumers_sync();
+  return *flag != 0;
+}
+
+/* ---- the schedule --------------------------------------------------------------- */
+
+/* The CTA of G whose range [b W / G, (b + 1) W / G) holds step c < W. */
+static __device__ __forceinline__ int mls_owner(long long c, long long W, int G) {
+  return (int)(((c + 1) * (long long)G + W - 1) / W) - 1;
+}
+
+static __device__ __forceinline__ long long mls_start(int b, long long W, int G) {
+  return (long long)b * W / G;
+}
+
+/* ---- selection ------------------------------------------------------------------ */
+
+static __device__ __forceinline__ float mls_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+static __device__ __forceinline__ float mls_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/* A sum or a max over the CTA's threads, in a fixed order (each warp's tree,
+ * then the warps in order). red: MLS_THREADS / 32 floats of shared memory. */
+static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, float *red) {
+  v = is_max ? mls_warp_max(v) : mls_warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0)
+    red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float r = red[0];
+#pragma unroll 1
+  for (int w = 1; w < MLS_THREADS / 32; ++w)
+    r = is_max ? fmaxf(r, red[w]) : r + red[w];
+  return r;
+}
+
+/* One token's experts and weights by the whole CTA, as the CPU backend's
+ * router chooses them (src/cpu/router.c): scores, correction bias, groups
+ * kept by their rank, and the k winners by their rank (each expert counts
+ * the experts ahead of it: a larger selection value, or an equal one at a
+ * lower index), no rounds. scratch: MLS_SEL_FLOATS floats of shared memory:
+ * scores [0, 512), selection values [512, 1024) (NaN: out of the running),
+ * group scores [1024, 1536), the winners' scores [1536, 1552), the reduction
+ * [1552, 1560). The loops are rolled: this runs once a launch, on the chain
+ * before any weight moves. */
+static __device__ __forceinline__ void mls_select(const mls_params &p, int t, float *scratch,
+                                                  int *ids, float *wts) {
+  /* the arguments in registers once (a callee reading them through a
+   * reference would reload them from local memory after every shared store) */
+  const int tid = (int)threadIdx.x, E = p.E, k = p.k, router = p.router;
+  const int n_group = p.n_group, topk_group = p.topk_group, renormalize = p.renormalize;
+  const float scaling = p.scaling;
+  const float *__restrict__ bias = p.bias;
+  float *sc = scratch, *q = scratch + 512, *gs = scratch + 1024, *ws = scratch + 1536;
+  float *red = scratch + 1552;
+  const float *lg = p.logits + (size_t)t * E;
+  float mx = -INFINITY;
+#pragma unroll 1
+  for (int e = tid; e < E; e += MLS_THREADS) {
+    const float v = __ldcg(lg + e);
+    sc[e] = v;
+    mx = fmaxf(mx, v);
+  }
+  if (t == 0 && tid == 0)
+    mls_stamp(p, ML_SMALL_PH_SEL_LOADED);
+  if (router == MOELINK_ROUTER_SOFTMAX_TOPK) {
+    mx = mls_cta_reduce(mx, true, red);
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS) {
+      const float v = expf(sc[e] - mx);
+      sc[e] = v;
+      sum += v;
+    }
+    sum = mls_cta_reduce(sum, false, red);
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS)
+      sc[e] = sc[e] / sum;
+  } else if (router == MOELINK_ROUTER_SIGMOID_TOPK) {
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS)
+      sc[e] = 1.0f / (1.0f + expf(-sc[e]));
+  }
+#pragma unroll 1
+  for (int e = tid; e < E; e += MLS_THREADS)
+    q[e] = bias != NULL ? sc[e] + __ldg(bias + e) : sc[e];
+  __syncthreads();
+  if (t == 0 && tid == 0)
+    mls_stamp(p, ML_SMALL_PH_SEL_SCORED);
+  if (n_group > 1) {
+    /* group g scores the sum of its top two (one: its best), scanned from a
+     * rotated start (no two threads on one bank); kept by rank */
+    const int G = E / n_group, ng = n_group;
+#pragma unroll 1
+    for (int g = tid; g < ng; g += MLS_THREADS) {
+      float m1 = -INFINITY, m2 = -INFINITY;
+#pragma unroll 1
+      for (int j = 0; j < G; ++j) {
+        const float v = q[g * G + (j + g) % G];
+        if (v > m1) {
+          m2 = m1;
+          m1 = v;
+        } else if (v > m2) {
+          m2 = v;
+        }
+      }
+      gs[g] = G == 1 ? m1 : m1 + m2;
+    }
+    __syncthreads();
+    int keep[4] = {0, 0, 0, 0}; /* ng <= 512: four groups a thread at most */
+#pragma unroll 1
+    for (int i = 0, g = tid; g < ng; ++i, g += MLS_THREADS) {
+      int r = 0;
+#pragma unroll 1
+      for (int h = 0; h < ng; ++h)
+        r += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
+      keep[i & 3] = r < topk_group;
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int i = 0, g = tid; g < ng; ++i, g += MLS_THREADS)
+      gs[g] = keep[i & 3] ? 1.0f : 0.0f;
+    __syncthreads();
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS)
+      if (gs[e / G] == 0.0f)
+        q[e] = NAN;
+    __syncthreads();
+  }
+#pragma unroll 1
+  for (int e = tid; e < E; e += MLS_THREADS) {
+    const float v = q[e];
+    if (isnan(v))
+      continue;
+    int r = 0;
+#pragma unroll 1
+    for (int f = 0; f < E; ++f) {
+      const float w = q[f];
+      r += w > v || (w == v && f < e);
+    }
+    if (r < k) {
+      ids[r] = e;
+      ws[r] = sc[e];
+    }
+  }
+  __syncthreads();
+  if (t == 0 && tid == 0)
+    mls_stamp(p, ML_SMALL_PH_SEL_RANKED);
+  if (tid == 0) {
+    if (router == MOELINK_ROUTER_TOPK_SOFTMAX) {
+      float m = ws[0];
+#pragma unroll 1
+      for (int j = 1; j < k; ++j)
+        m = ws[j] > m ? ws[j] : m;
+      float sum = 0.0f;
+#pragma unroll 1
+      for (int j = 0; j < k; ++j) {
+        ws[j] = expf(ws[j] - m);
+        sum += ws[j];
+      }
+#pragma unroll 1
+      for (int j = 0; j < k; ++j)
+        ws[j] = ws[j] / sum;
+    } else if (renormalize) {
+      float sum = 0.0f;
+#pragma unroll 1
+      for (int j = 0; j < k; ++j)
+        sum += ws[j];
+      if (sum > 0.0f)
+#pragma unroll 1
+        for (int j = 0; j < k; ++j)
+          ws[j] = ws[j] / sum;
+    }
+#pragma unroll 1
+    for (int j = 0; j < k; ++j)
+      wts[j] = scaling != 1.0f ? ws[j] * scaling : ws[j];
+  }
+  __syncthreads();
+}
+
+/* ---- the multiply ------------------------------------------------------------- */
+
+/* One box (128 rows x 64 k at slot, 128-byte swizzle) times the vector's k
+ * steps kb .. kb + 63 in shared memory (vec, 16-bit): warp w's two m16
+ * fragments. The vector is the MMA's one live column of N: lanes 0-3 hold
+ * it, the rest zero. Rows of fragment mi: row0[mi] + 0..15. */
+template <int DT>
+static __device__ __forceinline__ void mls_box(uint32_t slot, const uint32_t *vec32, int kb,
+                                               const int row0[2], float acc[2][4]) {
+  const int lane = (int)threadIdx.x & 31;
+  const int a_x = (lane >> 4) ^ (lane & 7);
+  const uint32_t a0 = slot + (uint32_t)(row0[0] + (lane & 15)) * 128u;
+  const uint32_t a1 = slot + (uint32_t)(row0[1] + (lane & 15)) * 128u;
+#pragma unroll
+  for (int kk = 0; kk < MLS_BK / 16; ++kk) {
+    uint32_t af[2][4], bf[2];
+    const uint32_t col = (uint32_t)(((2 * kk) ^ a_x) << 4);
+    ml_ldmatrix_x4(a0 + col, af[0]);
+    ml_ldmatrix_x4(a1 + col, af[1]);
+    const int kw = (kb + kk * 16) / 2 + (lane & 3);
+    bf[0] = lane < 4 ? vec32[kw] : 0u;
+    bf[1] = lane < 4 ? vec32[kw + 4] : 0u;
+    ml_mma_16816<DT>(acc[0], af[0], bf);
+    ml_mma_16816<DT>(acc[1], af[1], bf);
+  }
+}
+
+static __device__ __forceinline__ float mls_silu_mul(float g, float u) {
+  return g / (1.0f + __expf(-g)) * u;
+}
+
+template <int DT> static __device__ __forceinline__ float mls_to_f32(uint16_t v) {
+  return ml_dt_half_to_f32<DT>((uint32_t)v);
+}
+
+template <int DT> static __device__ __forceinline__ uint16_t mls_round(float f) {
+  return (uint16_t)ml_dt_f32_to_half<DT>(f);
+}
+
+/* ---- the kernel ------------------------------------------------------------------ */
+
+template <int DT>
+static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
+                                                const CUtensorMap *map_d_p, const mls_params &p) {
+  const CUtensorMap &map_gu = *map_gu_p, &map_d = *map_d_p;
+  extern __shared__ __align__(1024) char mls_smem[];
+  __shared__ int s_ids[8 * ML_CUDA_MAX_TOPK];
+  __shared__ float s_wts[8 * ML_CUDA_MAX_TOPK];
+  __shared__ int s_flag;
+  const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = (int)gridDim.x, b = (int)blockIdx.x;
+  const uint32_t raw = ml_smem_u32(mls_smem);
+  const uint32_t ring = (raw + 1023u) & ~1023u;
+  char *ring_p = mls_smem + (ring - raw);
+  const int S = p.stages;
+  const uint32_t full = ring + (uint32_t)(S * MLS_BOX), empty = full + 8u * (uint32_t)S;
+  uint16_t *vec = (uint16_t *)(ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S);
+
+  if (tid == MLS_CONSUMERS * 32) {
+    /* the boxes' descriptors on their way while the router works */
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_gu) : "memory");
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"((uint64_t)&map_d) : "memory");
+  }
+  if (tid == 0) {
+    mls_stamp(p, ML_SMALL_PH_START);
+    for (int s = 0; s < S; ++s) {
+      ml_mbar_init(full + 8u * (uint32_t)s, 1);
+      ml_mbar_init(empty + 8u * (uint32_t)s, MLS_CONSUMERS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+
+  /* ---- logits: the grid's warps share the T x E dot products ---- */
+  {
+    const int nw = G * (MLS_THREADS / 32), H8 = p.H / 8;
+    for (int d = b * (MLS_THREADS / 32) + warp; d < p.T * p.E; d += nw) {
+      const int t = d / p.E, e = d - t * p.E;
+      const uint4 *xr = (const uint4 *)(p.x + (size_t)t * p.H * 2);
+      const uint4 *wr = (const uint4 *)(p.wr + (size_t)e * p.H * 2);
+      float acc = 0.0f;
+#pragma unroll 4
+      for (int q = lane; q < H8; q += 32) {
+        float xv[8], wv[8];
+        ml_dt_unpack16<DT>(__ldg(xr + q), xv);
+        ml_dt_unpack16<DT>(__ldg(wr + q), wv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          acc = fmaf(xv[i], wv[i], acc);
+      }
+      acc = mls_warp_sum(acc);
+      if (lane == 0)
+        p.logits[d] = acc;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    mls_stamp(p, ML_SMALL_PH_LOGITS);
+    __threadfence();
+    atomicAdd(p.sync, 1u);
+    mls_wait_count(p.sync, (uint32_t)G);
+    mls_stamp(p, ML_SMALL_PH_BARRIER);
+  }
+  __syncthreads();
+
+  /* (the host keeps every step count below 2^31) */
+  const int a0 = (int)mls_start(b, p.w_a, G), a1 = (int)mls_start(b + 1, p.w_a, G);
+  const int b0 = (int)mls_start(b, p.w_b, G), b1 = (int)mls_start(b + 1, p.w_b, G);
+  const int na = a1 - a0, n = na + (b1 - b0);
+
+  /* ---- selection: every CTA for itself (scratch in the idle ring) ---- */
+  for (int t = 0; t < p.T; ++t)
+    mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
+  /* the scratch's generic writes before the boxes' async-proxy ones */
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  if (b == 0 && p.ids_out != NULL)
+    for (int q = tid; q < p.T * p.k; q += MLS_THREADS) {
+      p.ids_out[q] = s_ids[q];
+      p.wts_out[q] = s_wts[q];
+    }
+
+  if (warp == MLS_CONSUMERS) {
+    /* ---- producer: one thread streams every box of this CTA's steps ---- */
+    if (lane == 0) {
+      mls_stamp(p, ML_SMALL_PH_SELECTED);
+      const uint64_t pol = mls_evict_first();
+      int s = 0, u, kk;
+      if (na > 0) {
+        u = a0 / p.ks_a;
+        kk = a0 - u * p.ks_a;
+      } else {
+        u = b0 / p.ks_b;
+        kk = b0 - u * p.ks_b;
+      }
+      uint32_t ph = 0; /* parity of slot s's current round */
+      for (int i = 0; i < n; ++i) {
+        if (i >= S)
+          ml_mbar_wait(empty + 8u * (uint32_t)s, ph ^ 1u);
+        const uint32_t dst = ring + (uint32_t)(s * MLS_BOX), bar = full + 8u * (uint32_t)s;
+        if (i + 1 == n)
+          mls_stamp(p, ML_SMALL_PH_LAST_ISSUE);
+        ml_mbar_arrive_tx(bar, MLS_BOX);
+        if (i < na) {
+          const int pair = u / p.ncb, cb = u - pair * p.ncb;
+          mls_tma_4d(dst, &map_gu, bar, kk * MLS_BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
+          if (++kk == p.ks_a) {
+            kk = 0;
+            ++u;
+          }
+          if (i + 1 == na) {
+            u = b0 / p.ks_b;
+            kk = b0 - u * p.ks_b;
+          }
+        } else {
+          const int pair = u / p.nob, ob = u - pair * p.nob;
+          mls_tma_4d(dst, &map_d, bar, kk * MLS_BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
+          if (++kk == p.ks_b) {
+            kk = 0;
+            ++u;
+          }
+        }
+        if (++s == S) {
+          s = 0;
+          ph ^= 1u;
+        }
+      }
+    }
+  } else {
+    /* ---- consumers ---- */
+    const uint32_t *vec32 = (const uint32_t *)vec;
+    const int fr = lane >> 2;            /* accumulator row within a fragment's 8 */
+    const bool holder = (lane & 3) == 0; /* lanes holding the live column */
+    int i = 0, s = 0;
+    uint32_t ph = 0; /* parity of slot s's current round */
+    while (i < n) {
+      /* one run: the steps of one unit in this CTA's range */
+      const bool pa = i < na;
+      const int c0 = pa ? a0 + i : b0 + (i - na);
+      const int ks = pa ? p.ks_a : p.ks_b;
+      const long long W = pa ? p.w_a : p.w_b;
+      const int end = pa ? a1 : b1;
+      const int u = c0 / ks, kk0 = c0 - u * ks;
+      const int ue = (u + 1) * ks;
+      const int kk1 = (ue < end ? ue : end) - u * ks;
+      const int per = pa ? p.ncb : p.nob;
+      const int pair = u / per, blk = u - pair * per;
+      const int len = pa ? p.H : p.I;
+
+      /* the vector's k range of this run into shared memory */
+      mls_consumers_sync(); /* everyone is done with the last run's */
+      if (!pa && tid == 0) {
+        if (i == na)
+          mls_stamp(p, ML_SMALL_PH_GATE_UP_DONE);
+        mls_wait_count(p.ready + pair, (uint32_t)p.ncb);
+        if (i == na)
+          mls_stamp(p, ML_SMALL_PH_READY);
+      }
+      if (!pa)
+        mls_consumers_sync();
+      {
+        const uint4 *src = pa ? (const uint4 *)(p.x + (size_t)(pair / p.k) * p.H * 2)
+                              : (const uint4 *)(p.h + (size_t)pair * p.I * 2);
+        const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
+#pragma unroll 1
+        for (int q = q0 + tid; q < q1; q += MLS_CONSUMERS * 32) {
+          uint4 v = make_uint4(0u, 0u, 0u, 0u);
+          if (q < lim)
+            v = pa ? __ldg(src + q) : __ldcg(src + q);
+          ((uint4 *)vec)[q] = v;
+        }
+      }
+      mls_consumers_sync();
+
+      int row0[2];
+      if (pa) {
+        row0[0] = warp * 16;      /* gate rows of the warp's 16 columns */
+        row0[1] = 64 + warp * 16; /* up rows of the same columns */
+      } else {
+        row0[0] = warp * 32;
+        row0[1] = warp * 32 + 16;
+      }
+      float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      for (int kk = kk0; kk < kk1; ++kk, ++i) {
+        ml_mbar_wait(full + 8u * (uint32_t)s, ph);
+        if (tid == 0 && i == 0)
+          mls_stamp(p, ML_SMALL_PH_FIRST_BOX);
+        if (tid == 0 && i == na)
+          mls_stamp(p, ML_SMALL_PH_FIRST_DOWN_BOX);
+        mls_box<DT>(ring + (uint32_t)(s * MLS_BOX), vec32, kk * MLS_BK, row0, acc);
+        __syncwarp();
+        if (lane == 0)
+          ml_mbar_arrive(empty + 8u * (uint32_t)s);
+        if (++s == S) {
+          s = 0;
+          ph ^= 1u;
+        }
+      }
+
+      /* the unit's sums: from registers when this CTA holds all of it, else
+       * through the partial slots and the unit's ticket */
+      /* the unit's parts: with W >= G every CTA from the owner of its first
+       * step to the owner of its last holds some; with W < G a CTA holds one
+       * step at most and CTAs between hold none: one part a step */
+      const long long us = (long long)u * ks;
+      const long long uend = us + ks;
+      int parts, pidx;
+      if (W >= G) {
+        const int first = mls_owner(us, W, G);
+        parts = mls_owner(uend - 1, W, G) - first + 1;
+        pidx = b - first;
+      } else {
+        parts = ks;
+        pidx = kk0;
+      }
+      float *part = pa ? p.part_a : p.part_b;
+      const int maxp = pa ? p.maxp_a : p.maxp_b;
+      /* tile rows of this thread's four values: [mi][h] */
+      int trow[2][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          trow[mi][hh] = row0[mi] + fr + 8 * hh;
+      float v[2][2] = {{acc[0][0], acc[0][2]}, {acc[1][0], acc[1][2]}};
+      bool mine = true;
+      if (parts > 1) {
+        float *slot = part + ((size_t)u * maxp + (size_t)pidx) * MLS_ROWS;
+        if (holder)
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+              __stcg(slot + trow[mi][hh], v[mi][hh]);
+        mine = mls_ticket((pa ? p.tick_a : p.tick_b) + u, (uint32_t)(parts - 1), &s_flag);
+        if (mine) {
+          const float *base = part + (size_t)u * maxp * MLS_ROWS;
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              float sum = 0.0f;
+              if (holder)
+#pragma unroll 1
+                for (int q = 0; q < parts; ++q)
+                  sum += __ldcg(base + (size_t)q * MLS_ROWS + trow[mi][hh]);
+              v[mi][hh] = sum;
+            }
+        }
+      }
+      if (mine) {
+        if (pa) {
+          /* h = silu(gate) * up, rounded to the dtype as the pipeline stores it */
+          uint16_t *h = (uint16_t *)p.h + (size_t)pair * p.I;
+          if (holder)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+              const int col = blk * MLS_COLS_A + trow[0][hh];
+              if (col < p.I)
+                h[col] = mls_round<DT>(mls_silu_mul(v[0][hh], v[1][hh]));
+            }
+          mls_consumers_sync();
+          if (tid == 0) {
+            __threadfence();
+            atomicAdd(p.ready + pair, 1u);
+          }
+        } else {
+          /* y = w * rows, rounded as the pipeline's y rows; the token's row
+           * block is summed by the last of its k units */
+          const float w = s_wts[pair];
+          uint16_t *y = (uint16_t *)p.y + (size_t)pair * p.H;
+          if (holder)
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const int o = blk * MLS_ROWS + trow[mi][hh];
+                if (o < p.H)
+                  y[o] = mls_round<DT>(w * v[mi][hh]);
+              }
+          const int t = pair / p.k;
+          if (mls_ticket(p.tick_g + (size_t)t * p.nob + blk, (uint32_t)(p.k - 1), &s_flag)) {
+            const int o = blk * MLS_ROWS + tid;
+            if (tid < MLS_ROWS && o < p.H) {
+              const uint16_t *yt = (const uint16_t *)p.y + (size_t)t * p.k * p.H + o;
+              float sum = 0.0f;
+#pragma unroll 1
+              for (int j = 0; j < p.k; ++j)
+                sum += mls_to_f32<DT>(__ldcg(yt + (size_t)j * p.H));
+              ((uint16_t *)p.out)[(size_t)t * p.H + o] = mls_round<DT>(sum);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  /* ---- leave: the last CTA out puts the counters back to zero ---- */
+  if (tid == 0)
+    mls_stamp(p, ML_SMALL_PH_CONSUMED);
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
+      for (int q = 0; q < p.T * p.k; ++q)
+        p.ready[q] = 0u;
+      p.sync[0] = 0u;
+      p.sync[1] = 0u;
+      __threadfence();
+    }
+  }
+}
+#endif /* __CUDA_ARCH_FEAT_SM90_ALL */
+
+template <int DT>
+static __global__ void __launch_bounds__(MLS_THREADS, 1)
+    mls_kernel(const __grid_constant__ CUtensorMap map_gu,
+               const __grid_constant__ CUtensorMap map_d, const mls_params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  mls_body<DT>(&map_gu, &map_d, p);
+#else
+  /* the host launches it on compute capability 9.0 only */
+  __trap();
+#endif
+}
+
+/* ---- host ------------------------------------------------------------------------ */
+
+#define MLS_MAX_TOKENS 8
+
+MOELINK_PARAM(SMALL_LAYER_STAGES, 0)
+
+typedef struct mls_layout {
+  size_t logits, h, y, part_a, part_b, tick_a, tick_b, tick_g, ready, sync;
+  size_t zero_bytes, total;
+  size_t part_a_floats, part_b_floats;
+} mls_layout;
+
+static size_t mls_take(size_t *cur, size_t bytes) {
+  const size_t at = (*cur + 255) & ~(size_t)255;
+  *cur = at + bytes;
+  return at;
+}
+
+static long long mls_div_up(long long a, long long b) { return (a + b - 1) / b; }
+
+/* Partial slots a unit of ks steps needs when W steps go to G CTAs. */
+static int mls_maxp(int ks, long long W, int G) {
+  const long long per = W / G;
+  if (per < 1)
+    return ks;
+  const long long m = mls_div_up(ks, per) + 1;
+  return (int)(m < ks ? m : ks);
+}
+
+typedef struct mls_shape {
+  int P, ncb, nob, ks_a, ks_b;
+  long long w_a, w_b;
+} mls_shape;
+
+static mls_shape mls_shape_of(const moelink_moe_config_t *c, int T) {
+  mls_shape s;
+  s.P = T * c->top_k;
+  s.ncb = (int)mls_div_up(c->inter, MLS_COLS_A);
+  s.nob = (int)mls_div_up(c->hidden, MLS_ROWS);
+  s.ks_a = (int)mls_div_up(c->hidden, MLS_BK);
+  s.ks_b = (int)mls_div_up(c->inter, MLS_BK);
+  s.w_a = (long long)s.P * s.ncb * s.ks_a;
+  s.w_b = (long long)s.P * s.nob * s.ks_b;
+  return s;
+}
+
+static int mls_max_tokens(const moelink_moe_config_t *c) {
+  return c->max_tokens < MLS_MAX_TOKENS ? c->max_tokens : MLS_MAX_TOKENS;
+}
+
+/* The scratch of a layer: sized for every T up to mls_max_tokens on up to
+ * sm_count CTAs; the counters first (the zero region). */
+static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layout *L) {
+  memset(L, 0, sizeof *L);
+  const int Tm = mls_max_tokens(c);
+  const mls_shape m = mls_shape_of(c, Tm);
+  for (int T = 1; T <= Tm; ++T) {
+    const mls_shape s = mls_shape_of(c, T);
+    const size_t fa = (size_t)s.P * s.ncb * mls_maxp(s.ks_a, s.w_a, sm_count) * MLS_ROWS;
+    const size_t fb = (size_t)s.P * s.nob * mls_maxp(s.ks_b, s.w_b, sm_count) * MLS_ROWS;
+    if (fa > L->part_a_floats)
+      L->part_a_floats = fa;
+    if (fb > L->part_b_floats)
+      L->part_b_floats = fb;
+  }
+  size_t cur = 0;
+  L->tick_a = mls_take(&cur, (size_t)m.P * m.ncb * 4);
+  L->tick_b = mls_take(&cur, (size_t)m.P * m.nob * 4);
+  L->tick_g = mls_take(&cur, (size_t)Tm * m.nob * 4);
+  L->ready = mls_take(&cur, (size_t)m.P * 4);
+  L->sync = mls_take(&cur, 2 * 4);
+  L->zero_bytes = (cur + 255) & ~(size_t)255;
+  L->logits = mls_take(&cur, (size_t)Tm * c->num_experts * 4);
+  L->h = mls_take(&cur, (size_t)m.P * c->inter * 2);
+  L->y = mls_take(&cur, (size_t)m.P * c->hidden * 2);
+  L->part_a = mls_take(&cur, L->part_a_floats * 4);
+  L->part_b = mls_take(&cur, L->part_b_floats * 4);
+  L->total = (cur + 255) & ~(size_t)255;
+}
+
+/* Shared memory a launch asks for: the ring, its barriers, the vector. */
+static size_t mls_smem_bytes(int stages, int vec_elems) {
+  return 1024 + (size_t)stages * (MLS_BOX + 16) + (size_t)vec_elems * 2;
+}
+
+static int mls_vec_elems(const moelink_moe_config_t *c) {
+  const int m = c->hidden > c->inter ? c->hidden : c->inter;
+  return (int)mls_div_up(m, MLS_BK) * MLS_BK;
+}
+
+/* Ring stages for the device's shared memory (0: not even the least). */
+static int mls_stages(const moelink_moe_config_t *c, int smem_optin) {
+  const size_t fixed = mls_smem_bytes(0, mls_vec_elems(c)) + MLS_STATIC_SMEM;
+  if ((size_t)smem_optin <= fixed)
+    return 0;
+  int s = (int)(((size_t)smem_optin - fixed) / (MLS_BOX + 16));
+  const int64_t want = ml_param_SMALL_LAYER_STAGES();
+  if (want > 0 && want < s)
+    s = (int)want;
+  return s >= MLS_MIN_STAGES ? s : 0;
+}
+
+extern "C" int ml_cuda_moe_small_fits(const moelink_moe_config_t *c, int num_tokens,
+                                      int smem_optin) {
+  if (num_tokens < 1 || num_tokens > mls_max_tokens(c))
+    return 0;
+  if (c->dtype != MOELINK_DTYPE_BF16 && c->dtype != MOELINK_DTYPE_F16)
+    return 0;
+  if (c->fp8_experts || c->fp8_shared || c->shared_inter > 0)
+    return 0;
+  if (c->num_experts > ML_CUDA_MAX_EXPERTS || c->top_k > ML_CUDA_MAX_TOPK)
+    return 0;
+  if (c->n_group > 1 &&
+      (c->num_experts % c->n_group != 0 || c->topk_group < 1 || c->topk_group > c->n_group))
+    return 0;
+  /* TMA: 16-byte rows; boxes no larger than the tensors */
+  if (c->hidden % 8 || c->inter % 8 || c->hidden < MLS_ROWS || c->inter < MLS_COLS_A)
+    return 0;
+  return mls_stages(c, smem_optin) > 0;
+}
+
+extern "C" size_t ml_cuda_moe_small_scratch(const moelink_moe_config_t *c, int sm_count,
+                                            size_t *zero_bytes) {
+  mls_layout L;
+  mls_layout_of(c, sm_count, &L);
+  if (zero_bytes)
+    *zero_bytes = L.zero_bytes;
+  return L.total;
+}
+
+/* One-time function attributes per device (a race sets them twice: harmless). */
+#define MLS_MAX_DEVICES 64
+static unsigned char mls_ready[MLS_MAX_DEVICES][2];
+
+template <int DT> static moelink_status_t mls_prepare(void) {
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  const int w = DT == MOELINK_DTYPE_BF16 ? 0 : 1;
+  const int cached = dev >= 0 && dev < MLS_MAX_DEVICES;
+  if (cached && __atomic_load_n(&mls_ready[dev][w], __ATOMIC_ACQUIRE))
+    return MOELINK_SUCCESS;
+  int optin = 0;
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)mls_kernel<DT>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   optin - MLS_STATIC_SMEM));
+  if (cached)
+    __atomic_store_n(&mls_ready[dev][w], 1, __ATOMIC_RELEASE);
+  return MOELINK_SUCCESS;
+}
+
+template <int DT>
+static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, const mls_params *p,
+                                   int ctas, size_t smem, cudaStream_t st) {
+  ML_TRY(mls_prepare<DT>());
+  int occ = 0;
+  ML_CUDA_TRY(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, mls_kernel<DT>, MLS_THREADS, smem));
+  if (occ < 1)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "small-batch layer kernel: no CTA fits an SM with %zu bytes of shared memory",
+                   smem);
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attrs[2];
+  ml_launch_config(&cfg, attrs, dim3((unsigned)ctas, 1, 1), dim3(MLS_THREADS, 1, 1), smem, 0, 1,
+                   st);
+  /* every CTA resident at once, or the launch fails (the grid waits on itself) */
+  attrs[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
+  attrs[cfg.numAttrs].val.cooperative = 1;
+  cfg.numAttrs += 1;
+  void *args[] = {(void *)gu, (void *)d, (void *)p};
+  const cudaError_t e = cudaLaunchKernelExC(&cfg, (const void *)mls_kernel<DT>, args);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return ml_fail(MOELINK_ERR_CUDA,
+                   "launch of the small-batch layer kernel (%d CTAs, %zu bytes "
+                   "of shared memory) failed: %s",
+                   ctas, smem, cudaGetErrorString(e));
+  }
+  ML_CUDA_LAUNCHED("small-batch layer kernel");
+  return MOELINK_SUCCESS;
+}
+
+static int mls_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
+
+extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, cudaStream_t st) {
+  const moelink_moe_config_t *c = a->cfg;
+  const int T = a->num_tokens;
+  if (T == 0)
+    return MOELINK_SUCCESS;
+  int dev = 0, optin = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  if (!ml_cuda_moe_small_fits(c, T, optin))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "small-batch layer kernel: %d tokens of this layer are not supported "
+                   "(ml_cuda_moe_small_fits)",
+                   T);
+  if (a->x == NULL || a->router == NULL || a->gate_up == NULL || a->down == NULL ||
+      a->out == NULL || a->scratch == NULL || (c->correction_bias && a->bias == NULL))
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "small-batch layer kernel: a NULL operand");
+  if (mls_misaligned(a->x) || mls_misaligned(a->router) || mls_misaligned(a->gate_up) ||
+      mls_misaligned(a->down) || mls_misaligned(a->out) || mls_misaligned(a->scratch))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "small-batch layer kernel: operands must be 16-byte aligned");
+  const int ctas = a->ctas > 0 && a->ctas < a->sm_count ? a->ctas : a->sm_count;
+  if (ctas < 1)
+    return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "small-batch layer kernel: no SMs");
+  mls_layout L;
+  mls_layout_of(c, a->sm_count, &L);
+  if (a->scratch_bytes < L.total)
+    return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: scratch %zu bytes < %zu",
+                   a->scratch_bytes, L.total);
+  const mls_shape s = mls_shape_of(c, T);
+  mls_params p;
+  memset(&p, 0, sizeof p);
+  char *base = (char *)a->scratch;
+  p.x = (const char *)a->x;
+  p.wr = (const char *)a->router;
+  p.bias = c->correction_bias ? a->bias : NULL;
+  p.out = a->out;
+  p.logits = (float *)(base + L.logits);
+  p.h = base + L.h;
+  p.y = base + L.y;
+  p.part_a = (float *)(base + L.part_a);
+  p.part_b = (float *)(base + L.part_b);
+  p.tick_a = (uint32_t *)(base + L.tick_a);
+  p.tick_b = (uint32_t *)(base + L.tick_b);
+  p.tick_g = (uint32_t *)(base + L.tick_g);
+  p.ready = (uint32_t *)(base + L.ready);
+  p.sync = (uint32_t *)(base + L.sync);
+  p.stamps = a->stamps;
+  p.ids_out = a->ids;
+  p.wts_out = a->weights;
+  p.T = T;
+  p.H = c->hidden;
+  p.I = c->inter;
+  p.E = c->num_experts;
+  p.k = c->top_k;
+  p.router = (int)c->router;
+  p.renormalize = c->renormalize;
+  p.n_group = c->n_group;
+  p.topk_group = c->topk_group;
+  p.scaling = c->routed_scaling;
+  p.ncb = s.ncb;
+  p.nob = s.nob;
+  p.ks_a = s.ks_a;
+  p.ks_b = s.ks_b;
+  p.w_a = s.w_a;
+  p.w_b = s.w_b;
+  if (s.w_a >= INT_MAX / 2 || s.w_b >= INT_MAX / 2)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "small-batch layer kernel: %lld / %lld k steps", s.w_a,
+                   s.w_b);
+  p.maxp_a = mls_maxp(s.ks_a, s.w_a, ctas);
+  p.maxp_b = mls_maxp(s.ks_b, s.w_b, ctas);
+  if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
+      (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
+    return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");
+  p.stages = mls_stages(c, optin);
+  p.vec_elems = mls_vec_elems(c);
+  const size_t smem = mls_smem_bytes(p.stages, p.vec_elems);
+  CUtensorMap gu, d;
+  ML_TRY(ml_sm90_map_b_box(&gu, c->dtype, a->gate_up, c->hidden, c->inter, 2, c->num_experts,
+                           MLS_COLS_A, 2, "small-batch layer kernel (gate/up)"));
+  ML_TRY(ml_sm90_map_b_box(&d, c->dtype, a->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS,
+                           1, "small-batch layer kernel (down)"));
+  if (c->dtype == MOELINK_DTYPE_BF16)
+    return mls_launch<MOELINK_DTYPE_BF16>(&gu, &d, &p, ctas, smem, st);
+  return mls_launch<MOELINK_DTYPE_F16>(&gu, &d, &p, ctas, smem, st);
+}

@@ -1,0 +1,280 @@
+/* The one-kernel layer of a few tokens (ml_cuda_moe_small) against the CPU
+ * backend's forward of the same layer:
+ *  - every router family (softmax with and without renormalization,
+ *    top-k-then-softmax, sigmoid with bias and groups, softmax with groups),
+ *    E from 8 to 512, k from 1 to 16, shapes that are not multiples of the
+ *    kernel's 64 / 128 blocks, bf16 and f16;
+ *  - T in {1, 2, 3, 8}, on every SM and on 1, 3 and 7 CTAs (units cut across
+ *    CTAs in other places, partial sums through other tickets);
+ *  - the kernel's own choice of experts and weights (CTA 0's) against the
+ *    CPU router's; outputs poisoned before each run; a second run bitwise
+ *    equal; the counters left zero; tokens whose routing is a near tie left
+ *    out of the output comparison;
+ *  - beside the GPU pipeline's forward of the same tokens (T > 1, which the
+ *    layer does not send to the kernel by default);
+ *  - what it refuses: too many tokens, a shared expert, NULL and misaligned
+ *    operands. */
+#include "cuda/pipeline.h"
+#include "gpu_util.h"
+
+static moelink_context_t g_gpu, g_cpu;
+static int g_sms, g_optin;
+
+static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D,
+                     moelink_moe_t gmoe, moelink_moe_t cmoe, int T, int ctas) {
+  const moelink_moe_config_t *cfg = &L->cfg;
+  const moelink_dtype_t dt = cfg->dtype;
+  const size_t es = moelink_dtype_size(dt), H = (size_t)cfg->hidden, xb = (size_t)T * H * es;
+  const int k = cfg->top_k;
+  char what[400];
+  snprintf(what, sizeof what, "%s T %d ctas %d", name, T, ctas);
+  if (!ml_cuda_moe_small_fits(cfg, T, g_optin)) {
+    CHECK(0, "%s: the kernel takes the layer", what);
+    return;
+  }
+
+  size_t zero = 0;
+  const size_t sb = ml_cuda_moe_small_scratch(cfg, g_sms, &zero);
+  void *scratch = gu_dev(sb);
+  GU_CUDA(cudaMemset(scratch, 0, zero));
+  void *hx = gu_host(xb);
+  ref_fill_x(L, hx, T, 3000u + (unsigned)T);
+  void *dx = gu_dev(xb), *dout = gu_dev(xb), *dout2 = gu_dev(xb), *dpipe = gu_dev(xb);
+  int32_t *dids = gu_dev((size_t)T * k * 4);
+  float *dw = gu_dev((size_t)T * k * 4);
+  gu_h2d(dx, hx, xb);
+  gu_poison(dout, xb);
+  gu_poison(dout2, xb);
+  gu_poison(dids, (size_t)T * k * 4);
+
+  ml_cuda_moe_small_args a;
+  memset(&a, 0, sizeof a);
+  a.cfg = cfg;
+  a.x = dx;
+  a.num_tokens = T;
+  a.router = D->w.router;
+  a.bias = D->w.correction_bias;
+  a.gate_up = D->w.gate_up;
+  a.down = D->w.down;
+  a.out = dout;
+  a.scratch = scratch;
+  a.scratch_bytes = sb;
+  a.sm_count = g_sms;
+  a.ctas = ctas;
+  a.ids = dids;
+  a.weights = dw;
+  CHECK_OK(ml_cuda_moe_small(&a, NULL), what);
+  GU_CUDA(cudaDeviceSynchronize());
+  a.out = dout2;
+  a.ids = NULL;
+  a.weights = NULL;
+  CHECK_OK(ml_cuda_moe_small(&a, NULL), "second run");
+  GU_CUDA(cudaDeviceSynchronize());
+
+  void *go = gu_host(xb), *go2 = gu_host(xb), *co = gu_host(xb), *po = gu_host(xb);
+  gu_d2h(go, dout, xb);
+  gu_d2h(go2, dout2, xb);
+  CHECK(memcmp(go, go2, xb) == 0, "%s: two runs bitwise equal", what);
+  unsigned char *z = gu_host(zero);
+  gu_d2h(z, scratch, zero);
+  size_t nz = 0;
+  for (size_t i = 0; i < zero; ++i)
+    nz += z[i] != 0;
+  CHECK(nz == 0, "%s: every counter back to zero (%zu bytes not)", what, nz);
+
+  /* the kernel's routing against the CPU router's */
+  int32_t *gi = gu_host((size_t)T * k * 4), *ci = gu_host((size_t)T * k * 4);
+  float *gw = gu_host((size_t)T * k * 4), *cw = gu_host((size_t)T * k * 4);
+  gu_d2h(gi, dids, (size_t)T * k * 4);
+  gu_d2h(gw, dw, (size_t)T * k * 4);
+  CHECK_OK(moelink_moe_route(cmoe, hx, T, ci, cw, NULL), "CPU route");
+  unsigned char *tie = gu_host((size_t)T);
+  gu_route_stats rs = gu_compare_routes(what, cfg, &L->w, hx, T, gi, gw, ci, cw, tie);
+  gu_check_routes(what, rs);
+
+  CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
+  gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
+  gu_check_err_tol(what, e, dt, go, co, H, GU_TOL, GU_TOL_ROW);
+
+  /* beside the GPU pipeline (T = 1 is this kernel itself there) */
+  if (T > 1) {
+    CHECK_OK(moelink_moe_forward(gmoe, dx, T, dpipe, NULL), "GPU forward");
+    gu_d2h(po, dpipe, xb);
+    gu_err ep = gu_compare(dt, go, po, (size_t)T, H, tie);
+    char w2[440];
+    snprintf(w2, sizeof w2, "%s beside the GPU pipeline", what);
+    gu_check_err_tol(w2, ep, dt, go, po, H, GU_TOL, GU_TOL_ROW);
+  }
+  ml_t_diag("%s: rel L2 %.2e against the CPU, %d near ties", what, e.rel, rs.near_ties);
+
+  free(hx);
+  free(go);
+  free(go2);
+  free(co);
+  free(po);
+  free(z);
+  free(gi);
+  free(ci);
+  free(gw);
+  free(cw);
+  free(tie);
+  gu_free(scratch);
+  gu_free(dx);
+  gu_free(dout);
+  gu_free(dout2);
+  gu_free(dpipe);
+  gu_free(dids);
+  gu_free(dw);
+}
+
+static void layer(const char *label, const moelink_moe_config_t *cfg, uint64_t seed) {
+  char desc[200], name[320];
+  gu_describe(desc, sizeof desc, cfg);
+  snprintf(name, sizeof name, "%s (%s)", label, desc);
+  ref_layer L;
+  if (ref_layer_make(&L, cfg, seed, 0.0) != 0) {
+    CHECK(0, "ref_layer_make for %s", name);
+    return;
+  }
+  gu_dev_layer D;
+  gu_dev_layer_upload(&D, &L);
+  moelink_moe_t gmoe = NULL, cmoe = NULL;
+  GU_MUST(moelink_moe_create(g_gpu, cfg, &gmoe), "GPU layer");
+  GU_MUST(moelink_moe_create(g_cpu, cfg, &cmoe), "CPU layer");
+  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
+  GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
+  const int Ts[] = {1, 2, 3, 8};
+  const int ctas[] = {0, 7, 1, 3};
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) {
+      if (Ts[i] > 3 && j > 1)
+        continue; /* the slow grids on the short batches */
+      run_case(name, &L, &D, gmoe, cmoe, Ts[i], ctas[j]);
+    }
+  moelink_moe_destroy(gmoe);
+  moelink_moe_destroy(cmoe);
+  gu_dev_layer_free(&D);
+  ref_layer_free(&L);
+}
+
+static moelink_moe_config_t base(const char *preset, int H, int I, moelink_dtype_t dt) {
+  moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;
+  GU_MUST(moelink_moe_preset(preset, &c), preset);
+  c.hidden = H;
+  c.inter = I;
+  c.shared_inter = 0;
+  c.shared_gate = 0;
+  c.dtype = dt;
+  c.max_tokens = 64;
+  return c;
+}
+
+static void test_layers(void) {
+  moelink_moe_config_t c;
+  c = base("mixtral-8x7b", 256, 384, MOELINK_DTYPE_BF16);
+  layer("mixtral-8x7b", &c, 900);
+  c = base("qwen3-30b-a3b", 512, 192, MOELINK_DTYPE_F16);
+  layer("qwen3-30b-a3b", &c, 901);
+  /* softmax without renormalization, k = 1, shapes off the 64 / 128 blocks */
+  c = base("mixtral-8x7b", 264, 200, MOELINK_DTYPE_BF16);
+  c.num_experts = 24;
+  c.top_k = 1;
+  c.renormalize = 0;
+  layer("k1-odd", &c, 902);
+  /* top-k of the logits, softmax over the k */
+  c = base("mixtral-8x7b", 384, 136, MOELINK_DTYPE_F16);
+  c.num_experts = 32;
+  c.top_k = 4;
+  c.router = MOELINK_ROUTER_TOPK_SOFTMAX;
+  c.renormalize = 0;
+  layer("topk-softmax", &c, 903);
+  /* softmax scores with a bias and group-limited selection */
+  c = base("mixtral-8x7b", 256, 128, MOELINK_DTYPE_BF16);
+  c.num_experts = 64;
+  c.top_k = 6;
+  c.n_group = 8;
+  c.topk_group = 3;
+  c.correction_bias = 1;
+  c.routed_scaling = 1.5f;
+  layer("softmax-groups", &c, 904);
+  /* DeepSeek's router (sigmoid, bias, 8 groups keep 4, scale 2.5) without
+   * its shared expert */
+  c = base("deepseek-v3", 256, 128, MOELINK_DTYPE_BF16);
+  layer("deepseek-v3 routed", &c, 905);
+  /* the widest selection: 512 experts, k = 16 */
+  c = base("qwen3-30b-a3b", 128, 64, MOELINK_DTYPE_BF16);
+  c.num_experts = 512;
+  c.top_k = 16;
+  layer("E512-k16", &c, 906);
+}
+
+static void test_refusals(void) {
+  moelink_moe_config_t c = base("mixtral-8x7b", 256, 128, MOELINK_DTYPE_BF16);
+  CHECK(!ml_cuda_moe_small_fits(&c, 9, g_optin), "nine tokens are refused");
+  CHECK(!ml_cuda_moe_small_fits(&c, 0, g_optin), "no tokens: not the kernel's");
+  moelink_moe_config_t sh = c;
+  sh.shared_inter = 256;
+  CHECK(!ml_cuda_moe_small_fits(&sh, 1, g_optin), "a shared expert is refused");
+  moelink_moe_config_t small = c;
+  small.max_tokens = 2;
+  CHECK(!ml_cuda_moe_small_fits(&small, 3, g_optin), "no more tokens than max_tokens");
+  CHECK(ml_cuda_moe_small_fits(&c, 8, g_optin), "eight tokens are taken");
+
+  size_t zero = 0;
+  const size_t sb = ml_cuda_moe_small_scratch(&c, g_sms, &zero);
+  char *scratch = gu_dev(sb + 16);
+  GU_CUDA(cudaMemset(scratch, 0, zero));
+  const size_t H = (size_t)c.hidden;
+  char *x = gu_dev(H * 2 + 16), *out = gu_dev(H * 2 + 16);
+  char *w = gu_dev(gu_elems_gate_up(&c) * 2);
+  ml_cuda_moe_small_args a;
+  memset(&a, 0, sizeof a);
+  a.cfg = &c;
+  a.x = x;
+  a.num_tokens = 1;
+  a.router = w;
+  a.gate_up = w;
+  a.down = w;
+  a.out = NULL;
+  a.scratch = scratch;
+  a.scratch_bytes = sb;
+  a.sm_count = g_sms;
+  CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_INVALID_ARGUMENT, "NULL out refused: %s",
+        moelink_last_error());
+  a.out = out + 2;
+  CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_UNSUPPORTED, "misaligned out refused: %s",
+        moelink_last_error());
+  a.out = out;
+  a.num_tokens = 9;
+  CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_UNSUPPORTED, "nine tokens refused: %s",
+        moelink_last_error());
+  a.num_tokens = 1;
+  a.scratch_bytes = sb - 1;
+  CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_INTERNAL, "short scratch refused: %s",
+        moelink_last_error());
+  GU_CUDA(cudaDeviceSynchronize());
+  gu_free(scratch);
+  gu_free(x);
+  gu_free(out);
+  gu_free(w);
+}
+
+int main(void) {
+  gu_contexts(&g_gpu, &g_cpu);
+  int dev = 0;
+  GU_CUDA(cudaGetDevice(&dev));
+  GU_CUDA(cudaDeviceGetAttribute(&g_sms, cudaDevAttrMultiProcessorCount, dev));
+  GU_CUDA(cudaDeviceGetAttribute(&g_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  int major = 0, minor = 0;
+  GU_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  GU_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major == 9 && minor == 0) {
+    test_refusals();
+    test_layers();
+  } else {
+    ml_t_diag("compute capability %d.%d: the kernel is sm_90a machine code only", major, minor);
+  }
+  moelink_context_destroy(g_gpu);
+  moelink_context_destroy(g_cpu);
+  return ml_test_done();
+}
