@@ -64,6 +64,7 @@
 #define MLS_MIN_STAGES 4
 #define MLS_SEL_FLOATS 1560       /* a warp's selection scratch (in the ring) */
 #define MLS_WAIT_NS 4000000000ull /* 4 s */
+#define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
 
 static_assert(MLS_THREADS / 32 * MLS_SEL_FLOATS * 4 <= MLS_MIN_STAGES * MLS_BOX,
@@ -399,8 +400,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
                                                 const CUtensorMap *map_d_p, const mls_params &p) {
   const CUtensorMap &map_gu = *map_gu_p, &map_d = *map_d_p;
   extern __shared__ __align__(1024) char mls_smem[];
-  __shared__ int s_ids[8 * ML_CUDA_MAX_TOPK];
-  __shared__ float s_wts[8 * ML_CUDA_MAX_TOPK];
+  __shared__ int s_ids[MLS_MAX_TOKENS * ML_CUDA_MAX_TOPK];
+  __shared__ float s_wts[MLS_MAX_TOKENS * ML_CUDA_MAX_TOPK];
   __shared__ int s_flag;
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
@@ -719,8 +720,6 @@ static __global__ void __launch_bounds__(MLS_THREADS, 1)
 }
 
 /* ---- host ------------------------------------------------------------------------ */
-
-#define MLS_MAX_TOKENS 8
 
 MOELINK_PARAM(SMALL_LAYER_STAGES, 0)
 

@@ -562,6 +562,27 @@ GU_FN void gu_dev_layer_free(gu_dev_layer *D) {
   memset(D, 0, sizeof *D);
 }
 
+/* A test layer on both backends: ref_layer_make's weights (zipf: its routing
+ * skew), a device copy of them, and a GPU and a CPU layer on contexts gpu and
+ * cpu holding them. Returns 0, or -1 (a failed check is recorded, nothing is
+ * left allocated) when ref_layer_make fails; a failed create bails out. */
+GU_FN int gu_layer_setup(const char *name, const moelink_moe_config_t *cfg, uint64_t seed,
+                         double zipf, moelink_context_t gpu, moelink_context_t cpu, ref_layer *L,
+                         gu_dev_layer *D, moelink_moe_t *gmoe, moelink_moe_t *cmoe) {
+  if (ref_layer_make(L, cfg, seed, zipf) != 0) {
+    CHECK(0, "ref_layer_make for %s", name);
+    return -1;
+  }
+  gu_dev_layer_upload(D, L);
+  *gmoe = NULL;
+  *cmoe = NULL;
+  GU_MUST(moelink_moe_create(gpu, cfg, gmoe), "GPU layer");
+  GU_MUST(moelink_moe_create(cpu, cfg, cmoe), "CPU layer");
+  GU_MUST(moelink_moe_set_weights(*gmoe, &D->w), "GPU weights");
+  GU_MUST(moelink_moe_set_weights(*cmoe, &L->w), "CPU weights");
+  return 0;
+}
+
 /* ---- comparisons ------------------------------------------------------------------ */
 
 /* Position of a 16-bit float in the total order of its bit patterns, so that

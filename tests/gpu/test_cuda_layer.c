@@ -234,17 +234,10 @@ static void layer_reduced(const char *label, const moelink_moe_config_t *cfg, do
   if (zipf > 0) snprintf(skew, sizeof skew, ", zipf %.1f", zipf);
   snprintf(name, sizeof name, "%s (%s%s)", label, desc, skew);
   ref_layer L;
-  if (ref_layer_make(&L, cfg, seed, zipf) != 0) {
-    CHECK(0, "ref_layer_make for %s", name);
-    return;
-  }
   gu_dev_layer D;
-  gu_dev_layer_upload(&D, &L);
   moelink_moe_t gmoe = NULL, cmoe = NULL;
-  GU_MUST(moelink_moe_create(g_gpu, cfg, &gmoe), "GPU layer");
-  GU_MUST(moelink_moe_create(g_cpu, cfg, &cmoe), "CPU layer");
-  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
-  GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
+  if (gu_layer_setup(name, cfg, seed, zipf, g_gpu, g_cpu, &L, &D, &gmoe, &cmoe) != 0)
+    return;
   for (int i = 0; i < NTS; ++i) layer_batch(name, &L, gmoe, cmoe, g_Ts[i], check_top1_zero);
   moelink_moe_destroy(gmoe);
 

@@ -519,17 +519,10 @@ static void ops_config(const moelink_moe_config_t *cfg, uint64_t seed) {
   gu_describe(name, sizeof name, cfg);
   const double t0 = gu_now();
   ref_layer L;
-  if (ref_layer_make(&L, cfg, seed, 0.0) != 0) {
-    CHECK(0, "ref_layer_make for %s", name);
-    return;
-  }
   gu_dev_layer D;
-  gu_dev_layer_upload(&D, &L);
   moelink_moe_t gmoe = NULL, cmoe = NULL;
-  GU_MUST(moelink_moe_create(g_gpu, cfg, &gmoe), "GPU layer");
-  GU_MUST(moelink_moe_create(g_cpu, cfg, &cmoe), "CPU layer");
-  GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
-  GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
+  if (gu_layer_setup(name, cfg, seed, 0.0, g_gpu, g_cpu, &L, &D, &gmoe, &cmoe) != 0)
+    return;
   zero_tokens(gmoe, cfg, name);
   const int Ts[] = {1, 7, 4097};
   for (int i = 0; i < 3; ++i) ops_case(&L, gmoe, cmoe, Ts[i], name);
