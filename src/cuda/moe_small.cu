@@ -34,15 +34,20 @@
  * depend on who came last: results are bitwise reproducible). A down unit
  * needs its pair's SwiGLU row complete: a counter per pair says how many of
  * its column units are stored, and the consumers wait on it before the first
- * box of such a unit (the producer never waits: the down weights stream while
- * the last gate/up units finish elsewhere). The output rows of a (token,
+ * box of such a unit (the producer never waits on those: the down weights
+ * stream while the last gate/up units finish elsewhere). The output rows of a (token,
  * 128-row block) are summed by whichever of its k units is stored last
  * (a second ticket).
  *
  * Every counter is zero between launches: tickets are reset by the CTA that
  * takes the last one, the pair counters and the barrier by the last CTA to
  * leave. A wait that outlives MLS_WAIT_NS (a bug, never the schedule: every
- * CTA is resident) traps, so the launch fails instead of hanging. */
+ * CTA is resident) traps, so the launch fails instead of hanging.
+ *
+ * Measured on an H200 (docs/PERF.md, "The layer in one kernel"): slower than
+ * the pipeline so far (the selection's latency chain, the stream's tail
+ * across SMs), so the layer takes it only where MOELINK_SMALL_LAYER_TOKENS
+ * asks. */
 #include "core/dtype.cuh"
 #include "core/launch.cuh"
 #include "cuda/cuda.h"
