@@ -232,8 +232,9 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
   L->logits = ml_cu_take(&cur, L->logits_floats * sizeof(float));
-  /* (sm_90a machine code: compute capability 9.0) */
-  if (c->cc_major == 9 && c->cc_minor == 0 && ml_cuda_moe_small_fits(cfg, 1, c->smem_optin)) {
+  /* only where asked for (sm_90a machine code: compute capability 9.0) */
+  if (ml_param_SMALL_LAYER_TOKENS() > 0 && c->cc_major == 9 && c->cc_minor == 0 &&
+      ml_cuda_moe_small_fits(cfg, 1, c->smem_optin)) {
     L->small_bytes = ml_cuda_moe_small_scratch(cfg, c->sm_count, &L->small_zero);
     L->small = ml_cu_take(&cur, L->small_bytes);
   }
