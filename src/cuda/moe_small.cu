@@ -54,6 +54,7 @@
 #include "cuda/gemm/ptx.cuh"
 #include "cuda/gemm/sm90.cuh"
 #include "cuda/pipeline.h"
+#include "cuda/route.cuh"
 
 #include <limits.h>
 #include <math.h>
@@ -222,8 +223,8 @@ static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, flo
  * lower index), no rounds. scratch: MLS_SEL_FLOATS floats of shared memory:
  * scores [0, 512), selection values [512, 1024) (NaN: out of the running),
  * group scores [1024, 1536), the winners' scores [1536, 1552), the reduction
- * [1552, 1560). The loops are rolled: this runs once a launch, on the chain
- * before any weight moves. */
+ * [1552, 1560). The groups' scores and every rank are the router kernel's
+ * (route.cuh); the rest of the loops are rolled (once a launch). */
 static __device__ __forceinline__ void mls_select(const mls_params &p, int t, float *scratch,
                                                   int *ids, float *wts) {
   /* the arguments in registers once (a callee reading them through a
@@ -269,34 +270,16 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   if (t == 0 && tid == 0)
     mls_stamp(p, ML_SMALL_PH_SEL_SCORED);
   if (n_group > 1) {
-    /* group g scores the sum of its top two (one: its best), scanned from a
-     * rotated start (no two threads on one bank); kept by rank */
+    /* group g scores the sum of its top two (one: its best); kept by rank */
     const int G = E / n_group, ng = n_group;
 #pragma unroll 1
-    for (int g = tid; g < ng; g += MLS_THREADS) {
-      float m1 = -INFINITY, m2 = -INFINITY;
-#pragma unroll 1
-      for (int j = 0; j < G; ++j) {
-        const float v = q[g * G + (j + g) % G];
-        if (v > m1) {
-          m2 = m1;
-          m1 = v;
-        } else if (v > m2) {
-          m2 = v;
-        }
-      }
-      gs[g] = G == 1 ? m1 : m1 + m2;
-    }
+    for (int g = tid; g < ng; g += MLS_THREADS)
+      gs[g] = ml_r_group_score(q, g, G);
     __syncthreads();
     int keep[4] = {0, 0, 0, 0}; /* ng <= 512: four groups a thread at most */
 #pragma unroll 1
-    for (int i = 0, g = tid; g < ng; ++i, g += MLS_THREADS) {
-      int r = 0;
-#pragma unroll 1
-      for (int h = 0; h < ng; ++h)
-        r += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
-      keep[i & 3] = r < topk_group;
-    }
+    for (int i = 0, g = tid; g < ng; ++i, g += MLS_THREADS)
+      keep[i & 3] = ml_r_rank(gs, ng, g) < topk_group;
     __syncthreads();
 #pragma unroll 1
     for (int i = 0, g = tid; g < ng; ++i, g += MLS_THREADS)
@@ -313,12 +296,8 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
     const float v = q[e];
     if (isnan(v))
       continue;
-    int r = 0;
-#pragma unroll 1
-    for (int f = 0; f < E; ++f) {
-      const float w = q[f];
-      r += w > v || (w == v && f < e);
-    }
+    /* (NaN, out of the running, is neither larger nor equal: never counted) */
+    const int r = ml_r_rank(q, E, e);
     if (r < k) {
       ids[r] = e;
       ws[r] = sc[e];

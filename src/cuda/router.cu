@@ -41,6 +41,7 @@
 #include "core/launch.cuh"
 #include "cuda/cuda.h"
 #include "cuda/plan.cuh"
+#include "cuda/route.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -311,41 +312,6 @@ static __device__ void ml_r_scores(const ml_router_params &p, float *L, float *S
     const float s = p.bias != NULL ? L[e] + B[e] : L[e];
     S[e] = isnan(s) ? -INFINITY : s;
   }
-}
-
-/* A group's score: the sum of its two best selection scores (its best alone
- * for groups of one), -inf rather than NaN. The scan starts g elements in,
- * so that the lanes scanning neighbouring groups of 32 read distinct banks
- * (the best two do not depend on the order). */
-static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, int gsize) {
-  float best = -INFINITY, second = -INFINITY;
-  const float *grp = S + (size_t)g * gsize;
-  int j = g % gsize;
-  for (int q = 0; q < gsize; ++q) {
-    const float s = grp[j];
-    j = j + 1 == gsize ? 0 : j + 1;
-    if (s > best) {
-      second = best;
-      best = s;
-    } else if (s > second) {
-      second = s;
-    }
-  }
-  const float gs = gsize >= 2 ? best + second : best;
-  return isnan(gs) ? -INFINITY : gs;
-}
-
-/* Where element i of a[0..n) ranks: how many come before it in decreasing
- * order with ties to the lower index (the order ml_r_warp_topk picks in). */
-static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
-  const float v = a[i];
-  int r = 0;
-#pragma unroll 4
-  for (int j = 0; j < n; ++j) {
-    const float u = a[j];
-    r += (u > v) | ((u == v) & (j < i));
-  }
-  return r;
 }
 
 /* One token's k winners into O, by one warp: group limit (each group's

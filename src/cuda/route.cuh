@@ -1,0 +1,47 @@
+/* Device pieces of the routing rule (DESIGN.md: top-k with ties toward the
+ * lower index, groups scored by their two best) shared by the router kernel
+ * (router.cu) and the one-kernel layer of a few tokens (moe_small.cu). CUDA
+ * only. */
+#ifndef MOELINK_CUDA_ROUTE_CUH
+#define MOELINK_CUDA_ROUTE_CUH
+
+#include <math.h>
+#include <stddef.h>
+
+/* A group's score: the sum of its two best selection scores (its best alone
+ * for groups of one), -inf rather than NaN. The scan starts g elements in,
+ * so that the lanes scanning neighbouring groups of 32 read distinct banks
+ * (the best two do not depend on the order). */
+static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, int gsize) {
+  float best = -INFINITY, second = -INFINITY;
+  const float *grp = S + (size_t)g * gsize;
+  int j = g % gsize;
+  for (int q = 0; q < gsize; ++q) {
+    const float s = grp[j];
+    j = j + 1 == gsize ? 0 : j + 1;
+    if (s > best) {
+      second = best;
+      best = s;
+    } else if (s > second) {
+      second = s;
+    }
+  }
+  const float gs = gsize >= 2 ? best + second : best;
+  return isnan(gs) ? -INFINITY : gs;
+}
+
+/* Where element i of a[0..n) ranks: how many come before it in decreasing
+ * order with ties to the lower index (the order the
+ * router's warp-wide top-k picks in). */
+static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
+  const float v = a[i];
+  int r = 0;
+#pragma unroll 4
+  for (int j = 0; j < n; ++j) {
+    const float u = a[j];
+    r += (u > v) | ((u == v) & (j < i));
+  }
+  return r;
+}
+
+#endif
