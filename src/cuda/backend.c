@@ -737,6 +737,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     a.scratch = m->small;
     a.scratch_bytes = m->lay.small_bytes;
     a.sm_count = c->sm_count;
+    a.smem_optin = c->smem_optin;
     ML_TRY(ml_cuda_moe_small(&a, st));
     return ml_cu_step(st, "one-kernel layer");
   }

@@ -856,13 +856,7 @@ template <int DT>
 static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, const mls_params *p,
                                    int ctas, size_t smem, cudaStream_t st) {
   ML_TRY(mls_prepare<DT>());
-  int occ = 0;
-  ML_CUDA_TRY(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, mls_kernel<DT>, MLS_THREADS, smem));
-  if (occ < 1)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "small-batch layer kernel: no CTA fits an SM with %zu bytes of shared memory",
-                   smem);
+  /* (a grid that cannot be resident at once fails the cooperative launch) */
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
   ml_launch_config(&cfg, attrs, dim3((unsigned)ctas, 1, 1), dim3(MLS_THREADS, 1, 1), smem, 0, 1,
@@ -891,9 +885,12 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   const int T = a->num_tokens;
   if (T == 0)
     return MOELINK_SUCCESS;
-  int dev = 0, optin = 0;
-  ML_CUDA_TRY(cudaGetDevice(&dev));
-  ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  int optin = a->smem_optin;
+  if (optin <= 0) {
+    int dev = 0;
+    ML_CUDA_TRY(cudaGetDevice(&dev));
+    ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  }
   if (!ml_cuda_moe_small_fits(c, T, optin))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "small-batch layer kernel: %d tokens of this layer are not supported "

@@ -191,6 +191,7 @@ typedef struct ml_cuda_moe_small_args {
                           before the first launch, and every launch leaves them zero */
   size_t scratch_bytes;
   int sm_count;   /* the device's SMs (the scratch was sized for them) */
+  int smem_optin; /* its shared memory a block (opt-in); 0: asked of the device */
   int ctas;       /* 0: one CTA an SM; tests: fewer */
   int32_t *ids;   /* NULL, or [num_tokens, k]: the experts chosen (tests) */
   float *weights; /* with ids: their weights */
