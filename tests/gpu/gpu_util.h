@@ -771,6 +771,27 @@ GU_FN void gu_check_routes(const char *what, gu_route_stats st) {
         st.max_wrel, st.weight_bad);
 }
 
+/* The GPU's routing of host tokens hx [T, H] (dids, dw: [T, k] on the
+ * device) against the CPU layer cmoe's, checked as gu_check_routes does: gi
+ * gets the GPU's ids ([T, k] on the host), tie the near ties
+ * (gu_compare_routes). */
+GU_FN gu_route_stats gu_routes_check(const char *what, const ref_layer *L, moelink_moe_t cmoe,
+                                     const void *hx, int T, const int32_t *dids, const float *dw,
+                                     int32_t *gi, unsigned char *tie) {
+  const size_t n = (size_t)T * (size_t)L->cfg.top_k;
+  int32_t *ci = gu_host(n * 4);
+  float *gw = gu_host(n * 4), *cw = gu_host(n * 4);
+  gu_d2h(gi, dids, n * 4);
+  gu_d2h(gw, dw, n * 4);
+  CHECK_OK(moelink_moe_route(cmoe, hx, T, ci, cw, NULL), "CPU route");
+  const gu_route_stats rs = gu_compare_routes(what, &L->cfg, &L->w, hx, T, gi, gw, ci, cw, tie);
+  gu_check_routes(what, rs);
+  free(ci);
+  free(gw);
+  free(cw);
+  return rs;
+}
+
 /* An e4m3 copy q [rows][n] with its scales s [rows][n / 128] against a
  * reference (qr, sr): on the owned rows (r < R and row_expert[r] >= 0) byte
  * for byte and scale for scale, elsewhere the poison (bytes 0xA5, scales of

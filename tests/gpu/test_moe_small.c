@@ -83,14 +83,9 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   CHECK(nz == 0, "%s: every counter back to zero (%zu bytes not)", what, nz);
 
   /* the kernel's routing against the CPU router's */
-  int32_t *gi = gu_host((size_t)T * k * 4), *ci = gu_host((size_t)T * k * 4);
-  float *gw = gu_host((size_t)T * k * 4), *cw = gu_host((size_t)T * k * 4);
-  gu_d2h(gi, dids, (size_t)T * k * 4);
-  gu_d2h(gw, dw, (size_t)T * k * 4);
-  CHECK_OK(moelink_moe_route(cmoe, hx, T, ci, cw, NULL), "CPU route");
+  int32_t *gi = gu_host((size_t)T * k * 4);
   unsigned char *tie = gu_host((size_t)T);
-  gu_route_stats rs = gu_compare_routes(what, cfg, &L->w, hx, T, gi, gw, ci, cw, tie);
-  gu_check_routes(what, rs);
+  const gu_route_stats rs = gu_routes_check(what, L, cmoe, hx, T, dids, dw, gi, tie);
 
   CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
   gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
@@ -114,9 +109,6 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   free(po);
   free(z);
   free(gi);
-  free(ci);
-  free(gw);
-  free(cw);
   free(tie);
   gu_free(scratch);
   gu_free(dx);
