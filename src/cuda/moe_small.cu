@@ -149,10 +149,10 @@ static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_
       __trap();
 }
 
-/* The consumer warps meet (named barrier 1; the producer warp never joins). */
-static __device__ __forceinline__ void mls_consumers_sync(void) {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(MLS_CONSUMERS * 32) : "memory");
-}
+/* The consumer warps meet (named barrier 1 of one warpgroup's 128 threads,
+ * sm90.cuh's; the producer warp never joins). */
+static_assert(MLS_CONSUMERS * 32 == 128, "the consumers are one warpgroup");
+static __device__ __forceinline__ void mls_consumers_sync(void) { ml_wg_sync(1); }
 
 /* The consumers' stores so far are published, then one arrival on ticket t:
  * whether it was the one that made the count `last` + 1 (which then puts it
