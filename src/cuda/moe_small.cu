@@ -97,7 +97,7 @@ typedef struct mls_params {
   int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
-  int stages, vec_elems;
+  int stages;               /* ring stages (the vector region follows the ring and its barriers) */
 } mls_params;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -957,8 +957,7 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
       (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
     return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");
   p.stages = mls_stages(c, optin);
-  p.vec_elems = mls_vec_elems(c);
-  const size_t smem = mls_smem_bytes(p.stages, p.vec_elems);
+  const size_t smem = mls_smem_bytes(p.stages, mls_vec_elems(c));
   CUtensorMap gu, d;
   ML_TRY(ml_sm90_map_b_box(&gu, c->dtype, a->gate_up, c->hidden, c->inter, 2, c->num_experts,
                            MLS_COLS_A, 2, "small-batch layer kernel (gate/up)"));
