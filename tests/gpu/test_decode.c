@@ -1124,6 +1124,37 @@ static void check_policy(void) {
   ml_cuda_decode_scratch(16, 8, 256, 7168, 2048, 2048, 132, &pf, &tk);
   CHECK(pf > 0 && tk > 0, "a deepseek-like layer reserves split-K scratch (%zu floats, %zu "
         "tickets)", pf, tk);
+  /* the reserve covers every routed launch of the layer: any token count
+   * up to its bound, at the pass count the layer gives (its plan's tile
+   * bound is never lower) */
+  if (getenv("MOELINK_DECODE_SPLITS") == NULL) {
+    static const int shapes[][5] = {/* max_tokens, k, E, H, I */
+                                    {4, 2, 8, 4096, 14336},
+                                    {32, 8, 128, 2048, 768},
+                                    {16, 8, 256, 7168, 2048},
+                                    {64, 4, 64, 1536, 4096}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i) {
+      const int *c = shapes[i], H = c[3], I = c[4];
+      pf = tk = 0;
+      ml_cuda_decode_scratch(c[0], c[1], c[2], H, I, 0, g_sm_count, &pf, &tk);
+      size_t most = 0;
+      for (int T = 1; T <= c[0]; ++T) {
+        const int P = T * c[1], ps = ml_cuda_decode_passes(P, c[2]);
+        if (!ml_cuda_decode_wanted(P, c[2], H < I ? H : I))
+          break;
+        const int s1 = ml_cuda_decode_policy_splits(1, I, H, ps, g_sm_count);
+        const int s2 = ml_cuda_decode_policy_splits(0, H, I, ps, g_sm_count);
+        const size_t f1 = s1 > 1 ? (size_t)s1 * P * 2 * I : 0;
+        const size_t f2 = s2 > 1 ? (size_t)s2 * P * H : 0;
+        most = f1 > most ? f1 : most;
+        most = f2 > most ? f2 : most;
+      }
+      CHECK(pf >= most,
+            "scratch of a layer (T <= %d, k %d, E %d, H %d, I %d): %zu partial "
+            "floats for launches that need up to %zu",
+            c[0], c[1], c[2], H, I, pf, most);
+    }
+  }
 }
 
 static void check_rejections(void) {
@@ -1390,6 +1421,16 @@ static void bench_preset(moelink_context_t ctx, const char *preset, const int *T
   widest = 2 * Is > widest ? 2 * Is : widest;
   const size_t sweep_f = (size_t)16 * (k > 128 ? k : 128) * widest;
   B.pfloats = pf > sweep_f ? pf : sweep_f;
+  /* and the routed launches forced onto the decode path at every T of the
+   * list, past the layer's own bound (the waves rule can split them) */
+  for (int i = 0; i < nT; ++i) {
+    const int pairs = Ts[i] * (int)k, ps = ml_cuda_decode_passes(pairs, (int)E);
+    const int s1 = ml_cuda_decode_policy_splits(1, (int)I, (int)H, ps, g_sm_count);
+    const int s2 = ml_cuda_decode_policy_splits(0, (int)H, (int)I, ps, g_sm_count);
+    const size_t f = (size_t)(s1 > s2 ? s1 : s2) * (size_t)pairs * widest;
+    if (f > B.pfloats)
+      B.pfloats = f;
+  }
   B.nticket = (tk > 0 ? tk : 1) + (size_t)(ml_cuda_decode_passes((int)P, (int)E) + 2) *
                                       (size_t)(widest / 64 + 2);
   B.part = dev_alloc(B.pfloats * 4);
