@@ -161,4 +161,62 @@ static __device__ void ml_plan_block(int32_t id, int pairs, int E, ml_plan_ptrs 
   ml_plan_schedule(E, begin, end, plan, s);
 }
 
+/* The same plan for pairs <= 32 (the router's one block of T <= 16 tokens
+ * with T*k <= 32): each pair's row and each key's first row and count by
+ * direct counts over the <= 32 keys, and one tile a present expert (it has
+ * at most 32 rows), numbered in expert order by one warp's ballot: two
+ * barriers instead of ml_plan_block's scans. The same entries and values as
+ * ml_plan_block. Every thread of the block must call it. */
+#define ML_PLAN_SMALL_PAIRS 32
+static_assert(ML_PLAN_SMALL_PAIRS <= ML_CUDA_TILE_ROWS, "an expert's rows fit one tile");
+
+static __device__ void ml_plan_small(int32_t id, int pairs, int E, ml_plan_ptrs plan,
+                                     const ml_plan_scratch &s) {
+  const int tid = (int)threadIdx.x;
+  const uint32_t key = tid < pairs && id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
+  if (tid < ML_PLAN_SMALL_PAIRS)
+    s.key[tid] = key;
+  __syncthreads();
+  /* key e's first row (the keys below it) and count; offsets[E] = the valid pairs */
+  for (int e = tid; e <= E; e += ML_P_THREADS) {
+    int below = 0, same = 0;
+    for (int j = 0; j < pairs; ++j) {
+      const uint32_t kj = s.key[j];
+      below += kj < (uint32_t)e;
+      same += kj == (uint32_t)e;
+    }
+    plan.offsets[e] = below;
+    s.first[e] = below;
+    s.count[e] = same;
+  }
+  int row = 0;
+  if (tid < pairs) {
+    for (int j = 0; j < pairs; ++j) {
+      const uint32_t kj = s.key[j];
+      row += (kj < key) | ((kj == key) & (j < tid));
+    }
+    plan.sorted_pairs[row] = tid;
+    plan.pair_rows[tid] = key < (uint32_t)E ? row : -1;
+  }
+  __syncthreads();
+  if (tid < 32) {
+    /* a present expert's first pair leads it; its tile is its rank among the leaders */
+    const bool lead = tid < pairs && key < (uint32_t)E && row == s.first[key];
+    const unsigned leads = __ballot_sync(ML_P_FULL, lead);
+    int t = 0;
+    for (int j = 0; j < 32; ++j) {
+      const uint32_t kj = __shfl_sync(ML_P_FULL, key, j);
+      t += ((leads >> j) & 1u) && kj < key;
+    }
+    if (lead) {
+      const int n = s.count[key];
+      plan.tiles[3 * t] = (int32_t)key;
+      plan.tiles[3 * t + 1] = s.first[key];
+      plan.tiles[3 * t + 2] = n < ML_CUDA_TILE_ROWS ? n : ML_CUDA_TILE_ROWS;
+    }
+    if (tid == 0)
+      *plan.num_tiles = __popc(leads);
+  }
+}
+
 #endif

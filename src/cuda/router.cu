@@ -568,9 +568,12 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
     __syncthreads(); /* every token's winners are in O */
     const int pairs = p.T * p.k, tid = (int)threadIdx.x;
     const int32_t id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
-    ml_plan_block(
-        id, pairs, p.E, p.plan,
-        ml_plan_scratch_at((int *)((char *)L + ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES)));
+    const ml_plan_scratch ps =
+        ml_plan_scratch_at((int *)((char *)L + ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES));
+    if (pairs <= ML_PLAN_SMALL_PAIRS)
+      ml_plan_small(id, pairs, p.E, p.plan, ps);
+    else
+      ml_plan_block(id, pairs, p.E, p.plan, ps);
     ml_r_stamp(p, ML_R_PH_PLANNED);
   }
 }
