@@ -107,11 +107,11 @@ MOELINK_PARAM(ROUTER_PLAN, 1)
  * beside the router (an A/B switch for the benchmarks). */
 MOELINK_PARAM(SHARED_FIRST, 1)
 /* Batches of up to this many tokens of a layer without a shared expert run
- * as one kernel (ml_cuda_moe_small; at most 8; 0: never). Off by default:
- * measured slower than the kernel-per-step pipeline on an H200 (graph
- * replays, docs/PERF.md): mixtral-8x7b T = 1 193-200 us against 185-186,
- * qwen3-30b-a3b 49.9 against 48.0-48.7. */
-MOELINK_PARAM(SMALL_LAYER_TOKENS, 0)
+ * as one kernel (ml_cuda_moe_small; at most 8; 0: never). Measured on an
+ * H200 (graph replays, docs/PERF.md), one kernel / pipeline: qwen3-30b-a3b
+ * T = 1 43.0-43.4 / 46.7-47.4 us, mixtral-8x7b 188.1-188.8 / 190.1-190.2;
+ * at 4 tokens slower. */
+MOELINK_PARAM(SMALL_LAYER_TOKENS, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
   if (!ml_param_CUDA_SYNC_CHECK()) return MOELINK_SUCCESS;

@@ -44,10 +44,12 @@
  * leave. A wait that outlives MLS_WAIT_NS (a bug, never the schedule: every
  * CTA is resident) traps, so the launch fails instead of hanging.
  *
- * Measured on an H200 (docs/PERF.md, "The layer in one kernel"): slower than
- * the pipeline so far (the selection's latency chain, the stream's tail
- * across SMs), so the layer takes it only where MOELINK_SMALL_LAYER_TOKENS
- * asks. */
+ * Measured on an H200 (docs/PERF.md, "The layer in one kernel" and "The
+ * router's plan of a few pairs"): with a ring of 6 stages it beats the
+ * pipeline at one token (qwen3-30b-a3b -8%, mixtral-8x7b -1%); with the
+ * deepest ring shared memory holds (11-13 stages) it was slower, and at 4
+ * tokens it is (the stream's tail across SMs). So the layer takes it for one
+ * token unless MOELINK_SMALL_LAYER_TOKENS says otherwise. */
 #include "core/dtype.cuh"
 #include "core/launch.cuh"
 #include "cuda/cuda.h"
@@ -705,7 +707,10 @@ static __global__ void __launch_bounds__(MLS_THREADS, 1)
 
 /* ---- host ------------------------------------------------------------------------ */
 
-MOELINK_PARAM(SMALL_LAYER_STAGES, 0)
+/* At most this many ring stages (0: as many as shared memory holds). More
+ * requests in flight made the stream slower: 6 measured fastest (4-8 within
+ * 1 us of each other at one token, 11-13 3-4 us slower for qwen3-30b-a3b). */
+MOELINK_PARAM(SMALL_LAYER_STAGES, 6)
 
 typedef struct mls_layout {
   size_t logits, h, y, part_a, part_b, tick_a, tick_b, tick_g, ready, sync;
