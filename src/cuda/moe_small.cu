@@ -129,25 +129,19 @@ static __device__ __forceinline__ uint32_t mls_ld_acquire(const uint32_t *p) {
   return v;
 }
 
-static __device__ __forceinline__ uint64_t mls_now(void) {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-
 /* Measurements: %globaltimer of phase ph of this CTA (args.stamps). */
 static __device__ __forceinline__ void mls_stamp(const mls_params &p, int ph) {
   if (p.stamps != NULL)
-    p.stamps[(size_t)blockIdx.x * ML_CUDA_SMALL_STAMPS + ph] = (int64_t)mls_now();
+    p.stamps[(size_t)blockIdx.x * ML_CUDA_SMALL_STAMPS + ph] = (int64_t)ml_globaltimer();
 }
 
 /* Spins until *p >= want (acquire); traps past MLS_WAIT_NS. */
 static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_t want) {
   if (mls_ld_acquire(p) >= want)
     return;
-  const uint64_t t0 = mls_now();
+  const uint64_t t0 = ml_globaltimer();
   while (mls_ld_acquire(p) < want)
-    if (mls_now() - t0 > MLS_WAIT_NS)
+    if (ml_globaltimer() - t0 > MLS_WAIT_NS)
       __trap();
 }
 
@@ -189,24 +183,10 @@ static __device__ __forceinline__ long long mls_start(int b, long long W, int G)
 
 /* ---- selection ------------------------------------------------------------------ */
 
-static __device__ __forceinline__ float mls_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-static __device__ __forceinline__ float mls_warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
 /* A sum or a max over the CTA's threads, in a fixed order (each warp's tree,
  * then the warps in order). red: MLS_THREADS / 32 floats of shared memory. */
 static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, float *red) {
-  v = is_max ? mls_warp_max(v) : mls_warp_sum(v);
+  v = is_max ? ml_r_warp_max(v) : ml_r_warp_sum(v);
   __syncthreads();
   if ((threadIdx.x & 31) == 0)
     red[threadIdx.x >> 5] = v;
@@ -429,7 +409,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int i = 0; i < 8; ++i)
           acc = fmaf(xv[i], wv[i], acc);
       }
-      acc = mls_warp_sum(acc);
+      acc = ml_r_warp_sum(acc);
       if (lane == 0)
         p.logits[d] = acc;
     }
@@ -709,7 +689,8 @@ static __global__ void __launch_bounds__(MLS_THREADS, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
- * 1 us of each other at one token, 11-13 3-4 us slower for qwen3-30b-a3b). */
+ * 1.5 us of each other at one token, 11-13 3.4-4.5 us slower for
+ * qwen3-30b-a3b). */
 MOELINK_PARAM(SMALL_LAYER_STAGES, 6)
 
 typedef struct mls_layout {

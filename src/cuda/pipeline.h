@@ -218,7 +218,7 @@ enum ml_cuda_small_phase {
   ML_SMALL_PH_CONSUMED,       /* every box used, every sum stored */
   ML_SMALL_PH_COUNT
 };
-#define ML_CUDA_SMALL_STAMPS 16
+#define ML_CUDA_SMALL_STAMPS ML_SMALL_PH_COUNT
 
 /* Whether the kernel takes num_tokens tokens of layer cfg on a device with
  * smem_optin bytes of shared memory a block (at most 8 tokens, and never

@@ -1,12 +1,29 @@
 /* Device pieces of the routing rule (DESIGN.md: top-k with ties toward the
- * lower index, groups scored by their two best) shared by the router kernel
- * (router.cu) and the one-kernel layer of a few tokens (moe_small.cu). CUDA
- * only. */
+ * lower index, groups scored by their two best) and the warp reductions of
+ * its scores, shared by the router kernel (router.cu) and the one-kernel
+ * layer of a few tokens (moe_small.cu). CUDA only. */
 #ifndef MOELINK_CUDA_ROUTE_CUH
 #define MOELINK_CUDA_ROUTE_CUH
 
 #include <math.h>
 #include <stddef.h>
+
+/* The largest v over the warp, in every lane. */
+static __device__ __forceinline__ float ml_r_warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+/* Butterfly sum: both partners add the same two values, so every lane ends
+ * with bitwise the same total, and the tree is fixed: deterministic. */
+static __device__ __forceinline__ float ml_r_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 /* A group's score: the sum of its two best selection scores (its best alone
  * for groups of one), -inf rather than NaN. The scan starts g elements in,

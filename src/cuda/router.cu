@@ -40,6 +40,7 @@
  * after it. */
 #include "core/launch.cuh"
 #include "cuda/cuda.h"
+#include "cuda/gemm/ptx.cuh"
 #include "cuda/plan.cuh"
 #include "cuda/route.cuh"
 
@@ -96,9 +97,7 @@ static __device__ __forceinline__ void ml_r_stamp(const ml_router_params &p, int
   if (p.stamps == NULL || threadIdx.x != 0)
     return;
   int64_t *s = p.stamps + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * ML_CUDA_ROUTER_STAMPS;
-  uint64_t g;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-  s[ph] = (int64_t)g;
+  s[ph] = (int64_t)ml_globaltimer();
   s[ML_R_PH_COUNT + ph] = (int64_t)clock64();
 }
 
@@ -215,20 +214,6 @@ static __device__ __forceinline__ void ml_r_store_acc(float *dst, int E_pad, flo
 }
 
 /* ---- selection --------------------------------------------------------------- */
-
-static __device__ __forceinline__ float ml_r_warp_max(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(ML_FULL, v, o));
-  return v;
-}
-
-/* Butterfly sum: both partners add the same two values, so every lane ends
- * with bitwise the same total, and the tree is fixed: deterministic. */
-static __device__ __forceinline__ float ml_r_warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(ML_FULL, v, o);
-  return v;
-}
 
 /* Order-preserving 32-bit key of a score (no NaN: ml_r_scores turned those
  * into -inf): a > b as floats exactly when key(a) > key(b), -0 and +0 the
@@ -513,9 +498,9 @@ static __host__ __device__ __forceinline__ size_t ml_r_select_bytes(int E_pad) {
          (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int) + (size_t)E_pad * sizeof(float);
 }
 
+/* B, the last E_pad floats of the selection's scratch */
 static __device__ __forceinline__ float *ml_r_bias_smem(float *L, int E_pad) {
-  return (float *)((char *)L + 3 * (size_t)ML_R_TOKENS * (size_t)E_pad * sizeof(float) +
-                   (size_t)ML_R_TOKENS * ML_CUDA_MAX_TOPK * sizeof(int));
+  return (float *)((char *)L + ml_r_select_bytes(E_pad)) - E_pad;
 }
 
 /* The CTA that will select copies the correction bias (if any) into its
@@ -526,10 +511,8 @@ static __device__ __forceinline__ void ml_r_fetch_bias(const ml_router_params &p
   if (p.bias == NULL)
     return;
   float *B = ml_r_bias_smem(L, E_pad);
-  for (int e = (int)threadIdx.x; e < p.E; e += ML_R_THREADS) {
-    const unsigned d = (unsigned)__cvta_generic_to_shared(B + e);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(p.bias + e) : "memory");
-  }
+  for (int e = (int)threadIdx.x; e < p.E; e += ML_R_THREADS)
+    ml_cp_async4(ml_smem_u32(B + e), p.bias + e, 4);
   ml_r_commit();
 }
 

@@ -37,6 +37,14 @@ template <int N> static __device__ __forceinline__ void ml_cp_async_wait(void) {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* The GPU's global nanosecond timer (%globaltimer): measurement stamps and
+ * wait deadlines. */
+static __device__ __forceinline__ uint64_t ml_globaltimer(void) {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 /* Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8. */
 static __device__ __forceinline__ void ml_ldmatrix_x4(uint32_t addr, uint32_t r[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
