@@ -306,6 +306,14 @@ int main(void) {
              1, 20, 36, 0);
   graph_case("deepseek-v3 reduced, 16 tokens", reduced("deepseek-v3", MOELINK_DTYPE_BF16, 16),
              0.0, 16, 20, 37, 0);
+  /* One token of layers without a shared expert: by default the one-kernel
+   * layer (a cooperative launch whose counters every replay must leave at
+   * zero), the kernel-per-step pipeline in the variant
+   * gpu_test_cuda_graph_pipeline (MOELINK_SMALL_LAYER_TOKENS=0). */
+  graph_case("mixtral-8x7b reduced, one token", reduced("mixtral-8x7b", MOELINK_DTYPE_BF16, 16),
+             0.0, 1, 20, 38, 0);
+  graph_case("qwen3-30b-a3b reduced, one token", reduced("qwen3-30b-a3b", MOELINK_DTYPE_F16, 16),
+             0.0, 1, 20, 39, 0);
   /* Every token on experts 0 and 1: long tile lists for two experts. */
   graph_case("mixtral-8x7b reduced, skewed", reduced("mixtral-8x7b", MOELINK_DTYPE_BF16, 4097),
              30.0, 4097, 3, 33, 0);
