@@ -222,16 +222,17 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   log "stream probe"
   nvcc -O3 -arch=sm_90a -o "$BUILD/stream_probe" bench/stream_probe.cu >>"$OUT/build.log" 2>&1 &&
     ./"$BUILD"/stream_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  # bench/NAME.c, a C probe that drives internal launchers: linked with the static library
+  c_probe() {
+    gcc -std=c11 -O2 -Isrc -Iinclude -I"${CUDA_HOME:-/usr/local/cuda}/include" "bench/$1.c" \
+      "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm \
+      -lpthread -ldl -o "$BUILD/$1" >>"$OUT/build.log" 2>&1 &&
+      ./"$BUILD/$1" 2>&1 | tee -a "$OUT/probe.log"
+  }
   log "router probe"
-  gcc -std=c11 -O2 -Isrc -Iinclude -I"${CUDA_HOME:-/usr/local/cuda}/include" bench/router_probe.c \
-    "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm -lpthread \
-    -ldl -o "$BUILD/router_probe" >>"$OUT/build.log" 2>&1 &&
-    ./"$BUILD"/router_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  c_probe router_probe || rc=1
   log "one-kernel layer probe"
-  gcc -std=c11 -O2 -Isrc -Iinclude -I"${CUDA_HOME:-/usr/local/cuda}/include" bench/small_probe.c \
-    "$BUILD/libmoelink.a" -L"${CUDA_HOME:-/usr/local/cuda}/lib64" -lcudart -lstdc++ -lm -lpthread \
-    -ldl -o "$BUILD/small_probe" >>"$OUT/build.log" 2>&1 &&
-    ./"$BUILD"/small_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  c_probe small_probe || rc=1
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
