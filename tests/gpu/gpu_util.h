@@ -445,6 +445,18 @@ GU_FN void gu_describe(char *buf, size_t n, const moelink_moe_config_t *c) {
            c->fp8_experts ? ", fp8 experts" : "", c->fp8_shared ? ", fp8 shared" : "");
 }
 
+/* The softmax router with a correction bias and group-limited selection (64
+ * experts in 8 groups, 3 kept, k 6, scale 1.5): a router case the presets do
+ * not have, which the layer tests share. */
+GU_FN void gu_softmax_groups(moelink_moe_config_t *c) {
+  c->num_experts = 64;
+  c->top_k = 6;
+  c->n_group = 8;
+  c->topk_group = 3;
+  c->correction_bias = 1;
+  c->routed_scaling = 1.5f;
+}
+
 /* ---- a layer's weights on the device ------------------------------------------ */
 
 typedef struct gu_dev_layer {

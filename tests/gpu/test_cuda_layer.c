@@ -268,12 +268,7 @@ static void test_reduced(void) {
   layer_reduced("topk-softmax", &c, 0.0, 600, 0);
   /* Softmax scores with a bias and group-limited selection. */
   c = reduced("mixtral-8x7b", MOELINK_DTYPE_F16);
-  c.num_experts = 64;
-  c.top_k = 6;
-  c.n_group = 8;
-  c.topk_group = 3;
-  c.correction_bias = 1;
-  c.routed_scaling = 1.5f;
+  gu_softmax_groups(&c);
   layer_reduced("softmax-groups", &c, 0.0, 601, 0);
   /* Skewed routing: a zipf-like load over 128 experts. */
   c = reduced("qwen3-30b-a3b", MOELINK_DTYPE_BF16);

@@ -175,12 +175,7 @@ static void test_layers(void) {
   layer("topk-softmax", &c, 903);
   /* softmax scores with a bias and group-limited selection */
   c = base("mixtral-8x7b", 256, 128, MOELINK_DTYPE_BF16);
-  c.num_experts = 64;
-  c.top_k = 6;
-  c.n_group = 8;
-  c.topk_group = 3;
-  c.correction_bias = 1;
-  c.routed_scaling = 1.5f;
+  gu_softmax_groups(&c);
   layer("softmax-groups", &c, 904);
   /* DeepSeek's router (sigmoid, bias, 8 groups keep 4, scale 2.5) without
    * its shared expert */
