@@ -6,7 +6,8 @@
  * (%globaltimer), medians over the runs. Not a library tool: it drives an
  * internal launcher, so it links the static library.
  *   scripts/gpu-check.sh probe          (builds and runs it)
- *   small_probe [preset ...] [--tokens N]  */
+ *   small_probe [preset ...] [--tokens N] [--fp8]   (--fp8: FP8 experts, e4m3
+ *   weights of random bytes with block scales) */
 #include "cuda/pipeline.h"
 
 #include <cuda_runtime_api.h>
@@ -34,6 +35,7 @@
 
 /* SMALL_PROBE_FLUSH=0: no flush (the weights and the kernel's code may stay in L2) */
 static int g_flush = 1;
+static int g_fp8 = 0;
 
 static int cmp_d(const void *a, const void *b) {
   const double x = *(const double *)a, y = *(const double *)b;
@@ -57,6 +59,7 @@ static void probe(const char *preset, int T, int sms) {
   c.shared_gate = 0;
   c.max_tokens = 8;
   c.dtype = MOELINK_DTYPE_BF16;
+  c.fp8_experts = g_fp8;
   int dev = 0, optin = 0;
   TRY(cudaGetDevice(&dev));
   TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
@@ -65,20 +68,29 @@ static void probe(const char *preset, int T, int sms) {
     return;
   }
   const size_t H = (size_t)c.hidden, I = (size_t)c.inter, E = (size_t)c.num_experts;
+  const size_t wb = g_fp8 ? 1 : 2; /* bytes an expert weight */
   void *x, *wr, *gu, *dn, *out, *scratch, *flush;
-  float *bias = NULL;
+  float *bias = NULL, *gus = NULL, *dns = NULL;
   int64_t *st;
   TRY(cudaMalloc(&x, (size_t)T * H * 2));
   TRY(cudaMalloc(&wr, E * H * 2));
-  TRY(cudaMalloc(&gu, E * 2 * I * H * 2));
-  TRY(cudaMalloc(&dn, E * H * I * 2));
+  TRY(cudaMalloc(&gu, E * 2 * I * H * wb));
+  TRY(cudaMalloc(&dn, E * H * I * wb));
   TRY(cudaMalloc(&out, (size_t)T * H * 2));
   if (c.correction_bias)
     TRY(cudaMalloc((void **)&bias, E * 4));
   MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, x, (size_t)T * H, 1, 1.0f, 0.0f, sms, NULL));
   MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, wr, E * H, 2, 0.02f, 0.0f, sms, NULL));
-  MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, gu, E * 2 * I * H, 3, 0.02f, 0.0f, sms, NULL));
-  MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, dn, E * H * I, 4, 0.02f, 0.0f, sms, NULL));
+  /* (FP8: random bytes, NaN codes included: the time does not depend on them) */
+  MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, gu, E * 2 * I * H * wb / 2, 3, 0.02f, 0.0f, sms, NULL));
+  MTRY(ml_cuda_fill(MOELINK_DTYPE_BF16, dn, E * H * I * wb / 2, 4, 0.02f, 0.0f, sms, NULL));
+  if (g_fp8) {
+    const size_t ng = E * (2 * I / 128) * (H / 128), nd = E * (H / 128) * (I / 128);
+    TRY(cudaMalloc((void **)&gus, ng * 4));
+    TRY(cudaMalloc((void **)&dns, nd * 4));
+    MTRY(ml_cuda_fill(MOELINK_DTYPE_F32, gus, ng, 6, 0.001f, 0.002f, sms, NULL));
+    MTRY(ml_cuda_fill(MOELINK_DTYPE_F32, dns, nd, 7, 0.001f, 0.002f, sms, NULL));
+  }
   if (bias)
     MTRY(ml_cuda_fill(MOELINK_DTYPE_F32, bias, E, 5, 0.01f, 0.0f, sms, NULL));
   size_t zero = 0;
@@ -98,6 +110,8 @@ static void probe(const char *preset, int T, int sms) {
   a.bias = bias;
   a.gate_up = gu;
   a.down = dn;
+  a.gate_up_scale = gus;
+  a.down_scale = dns;
   a.out = out;
   a.scratch = scratch;
   a.scratch_bytes = sb;
@@ -150,11 +164,11 @@ static void probe(const char *preset, int T, int sms) {
       ph[q][2][i] = v[n - 1];
     }
   }
-  const double weights = (double)T * c.top_k * 3.0 * (double)H * (double)I * 2.0;
+  const double weights = (double)T * c.top_k * 3.0 * (double)H * (double)I * (double)wb;
   const double t = median(ms, RUNS) * 1e3;
-  printf("%s T %d (H %zu I %zu E %zu k %d): %.1f us a launch (%s), expert weights "
+  printf("%s%s T %d (H %zu I %zu E %zu k %d): %.1f us a launch (%s), expert weights "
          "%.1f MB (at most), %.2f TB/s\n",
-         preset, T, H, I, E, c.top_k, t, g_flush ? "memset flush" : "no flush", weights * 1e-6,
+         preset, g_fp8 ? " fp8" : "", T, H, I, E, c.top_k, t, g_flush ? "memset flush" : "no flush", weights * 1e-6,
          weights / t * 1e-6);
   printf("  %-16s %9s %9s %9s   (us after the first CTA began; medians of %d runs)\n", "phase",
          "first", "median", "last", RUNS);
@@ -168,6 +182,8 @@ static void probe(const char *preset, int T, int sms) {
   cudaFree(dn);
   cudaFree(out);
   cudaFree(bias);
+  cudaFree(gus);
+  cudaFree(dns);
   cudaFree(scratch);
   cudaFree(flush);
   cudaFree(st);
@@ -183,6 +199,8 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc; ++i) {
     if (strcmp(argv[i], "--tokens") == 0 && i + 1 < argc)
       T = atoi(argv[++i]);
+    else if (strcmp(argv[i], "--fp8") == 0)
+      g_fp8 = 1;
     else if (np < 16)
       presets[np++] = argv[i];
   }

@@ -233,6 +233,8 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   c_probe router_probe || rc=1
   log "one-kernel layer probe"
   c_probe small_probe || rc=1
+  log "one-kernel layer probe, FP8 experts"
+  ./"$BUILD"/small_probe --fp8 2>&1 | tee -a "$OUT/probe.log" || rc=1
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1

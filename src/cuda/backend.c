@@ -733,6 +733,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     a.bias = w->correction_bias;
     a.gate_up = w->gate_up;
     a.down = w->down;
+    a.gate_up_scale = w->gate_up_scale;
+    a.down_scale = w->down_scale;
     a.out = out;
     a.scratch = m->small;
     a.scratch_bytes = m->lay.small_bytes;

@@ -24,6 +24,15 @@
  *   combine  finished output rows are weighted, rounded like the pipeline's
  *            y rows, and summed over the token's k experts in order.
  *
+ * FP8 experts (cfg.fp8_experts, e4m3 weights with a scale per 128 x 128
+ * block): a box is 128 rows x 128 k, exactly one block of the scale grid
+ * (a gate/up box's two halves: one gate and one up block). The consumers
+ * quantize the k range of the token row (or of the fp32 SwiGLU row) they
+ * need into shared memory as moelink_quantize's FP8 does, e4m3 bytes and a
+ * scale per 128, and multiply with wgmma m64n8k32 (sm_90 has no 8-bit
+ * mma.sync): the box as A, the vector as B (mls_vec_desc), each box's sums
+ * promoted in fp32 times its weight scale and the vector's.
+ *
  * Work is shared out stream-K: the units of a phase (gate/up: a pair's 64
  * output columns, whose 64 gate and 64 up rows make one box; down: a pair's
  * 128 output rows) are cut into k steps of 64, and CTA b takes the steps
@@ -53,9 +62,11 @@
 #include "core/dtype.cuh"
 #include "core/launch.cuh"
 #include "cuda/cuda.h"
+#include "cuda/gemm/decode.cuh"
 #include "cuda/gemm/ptx.cuh"
 #include "cuda/gemm/sm90.cuh"
 #include "cuda/pipeline.h"
+#include "cuda/quant.cuh"
 #include "cuda/route.cuh"
 
 #include <limits.h>
@@ -65,15 +76,19 @@
 
 #define MLS_CONSUMERS 4                        /* warps that multiply */
 #define MLS_THREADS ((MLS_CONSUMERS + 1) * 32) /* and one that loads */
-#define MLS_BK 64                              /* k a box */
+#define MLS_BK 64                              /* k a box (16-bit weights) */
+#define MLS_BK8 128                            /* k a box (e4m3 weights): one scale block */
 #define MLS_ROWS 128                           /* weight rows a box */
-#define MLS_BOX (MLS_ROWS * MLS_BK * 2)        /* bytes a box: 16 KiB */
+#define MLS_BOX (MLS_ROWS * MLS_BK * 2)        /* bytes a box: 16 KiB (both kinds) */
 #define MLS_COLS_A 64                          /* output columns of a gate/up unit */
 #define MLS_MIN_STAGES 4
 #define MLS_SEL_FLOATS 1560       /* a warp's selection scratch (in the ring) */
 #define MLS_WAIT_NS 4000000000ull /* 4 s */
 #define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
+#define MLS_VEC_PAD 128           /* e4m3 vector: bytes the wgmma operand reads past its end */
+
+static_assert(MLS_BK8 == ML_FP8_BLOCK, "an e4m3 box is one k block of the scale grid");
 
 static_assert(MLS_THREADS / 32 * MLS_SEL_FLOATS * 4 <= MLS_MIN_STAGES * MLS_BOX,
               "the selection scratch fits the ring");
@@ -86,7 +101,8 @@ typedef struct mls_params {
   const float *bias;                                 /* [E] or NULL */
   void *out;                                         /* [T, H] */
   float *logits;                                     /* [T, E] */
-  char *h;                                           /* [P, I] SwiGLU rows (dtype) */
+  const float *gs, *ds; /* FP8: the weights' block scales (ml_moe_weights' layout) */
+  char *h;              /* [P, I] SwiGLU rows (dtype; FP8: fp32, quantized by their readers) */
   char *y;                                           /* [P, H] weighted expert outputs (dtype) */
   float *part_a, *part_b;                            /* [units][maxp][128] partial sums */
   uint32_t *tick_a, *tick_b, *tick_g, *ready, *sync; /* zero between launches */
@@ -100,6 +116,8 @@ typedef struct mls_params {
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
+  int vec_elems;            /* the vector region's elements (FP8: its e4m3 bytes, then
+                               MLS_VEC_PAD, then a scale per 128) */
 } mls_params;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -347,6 +365,45 @@ static __device__ __forceinline__ void mls_box(uint32_t slot, const uint32_t *ve
   }
 }
 
+/* wgmma's descriptor of the e4m3 vector at addr as the B operand of N = 8
+ * rows, K-major, no swizzle: core matrices of 8 rows x 16 bytes with rows 16
+ * bytes apart and the second 16 bytes of k 16 bytes on (LBO 16). Row 0 is the
+ * vector's 32 bytes of the k32 step; rows 1-7 overlap the bytes after them,
+ * products that land in the accumulator's columns 1-7, which nobody reads. */
+static __device__ __forceinline__ uint64_t mls_vec_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(16 >> 4) << 16) |
+         ((uint64_t)(128 >> 4) << 32);
+}
+
+/* One e4m3 box (128 rows x 128 k at slot, 128-byte swizzle, as TMA stored
+ * it) times the vector's k block at vq (128 bytes in shared memory, scale
+ * sx), wgmma m64n8k32 for the warpgroup's two 64-row halves, promoted in
+ * fp32 as the FP8 GEMMs do: acc[h] += block sum x (sw[h] x sx). The
+ * accumulator of half h sits where mls_box's fragment h would for rows
+ * 64 h + 16 warp + lane / 4 (+ 8): column 0 in lanes 4j, values 0 and 2. */
+static __device__ __forceinline__ void mls_box8(uint32_t slot, uint32_t vq, float sx,
+                                                const float sw[2], float acc[2][4]) {
+  float blk[2][4];
+  ml_wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < MLS_BK8 / 32; ++kk)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      mld_wgmma_e4m3<8>(blk[h], ml_wgmma_desc(slot + (uint32_t)(h * 64 * 128)) + (uint64_t)(2 * kk),
+                        mls_vec_desc(vq + (uint32_t)(32 * kk)), kk);
+  ml_wgmma_commit();
+  ml_wgmma_wait<0>();
+  ml_acc_fence<4>(blk[0]);
+  ml_acc_fence<4>(blk[1]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float f = sw[h] * sx;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[h][e] = fmaf(blk[h][e], f, acc[h][e]);
+  }
+}
+
 static __device__ __forceinline__ float mls_silu_mul(float g, float u) {
   return g / (1.0f + __expf(-g)) * u;
 }
@@ -361,7 +418,7 @@ template <int DT> static __device__ __forceinline__ uint16_t mls_round(float f) 
 
 /* ---- the kernel ------------------------------------------------------------------ */
 
-template <int DT>
+template <int DT, int FP8>
 static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
                                                 const CUtensorMap *map_d_p, const mls_params &p) {
   const CUtensorMap &map_gu = *map_gu_p, &map_d = *map_d_p;
@@ -376,7 +433,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   char *ring_p = mls_smem + (ring - raw);
   const int S = p.stages;
   const uint32_t full = ring + (uint32_t)(S * MLS_BOX), empty = full + 8u * (uint32_t)S;
-  uint16_t *vec = (uint16_t *)(ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S);
+  constexpr int BK = FP8 ? MLS_BK8 : MLS_BK;
+  char *vec_p = ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S;
+  uint16_t *vec = (uint16_t *)vec_p;                                       /* 16-bit vector */
+  float *vsc = (float *)(vec_p + (size_t)p.vec_elems + MLS_VEC_PAD);     /* FP8: its scales */
 
   if (tid == MLS_CONSUMERS * 32) {
     /* the boxes' descriptors on their way while the router works */
@@ -464,7 +524,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         ml_mbar_arrive_tx(bar, MLS_BOX);
         if (i < na) {
           const int pair = u / p.ncb, cb = u - pair * p.ncb;
-          mls_tma_4d(dst, &map_gu, bar, kk * MLS_BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
+          mls_tma_4d(dst, &map_gu, bar, kk * BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
           if (++kk == p.ks_a) {
             kk = 0;
             ++u;
@@ -475,7 +535,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           }
         } else {
           const int pair = u / p.nob, ob = u - pair * p.nob;
-          mls_tma_4d(dst, &map_d, bar, kk * MLS_BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
+          mls_tma_4d(dst, &map_d, bar, kk * BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
           if (++kk == p.ks_b) {
             kk = 0;
             ++u;
@@ -519,7 +579,33 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       }
       if (!pa)
         mls_consumers_sync();
-      {
+      if (FP8) {
+        /* k blocks kk0 .. kk1 - 1 of the token row (dtype) or the SwiGLU row
+         * (fp32, stored by other CTAs in this launch) quantized as
+         * moelink_quantize's FP8: e4m3 bytes and a scale a block, two blocks
+         * a warp at a time, 8 values a lane */
+        const char *src = pa ? p.x + (size_t)(pair / p.k) * p.H * 2
+                             : p.h + (size_t)pair * p.I * sizeof(float);
+#pragma unroll 1
+        for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
+          const int live = j + (lane >> 4) < kk1 - kk0;
+          const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
+          float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+          if (live && pa) {
+            ml_dt_unpack16<DT>(__ldg((const uint4 *)(src + (size_t)col * 2)), f);
+          } else if (live) {
+            const float4 lo = __ldcg((const float4 *)(src + (size_t)col * 4));
+            const float4 hi = __ldcg((const float4 *)(src + (size_t)col * 4) + 1);
+            f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+            f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+          }
+          const uint2 q = ml_q_quantize8<MOELINK_QUANT_FP8>(f, col, live, vsc, lane);
+          if (live)
+            *(uint2 *)(vec_p + col) = q;
+        }
+        /* the vector's generic writes before wgmma's async-proxy reads */
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      } else {
         const uint4 *src = pa ? (const uint4 *)(p.x + (size_t)(pair / p.k) * p.H * 2)
                               : (const uint4 *)(p.h + (size_t)pair * p.I * 2);
         const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
@@ -534,7 +620,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       mls_consumers_sync();
 
       int row0[2];
-      if (pa) {
+      if (FP8) {
+        row0[0] = warp * 16; /* wgmma's halves: gate, then up rows in a gate/up box */
+        row0[1] = 64 + warp * 16;
+      } else if (pa) {
         row0[0] = warp * 16;      /* gate rows of the warp's 16 columns */
         row0[1] = 64 + warp * 16; /* up rows of the same columns */
       } else {
@@ -548,7 +637,24 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           mls_stamp(p, ML_SMALL_PH_FIRST_BOX);
         if (tid == 0 && i == na)
           mls_stamp(p, ML_SMALL_PH_FIRST_DOWN_BOX);
-        mls_box<DT>(ring + (uint32_t)(s * MLS_BOX), vec32, kk * MLS_BK, row0, acc);
+        if (FP8) {
+          /* the box's weight scales: a gate/up box's two halves sit in two
+           * 128-row blocks (gate, up), a down box in one */
+          float sw[2];
+          const int e = s_ids[pair];
+          if (pa) {
+            const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
+            sw[0] = __ldg(p.gs + rb * (size_t)p.ks_a + (size_t)kk);
+            sw[1] = __ldg(p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a + (size_t)kk);
+          } else {
+            sw[0] = sw[1] =
+                __ldg(p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b + (size_t)kk);
+          }
+          mls_box8(ring + (uint32_t)(s * MLS_BOX), ml_smem_u32(vec_p) + (uint32_t)(kk * MLS_BK8),
+                   vsc[kk], sw, acc);
+        } else {
+          mls_box<DT>(ring + (uint32_t)(s * MLS_BOX), vec32, kk * MLS_BK, row0, acc);
+        }
         __syncwarp();
         if (lane == 0)
           ml_mbar_arrive(empty + 8u * (uint32_t)s);
@@ -611,14 +717,17 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       }
       if (mine) {
         if (pa) {
-          /* h = silu(gate) * up, rounded to the dtype as the pipeline stores it */
-          uint16_t *h = (uint16_t *)p.h + (size_t)pair * p.I;
+          /* h = silu(gate) * up, rounded to the dtype as the pipeline stores
+           * it (FP8: kept in fp32 until its readers quantize it) */
           if (holder)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int col = blk * MLS_COLS_A + trow[0][hh];
-              if (col < p.I)
-                h[col] = mls_round<DT>(mls_silu_mul(v[0][hh], v[1][hh]));
+              const float hv = mls_silu_mul(v[0][hh], v[1][hh]);
+              if (col < p.I && FP8)
+                ((float *)p.h)[(size_t)pair * p.I + col] = hv;
+              else if (col < p.I)
+                ((uint16_t *)p.h)[(size_t)pair * p.I + col] = mls_round<DT>(hv);
             }
           mls_consumers_sync();
           if (tid == 0) {
@@ -673,12 +782,12 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 }
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
 
-template <int DT>
+template <int DT, int FP8>
 static __global__ void __launch_bounds__(MLS_THREADS, 1)
     mls_kernel(const __grid_constant__ CUtensorMap map_gu,
                const __grid_constant__ CUtensorMap map_d, const mls_params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  mls_body<DT>(&map_gu, &map_d, p);
+  mls_body<DT, FP8>(&map_gu, &map_d, p);
 #else
   /* the host launches it on compute capability 9.0 only */
   __trap();
@@ -721,13 +830,16 @@ typedef struct mls_shape {
   long long w_a, w_b;
 } mls_shape;
 
+/* k a box: 64 bf16/f16 values or 128 e4m3 ones (128 bytes either way) */
+static int mls_bk(const moelink_moe_config_t *c) { return c->fp8_experts ? MLS_BK8 : MLS_BK; }
+
 static mls_shape mls_shape_of(const moelink_moe_config_t *c, int T) {
   mls_shape s;
   s.P = T * c->top_k;
   s.ncb = (int)mls_div_up(c->inter, MLS_COLS_A);
   s.nob = (int)mls_div_up(c->hidden, MLS_ROWS);
-  s.ks_a = (int)mls_div_up(c->hidden, MLS_BK);
-  s.ks_b = (int)mls_div_up(c->inter, MLS_BK);
+  s.ks_a = (int)mls_div_up(c->hidden, mls_bk(c));
+  s.ks_b = (int)mls_div_up(c->inter, mls_bk(c));
   s.w_a = (long long)s.P * s.ncb * s.ks_a;
   s.w_b = (long long)s.P * s.nob * s.ks_b;
   return s;
@@ -760,26 +872,29 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   L->sync = mls_take(&cur, 2 * 4);
   L->zero_bytes = (cur + 255) & ~(size_t)255;
   L->logits = mls_take(&cur, (size_t)Tm * c->num_experts * 4);
-  L->h = mls_take(&cur, (size_t)m.P * c->inter * 2);
+  L->h = mls_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
   L->y = mls_take(&cur, (size_t)m.P * c->hidden * 2);
   L->part_a = mls_take(&cur, L->part_a_floats * 4);
   L->part_b = mls_take(&cur, L->part_b_floats * 4);
   L->total = (cur + 255) & ~(size_t)255;
 }
 
-/* Shared memory a launch asks for: the ring, its barriers, the vector. */
-static size_t mls_smem_bytes(int stages, int vec_elems) {
-  return 1024 + (size_t)stages * (MLS_BOX + 16) + (size_t)vec_elems * 2;
-}
-
 static int mls_vec_elems(const moelink_moe_config_t *c) {
   const int m = c->hidden > c->inter ? c->hidden : c->inter;
-  return (int)mls_div_up(m, MLS_BK) * MLS_BK;
+  return (int)mls_div_up(m, mls_bk(c)) * mls_bk(c);
+}
+
+/* Shared memory a launch asks for: the ring, its barriers, the vector (FP8:
+ * its e4m3 bytes, the bytes wgmma reads past them, its scales). */
+static size_t mls_smem_bytes(const moelink_moe_config_t *c, int stages) {
+  const size_t v = (size_t)mls_vec_elems(c);
+  const size_t vec = c->fp8_experts ? v + MLS_VEC_PAD + v / MLS_BK8 * sizeof(float) : v * 2;
+  return 1024 + (size_t)stages * (MLS_BOX + 16) + vec;
 }
 
 /* Ring stages for the device's shared memory (0: not even the least). */
 static int mls_stages(const moelink_moe_config_t *c, int smem_optin) {
-  const size_t fixed = mls_smem_bytes(0, mls_vec_elems(c)) + MLS_STATIC_SMEM;
+  const size_t fixed = mls_smem_bytes(c, 0) + MLS_STATIC_SMEM;
   if ((size_t)smem_optin <= fixed)
     return 0;
   int s = (int)(((size_t)smem_optin - fixed) / (MLS_BOX + 16));
@@ -795,7 +910,10 @@ extern "C" int ml_cuda_moe_small_fits(const moelink_moe_config_t *c, int num_tok
     return 0;
   if (c->dtype != MOELINK_DTYPE_BF16 && c->dtype != MOELINK_DTYPE_F16)
     return 0;
-  if (c->fp8_experts || c->fp8_shared || c->shared_inter > 0)
+  if (c->fp8_shared || c->shared_inter > 0)
+    return 0;
+  /* FP8: the scale grid's 128 x 128 blocks are the boxes' */
+  if (c->fp8_experts && (c->hidden % MLS_BK8 || c->inter % MLS_BK8))
     return 0;
   if (c->num_experts > ML_CUDA_MAX_EXPERTS || c->top_k > ML_CUDA_MAX_TOPK)
     return 0;
@@ -819,18 +937,18 @@ extern "C" size_t ml_cuda_moe_small_scratch(const moelink_moe_config_t *c, int s
 
 /* One-time function attributes per device (a race sets them twice: harmless). */
 #define MLS_MAX_DEVICES 64
-static unsigned char mls_ready[MLS_MAX_DEVICES][2];
+static unsigned char mls_ready[MLS_MAX_DEVICES][4];
 
-template <int DT> static moelink_status_t mls_prepare(void) {
+template <int DT, int FP8> static moelink_status_t mls_prepare(void) {
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
-  const int w = DT == MOELINK_DTYPE_BF16 ? 0 : 1;
+  const int w = (DT == MOELINK_DTYPE_BF16 ? 0 : 1) + 2 * FP8;
   const int cached = dev >= 0 && dev < MLS_MAX_DEVICES;
   if (cached && __atomic_load_n(&mls_ready[dev][w], __ATOMIC_ACQUIRE))
     return MOELINK_SUCCESS;
   int optin = 0;
   ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)mls_kernel<DT>,
+  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)mls_kernel<DT, FP8>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    optin - MLS_STATIC_SMEM));
   if (cached)
@@ -838,10 +956,12 @@ template <int DT> static moelink_status_t mls_prepare(void) {
   return MOELINK_SUCCESS;
 }
 
-template <int DT>
+template <int DT, int FP8>
 static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, const mls_params *p,
                                    int ctas, size_t smem, cudaStream_t st) {
-  ML_TRY(mls_prepare<DT>());
+  const moelink_status_t ps = mls_prepare<DT, FP8>();
+  if (ps != MOELINK_SUCCESS)
+    return ps;
   /* (a grid that cannot be resident at once fails the cooperative launch) */
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attrs[2];
@@ -852,7 +972,7 @@ static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, 
   attrs[cfg.numAttrs].val.cooperative = 1;
   cfg.numAttrs += 1;
   void *args[] = {(void *)gu, (void *)d, (void *)p};
-  const cudaError_t e = cudaLaunchKernelExC(&cfg, (const void *)mls_kernel<DT>, args);
+  const cudaError_t e = cudaLaunchKernelExC(&cfg, (const void *)mls_kernel<DT, FP8>, args);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     return ml_fail(MOELINK_ERR_CUDA,
@@ -883,7 +1003,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
                    "(ml_cuda_moe_small_fits)",
                    T);
   if (a->x == NULL || a->router == NULL || a->gate_up == NULL || a->down == NULL ||
-      a->out == NULL || a->scratch == NULL || (c->correction_bias && a->bias == NULL))
+      a->out == NULL || a->scratch == NULL || (c->correction_bias && a->bias == NULL) ||
+      (c->fp8_experts && (a->gate_up_scale == NULL || a->down_scale == NULL)))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "small-batch layer kernel: a NULL operand");
   if (mls_misaligned(a->x) || mls_misaligned(a->router) || mls_misaligned(a->gate_up) ||
       mls_misaligned(a->down) || mls_misaligned(a->out) || mls_misaligned(a->scratch))
@@ -904,6 +1025,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   p.x = (const char *)a->x;
   p.wr = (const char *)a->router;
   p.bias = c->correction_bias ? a->bias : NULL;
+  p.gs = c->fp8_experts ? a->gate_up_scale : NULL;
+  p.ds = c->fp8_experts ? a->down_scale : NULL;
   p.out = a->out;
   p.logits = (float *)(base + L.logits);
   p.h = base + L.h;
@@ -943,13 +1066,19 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
       (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
     return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");
   p.stages = mls_stages(c, optin);
-  const size_t smem = mls_smem_bytes(p.stages, mls_vec_elems(c));
+  p.vec_elems = mls_vec_elems(c);
+  const size_t smem = mls_smem_bytes(c, p.stages);
+  /* (the maps' F32 stands for e4m3 bytes: boxes of 128 k) */
+  const moelink_dtype_t wdt = c->fp8_experts ? MOELINK_DTYPE_F32 : c->dtype;
   CUtensorMap gu, d;
-  ML_TRY(ml_sm90_map_b_box(&gu, c->dtype, a->gate_up, c->hidden, c->inter, 2, c->num_experts,
+  ML_TRY(ml_sm90_map_b_box(&gu, wdt, a->gate_up, c->hidden, c->inter, 2, c->num_experts,
                            MLS_COLS_A, 2, "small-batch layer kernel (gate/up)"));
-  ML_TRY(ml_sm90_map_b_box(&d, c->dtype, a->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS,
-                           1, "small-batch layer kernel (down)"));
-  if (c->dtype == MOELINK_DTYPE_BF16)
-    return mls_launch<MOELINK_DTYPE_BF16>(&gu, &d, &p, ctas, smem, st);
-  return mls_launch<MOELINK_DTYPE_F16>(&gu, &d, &p, ctas, smem, st);
+  ML_TRY(ml_sm90_map_b_box(&d, wdt, a->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS, 1,
+                           "small-batch layer kernel (down)"));
+  const int bf = c->dtype == MOELINK_DTYPE_BF16;
+  if (c->fp8_experts)
+    return bf ? mls_launch<MOELINK_DTYPE_BF16, 1>(&gu, &d, &p, ctas, smem, st)
+              : mls_launch<MOELINK_DTYPE_F16, 1>(&gu, &d, &p, ctas, smem, st);
+  return bf ? mls_launch<MOELINK_DTYPE_BF16, 0>(&gu, &d, &p, ctas, smem, st)
+            : mls_launch<MOELINK_DTYPE_F16, 0>(&gu, &d, &p, ctas, smem, st);
 }

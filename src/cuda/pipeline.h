@@ -172,12 +172,15 @@ moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y, const int32_
 
 /* ---- the layer of a few tokens in one kernel (moe_small.cu) --------------------
  * moelink_moe_forward's output for num_tokens tokens of a layer with routed
- * experts only (no shared expert), bf16 or f16 throughout: the router's
+ * experts only (no shared expert), bf16 or f16 (the experts' weights in the
+ * dtype or, with cfg->fp8_experts, e4m3 with block scales): the router's
  * logits, the selection (as the CPU backend's, every CTA for itself), both
  * expert GEMMs and the combine in one persistent kernel of one CTA an SM
  * (a cooperative launch: every CTA resident). Its rounding points are the
  * pipeline's: h and the weighted y rows in the dtype, the k rows summed in
- * fp32 in order. Deterministic. */
+ * fp32 in order; FP8: each expert's inputs (the token row, the fp32 SwiGLU
+ * row) quantized per 128 elements as moelink_quantize's FP8, each 128 x 128
+ * block's products promoted in fp32. Deterministic. */
 typedef struct ml_cuda_moe_small_args {
   const moelink_moe_config_t *cfg;
   const void *x; /* [num_tokens, H], 16-byte aligned (as every pointer here) */
@@ -186,6 +189,8 @@ typedef struct ml_cuda_moe_small_args {
   const float *bias;   /* [E] where cfg->correction_bias */
   const void *gate_up; /* [E, 2I, H] */
   const void *down;    /* [E, H, I] */
+  const float *gate_up_scale; /* cfg->fp8_experts: [E, 2I/128, H/128] */
+  const float *down_scale;    /* cfg->fp8_experts: [E, H/128, I/128] */
   void *out;           /* [num_tokens, H] */
   void *scratch;       /* ml_cuda_moe_small_scratch bytes; its first zero_bytes zero
                           before the first launch, and every launch leaves them zero */

@@ -29,6 +29,10 @@
  * may be somewhat worse than the whole batch. */
 #define GU_TOL 1e-2
 #define GU_TOL_ROW 3e-2
+/* FP8 experts: a token, and a batch of fewer than ~100 (a changed e4m3 code
+ * of a large element moves one token by a few percent: test_cuda_layer.c
+ * says how this was measured) */
+#define GU_FP8_TOL_ROW 8e-2
 
 GU_FN void gu_bail(const char *why) {
   printf("Bail out! %s\n", why);

@@ -45,11 +45,10 @@ typedef struct layer_tol {
  * Poisson handful of changed codes, and a changed code of a large element
  * moves that token by a few percent: 0.2..3% of the tokens (3e-4: 1.4..9%)
  * were past 1e-2, the worst of 4097 at 1.3e-2..4.0e-2 (4.3e-2). Hence for
- * fp8: GU_TOL over batches of FP8_MIN_AGG tokens or more, FP8_TOL_ROW for a
+ * fp8: GU_TOL over batches of FP8_MIN_AGG tokens or more, GU_FP8_TOL_ROW for a
  * token and for smaller batches. A layer that skipped quantizing h would be
  * off by 1.5e-2..2.3e-2 over a batch, one that skipped quantizing the token
  * rows by 3e-2..5e-2. The bf16/f16 layers keep GU_TOL / GU_TOL_ROW. */
-#define FP8_TOL_ROW 8e-2
 #define FP8_MIN_AGG 100
 /* fp8_ref_check compares at most this many tokens of a batch (evenly spaced). */
 #define FP8_REF_TOKENS 256
@@ -57,8 +56,8 @@ typedef struct layer_tol {
 static layer_tol layer_tol_for(const moelink_moe_config_t *c, int tokens) {
   layer_tol t = {GU_TOL, GU_TOL_ROW};
   if (c->fp8_experts || c->fp8_shared) {
-    t.all = tokens >= FP8_MIN_AGG ? GU_TOL : FP8_TOL_ROW;
-    t.row = FP8_TOL_ROW;
+    t.all = tokens >= FP8_MIN_AGG ? GU_TOL : GU_FP8_TOL_ROW;
+    t.row = GU_FP8_TOL_ROW;
   }
   return t;
 }
@@ -66,7 +65,7 @@ static layer_tol layer_tol_for(const moelink_moe_config_t *c, int tokens) {
 /* The GPU's output go [T, H] against the double reference (ref_forward_token,
  * the layer's FP8 definition) on evenly spaced tokens, the first and the last
  * among them, near ties left out: the aggregate within layer_tol_for's batch
- * bound for the number compared, every token within FP8_TOL_ROW. The CPU's
+ * bound for the number compared, every token within GU_FP8_TOL_ROW. The CPU's
  * distance (co) is printed beside it. */
 static void fp8_ref_check(const char *what, const ref_layer *L, const void *hx, int T,
                           const void *go, const void *co, const unsigned char *tie) {

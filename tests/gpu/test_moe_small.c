@@ -3,7 +3,9 @@
  *  - every router family (softmax with and without renormalization,
  *    top-k-then-softmax, sigmoid with bias and groups, softmax with groups),
  *    E from 8 to 512, k from 1 to 16, shapes that are not multiples of the
- *    kernel's 64 / 128 blocks, bf16 and f16;
+ *    kernel's 64 / 128 blocks, bf16 and f16; FP8 experts (e4m3 weights with
+ *    block scales, the inputs quantized per 128) on bf16 and f16 layers,
+ *    within the FP8 tolerance of one token;
  *  - T in {1, 2, 3, 8}, on every SM and on 1, 3 and 7 CTAs (units cut across
  *    CTAs in other places, partial sums through other tickets);
  *  - the kernel's own choice of experts and weights (CTA 0's) against the
@@ -12,8 +14,8 @@
  *    out of the output comparison;
  *  - beside the GPU pipeline's forward of the same tokens (T > 1, which the
  *    layer does not send to the kernel by default);
- *  - what it refuses: too many tokens, a shared expert, NULL and misaligned
- *    operands. */
+ *  - what it refuses: too many tokens, a shared expert, FP8 shapes off the
+ *    128-blocks, NULL (FP8: missing scales) and misaligned operands. */
 #include "cuda/pipeline.h"
 #include "gpu_util.h"
 
@@ -56,6 +58,8 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   a.bias = D->w.correction_bias;
   a.gate_up = D->w.gate_up;
   a.down = D->w.down;
+  a.gate_up_scale = D->w.gate_up_scale;
+  a.down_scale = D->w.down_scale;
   a.out = dout;
   a.scratch = scratch;
   a.scratch_bytes = sb;
@@ -89,7 +93,10 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
 
   CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
   gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
-  gu_check_err_tol(what, e, dt, go, co, H, GU_TOL, GU_TOL_ROW);
+  /* FP8: a few tokens, each within one token's FP8 bound */
+  const double tol = cfg->fp8_experts ? GU_FP8_TOL_ROW : GU_TOL;
+  const double tol_row = cfg->fp8_experts ? GU_FP8_TOL_ROW : GU_TOL_ROW;
+  gu_check_err_tol(what, e, dt, go, co, H, tol, tol_row);
 
   /* beside the GPU pipeline (T = 1 is this kernel itself there) */
   if (T > 1) {
@@ -98,7 +105,7 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
     gu_err ep = gu_compare(dt, go, po, (size_t)T, H, tie);
     char w2[440];
     snprintf(w2, sizeof w2, "%s beside the GPU pipeline", what);
-    gu_check_err_tol(w2, ep, dt, go, po, H, GU_TOL, GU_TOL_ROW);
+    gu_check_err_tol(w2, ep, dt, go, po, H, tol, tol_row);
   }
   ml_t_diag("%s: rel L2 %.2e against the CPU, %d near ties", what, e.rel, rs.near_ties);
 
@@ -186,6 +193,18 @@ static void test_layers(void) {
   c.num_experts = 512;
   c.top_k = 16;
   layer("E512-k16", &c, 906);
+  /* FP8 experts (hidden and inter multiples of 128): bf16 and f16, the
+   * gate/up unit's two halves in different scale blocks (inter 384: odd
+   * scale rows), DeepSeek's router */
+  c = base("mixtral-8x7b", 256, 384, MOELINK_DTYPE_BF16);
+  c.fp8_experts = 1;
+  layer("mixtral-8x7b fp8", &c, 907);
+  c = base("qwen3-30b-a3b", 512, 256, MOELINK_DTYPE_F16);
+  c.fp8_experts = 1;
+  layer("qwen3-30b-a3b fp8", &c, 908);
+  c = base("deepseek-v3", 384, 128, MOELINK_DTYPE_BF16);
+  c.fp8_experts = 1;
+  layer("deepseek-v3 routed fp8", &c, 909);
 }
 
 static void test_refusals(void) {
@@ -195,6 +214,11 @@ static void test_refusals(void) {
   moelink_moe_config_t sh = c;
   sh.shared_inter = 256;
   CHECK(!ml_cuda_moe_small_fits(&sh, 1, g_optin), "a shared expert is refused");
+  moelink_moe_config_t f8 = c;
+  f8.fp8_experts = 1;
+  CHECK(ml_cuda_moe_small_fits(&f8, 1, g_optin), "FP8 experts are taken");
+  f8.inter = 192;
+  CHECK(!ml_cuda_moe_small_fits(&f8, 1, g_optin), "FP8 off the 128-blocks is refused");
   moelink_moe_config_t small = c;
   small.max_tokens = 2;
   CHECK(!ml_cuda_moe_small_fits(&small, 3, g_optin), "no more tokens than max_tokens");
@@ -221,6 +245,13 @@ static void test_refusals(void) {
   a.sm_count = g_sms;
   CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_INVALID_ARGUMENT, "NULL out refused: %s",
         moelink_last_error());
+  moelink_moe_config_t f8n = c;
+  f8n.fp8_experts = 1;
+  a.cfg = &f8n;
+  a.out = out;
+  CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_INVALID_ARGUMENT,
+        "FP8 experts without block scales refused: %s", moelink_last_error());
+  a.cfg = &c;
   a.out = out + 2;
   CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_UNSUPPORTED, "misaligned out refused: %s",
         moelink_last_error());
