@@ -117,7 +117,7 @@ typedef struct mls_params {
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
   int vec_elems;            /* the vector region's elements (FP8: its e4m3 bytes, then
-                               MLS_VEC_PAD, then a scale per 128) */
+                               MLS_VEC_PAD, a scale per 128, two weight scales per 128) */
 } mls_params;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -437,6 +437,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   char *vec_p = ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S;
   uint16_t *vec = (uint16_t *)vec_p;                                       /* 16-bit vector */
   float *vsc = (float *)(vec_p + (size_t)p.vec_elems + MLS_VEC_PAD);     /* FP8: its scales */
+  float *wsc = vsc + p.vec_elems / MLS_BK8; /* FP8: a run's weight scales, [2][vec_elems / 128] */
 
   if (tid == MLS_CONSUMERS * 32) {
     /* the boxes' descriptors on their way while the router works */
@@ -586,6 +587,25 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
          * a warp at a time, 8 values a lane */
         const char *src = pa ? p.x + (size_t)(pair / p.k) * p.H * 2
                              : p.h + (size_t)pair * p.I * sizeof(float);
+        /* and the run's weight scales, one a box and half (a gate/up box's
+         * halves sit in two 128-row blocks: gate, up; a down box in one),
+         * contiguous in k: loaded once here, not a round trip a box */
+        {
+          const int nk = kk1 - kk0, e = s_ids[pair];
+          const float *w0, *w1;
+          if (pa) {
+            const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
+            w0 = p.gs + rb * (size_t)p.ks_a;
+            w1 = p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a;
+          } else {
+            w0 = w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b;
+          }
+#pragma unroll 1
+          for (int q = tid; q < 2 * nk; q += MLS_CONSUMERS * 32) {
+            const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
+            wsc[hf * (p.vec_elems / MLS_BK8) + kk] = __ldg((hf ? w1 : w0) + kk);
+          }
+        }
 #pragma unroll 1
         for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
           const int live = j + (lane >> 4) < kk1 - kk0;
@@ -638,18 +658,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         if (tid == 0 && i == na)
           mls_stamp(p, ML_SMALL_PH_FIRST_DOWN_BOX);
         if (FP8) {
-          /* the box's weight scales: a gate/up box's two halves sit in two
-           * 128-row blocks (gate, up), a down box in one */
-          float sw[2];
-          const int e = s_ids[pair];
-          if (pa) {
-            const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
-            sw[0] = __ldg(p.gs + rb * (size_t)p.ks_a + (size_t)kk);
-            sw[1] = __ldg(p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a + (size_t)kk);
-          } else {
-            sw[0] = sw[1] =
-                __ldg(p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b + (size_t)kk);
-          }
+          const float sw[2] = {wsc[kk], wsc[p.vec_elems / MLS_BK8 + kk]};
           mls_box8(ring + (uint32_t)(s * MLS_BOX), ml_smem_u32(vec_p) + (uint32_t)(kk * MLS_BK8),
                    vsc[kk], sw, acc);
         } else {
@@ -885,10 +894,11 @@ static int mls_vec_elems(const moelink_moe_config_t *c) {
 }
 
 /* Shared memory a launch asks for: the ring, its barriers, the vector (FP8:
- * its e4m3 bytes, the bytes wgmma reads past them, its scales). */
+ * its e4m3 bytes, the bytes wgmma reads past them, its scales, a run's two
+ * rows of weight scales). */
 static size_t mls_smem_bytes(const moelink_moe_config_t *c, int stages) {
   const size_t v = (size_t)mls_vec_elems(c);
-  const size_t vec = c->fp8_experts ? v + MLS_VEC_PAD + v / MLS_BK8 * sizeof(float) : v * 2;
+  const size_t vec = c->fp8_experts ? v + MLS_VEC_PAD + 3 * (v / MLS_BK8) * sizeof(float) : v * 2;
   return 1024 + (size_t)stages * (MLS_BOX + 16) + vec;
 }
 
