@@ -113,6 +113,7 @@ typedef struct mls_params {
   int router, renormalize, n_group, topk_group;
   float scaling;
   int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
+  int whole_b;              /* 1: down unit b to CTA b (no unit cut between CTAs) */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
@@ -378,29 +379,36 @@ static __device__ __forceinline__ uint64_t mls_vec_desc(uint32_t addr) {
 /* One e4m3 box (128 rows x 128 k at slot, 128-byte swizzle, as TMA stored
  * it) times the vector's k block at vq (128 bytes in shared memory, scale
  * sx), wgmma m64n8k32 for the warpgroup's two 64-row halves, promoted in
- * fp32 as the FP8 GEMMs do: acc[h] += block sum x (sw[h] x sx). The
+ * fp32 as the FP8 GEMMs do: acc[h] += block sum x (sw[h] x sx). The eight
+ * wgmma write eight accumulators (no chain of four through one: the box
+ * waits for one wgmma's latency, not four), added in k order after. The
  * accumulator of half h sits where mls_box's fragment h would for rows
  * 64 h + 16 warp + lane / 4 (+ 8): column 0 in lanes 4j, values 0 and 2. */
 static __device__ __forceinline__ void mls_box8(uint32_t slot, uint32_t vq, float sx,
                                                 const float sw[2], float acc[2][4]) {
-  float blk[2][4];
+  float blk[MLS_BK8 / 32][2][4];
   ml_wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < MLS_BK8 / 32; ++kk)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
-      mld_wgmma_e4m3<8>(blk[h], ml_wgmma_desc(slot + (uint32_t)(h * 64 * 128)) + (uint64_t)(2 * kk),
-                        mls_vec_desc(vq + (uint32_t)(32 * kk)), kk);
+      mld_wgmma_e4m3<8>(blk[kk][h],
+                        ml_wgmma_desc(slot + (uint32_t)(h * 64 * 128)) + (uint64_t)(2 * kk),
+                        mls_vec_desc(vq + (uint32_t)(32 * kk)), 0);
   ml_wgmma_commit();
   ml_wgmma_wait<0>();
-  ml_acc_fence<4>(blk[0]);
-  ml_acc_fence<4>(blk[1]);
+  ml_acc_fence<MLS_BK8 / 32 * 8>(&blk[0][0][0]);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float f = sw[h] * sx;
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      acc[h][e] = fmaf(blk[h][e], f, acc[h][e]);
+    for (int e = 0; e < 4; ++e) {
+      float b = blk[0][h][e];
+#pragma unroll
+      for (int kk = 1; kk < MLS_BK8 / 32; ++kk)
+        b += blk[kk][h][e];
+      acc[h][e] = fmaf(b, f, acc[h][e]);
+    }
   }
 }
 
@@ -487,7 +495,12 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 
   /* (the host keeps every step count below 2^31) */
   const int a0 = (int)mls_start(b, p.w_a, G), a1 = (int)mls_start(b + 1, p.w_a, G);
-  const int b0 = (int)mls_start(b, p.w_b, G), b1 = (int)mls_start(b + 1, p.w_b, G);
+  int b0 = (int)mls_start(b, p.w_b, G), b1 = (int)mls_start(b + 1, p.w_b, G);
+  if (p.whole_b) {
+    const int units = (int)(p.w_b / p.ks_b);
+    b0 = (b < units ? b : units) * p.ks_b;
+    b1 = (b + 1 < units ? b + 1 : units) * p.ks_b;
+  }
   const int na = a1 - a0, n = na + (b1 - b0);
 
   /* ---- selection: every CTA for itself (scratch in the idle ring) ---- */
@@ -571,6 +584,26 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 
       /* the vector's k range of this run into shared memory */
       mls_consumers_sync(); /* everyone is done with the last run's */
+      if (FP8) {
+        /* the run's weight scales, one a box and half (a gate/up box's
+         * halves sit in two 128-row blocks: gate, up; a down box in one),
+         * contiguous in k: loaded once a run, not a round trip a box, and
+         * (down) while thread 0 waits for the SwiGLU row, by the other warps */
+        const int nk = kk1 - kk0, e = s_ids[pair], t0 = pa ? 0 : 32;
+        const float *w0, *w1;
+        if (pa) {
+          const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
+          w0 = p.gs + rb * (size_t)p.ks_a;
+          w1 = p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a;
+        } else {
+          w0 = w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b;
+        }
+#pragma unroll 4
+        for (int q = tid - t0; q >= 0 && q < 2 * nk; q += MLS_CONSUMERS * 32 - t0) {
+          const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
+          wsc[hf * (p.vec_elems / MLS_BK8) + kk] = __ldg((hf ? w1 : w0) + kk);
+        }
+      }
       if (!pa && tid == 0) {
         if (i == na)
           mls_stamp(p, ML_SMALL_PH_GATE_UP_DONE);
@@ -587,25 +620,6 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
          * a warp at a time, 8 values a lane */
         const char *src = pa ? p.x + (size_t)(pair / p.k) * p.H * 2
                              : p.h + (size_t)pair * p.I * sizeof(float);
-        /* and the run's weight scales, one a box and half (a gate/up box's
-         * halves sit in two 128-row blocks: gate, up; a down box in one),
-         * contiguous in k: loaded once here, not a round trip a box */
-        {
-          const int nk = kk1 - kk0, e = s_ids[pair];
-          const float *w0, *w1;
-          if (pa) {
-            const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
-            w0 = p.gs + rb * (size_t)p.ks_a;
-            w1 = p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a;
-          } else {
-            w0 = w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b;
-          }
-#pragma unroll 1
-          for (int q = tid; q < 2 * nk; q += MLS_CONSUMERS * 32) {
-            const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
-            wsc[hf * (p.vec_elems / MLS_BK8) + kk] = __ldg((hf ? w1 : w0) + kk);
-          }
-        }
 #pragma unroll 1
         for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
           const int live = j + (lane >> 4) < kk1 - kk0;
@@ -681,7 +695,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       const long long us = (long long)u * ks;
       const long long uend = us + ks;
       int parts, pidx;
-      if (W >= G) {
+      if (!pa && p.whole_b) {
+        parts = 1;
+        pidx = 0;
+      } else if (W >= G) {
         const int first = mls_owner(us, W, G);
         parts = mls_owner(uend - 1, W, G) - first + 1;
         pidx = b - first;
@@ -804,6 +821,11 @@ static __global__ void __launch_bounds__(MLS_THREADS, 1)
 }
 
 /* ---- host ------------------------------------------------------------------------ */
+
+/* 1: where the down units number between 90% and 100% of the CTAs, each
+ * CTA takes one whole unit (no partial sums, no ticket between CTAs) instead
+ * of a stream-K share (qwen3-30b-a3b at one token: 128 units, 132 SMs). */
+MOELINK_PARAM(SMALL_LAYER_WHOLE_DOWN, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
@@ -1072,6 +1094,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
                    s.w_b);
   p.maxp_a = mls_maxp(s.ks_a, s.w_a, ctas);
   p.maxp_b = mls_maxp(s.ks_b, s.w_b, ctas);
+  const long long units_b = (long long)s.P * s.nob;
+  p.whole_b = ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
       (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
     return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");

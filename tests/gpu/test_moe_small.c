@@ -7,7 +7,8 @@
  *    block scales, the inputs quantized per 128) on bf16 and f16 layers,
  *    within the FP8 tolerance of one token;
  *  - T in {1, 2, 3, 8}, on every SM and on 1, 3 and 7 CTAs (units cut across
- *    CTAs in other places, partial sums through other tickets);
+ *    CTAs in other places, partial sums through other tickets), and at 1 and
+ *    2 tokens on as many CTAs as down units (one whole unit a CTA);
  *  - the kernel's own choice of experts and weights (CTA 0's) against the
  *    CPU router's; outputs poisoned before each run; a second run bitwise
  *    equal; the counters left zero; tokens whose routing is a near tie left
@@ -137,12 +138,18 @@ static void layer(const char *label, const moelink_moe_config_t *cfg, uint64_t s
     return;
   const int Ts[] = {1, 2, 3, 8};
   const int ctas[] = {0, 7, 1, 3};
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < 4; ++i) {
     for (int j = 0; j < 4; ++j) {
       if (Ts[i] > 3 && j > 1)
         continue; /* the slow grids on the short batches */
       run_case(name, &L, &D, gmoe, cmoe, Ts[i], ctas[j]);
     }
+    /* as many CTAs as down units (T k row blocks of 128): each takes one
+     * whole unit (MOELINK_SMALL_LAYER_WHOLE_DOWN), no partial sums */
+    const int units = Ts[i] * cfg->top_k * ((cfg->hidden + 127) / 128);
+    if (Ts[i] <= 2 && units > 3 && units != 7 && units < g_sms)
+      run_case(name, &L, &D, gmoe, cmoe, Ts[i], units);
+  }
   moelink_moe_destroy(gmoe);
   moelink_moe_destroy(cmoe);
   gu_dev_layer_free(&D);
