@@ -424,6 +424,51 @@ template <int DT> static __device__ __forceinline__ uint16_t mls_round(float f) 
   return (uint16_t)ml_dt_f32_to_half<DT>(f);
 }
 
+/* ---- the vector ------------------------------------------------------------------ */
+
+/* k steps kk0 .. kk1 - 1 of a vector into the vector region vec (16-bit:
+ * the values, zeros past len; FP8: e4m3 bytes and a scale a 128 in vsc,
+ * quantized as moelink_quantize's FP8, two blocks a warp at a time, 8 values
+ * a lane) by the consumer warps (tid < 128). src: the token row (dtype,
+ * read-only: __ldg) or, f32_src, an fp32 SwiGLU row (FP8; 16-bit: dtype)
+ * stored by other CTAs in this launch (__ldcg). */
+template <int DT, int FP8>
+static __device__ __forceinline__ void mls_vec_load(const char *src, bool x_src, int kk0, int kk1,
+                                                    int len, char *vec, float *vsc) {
+  const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  if (FP8) {
+#pragma unroll 1
+    for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
+      const int live = j + (lane >> 4) < kk1 - kk0;
+      const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
+      float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (live && x_src) {
+        ml_dt_unpack16<DT>(__ldg((const uint4 *)(src + (size_t)col * 2)), f);
+      } else if (live) {
+        const float4 lo = __ldcg((const float4 *)(src + (size_t)col * 4));
+        const float4 hi = __ldcg((const float4 *)(src + (size_t)col * 4) + 1);
+        f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+        f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+      }
+      const uint2 q = ml_q_quantize8<MOELINK_QUANT_FP8>(f, col, live, vsc, lane);
+      if (live)
+        *(uint2 *)(vec + col) = q;
+    }
+    /* the vector's generic writes before wgmma's async-proxy reads */
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  } else {
+    const uint4 *s4 = (const uint4 *)src;
+    const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
+#pragma unroll 1
+    for (int q = q0 + tid; q < q1; q += MLS_CONSUMERS * 32) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (q < lim)
+        v = x_src ? __ldg(s4 + q) : __ldcg(s4 + q);
+      ((uint4 *)vec)[q] = v;
+    }
+  }
+}
+
 /* ---- the kernel ------------------------------------------------------------------ */
 
 template <int DT, int FP8>
@@ -483,6 +528,11 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         p.logits[d] = acc;
     }
   }
+  /* one token: its whole row into the vector region now, while the grid
+   * meets, once for every gate/up run (the down runs overwrite it after) */
+  const bool x_once = p.T == 1;
+  if (x_once && tid < MLS_CONSUMERS * 32)
+    mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
   __syncthreads();
   if (tid == 0) {
     mls_stamp(p, ML_SMALL_PH_LOGITS);
@@ -584,13 +634,17 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 
       /* the vector's k range of this run into shared memory */
       mls_consumers_sync(); /* everyone is done with the last run's */
+      /* FP8: the run's weight scales, one a box and half (a gate/up box's
+       * halves sit in two 128-row blocks: gate, up; a down box in one),
+       * contiguous in k: loaded once a run, not a round trip a box; each
+       * thread's first one into a register before the vector's loads (down:
+       * by warps 1-3, while thread 0 waits for the SwiGLU row), stored after */
+      const float *w0 = NULL, *w1 = NULL;
+      const int nk = kk1 - kk0, t0 = pa ? 0 : 32, wstride = MLS_CONSUMERS * 32 - t0;
+      const int q1st = tid - t0;
+      float w1st = 0.0f;
       if (FP8) {
-        /* the run's weight scales, one a box and half (a gate/up box's
-         * halves sit in two 128-row blocks: gate, up; a down box in one),
-         * contiguous in k: loaded once a run, not a round trip a box, and
-         * (down) while thread 0 waits for the SwiGLU row, by the other warps */
-        const int nk = kk1 - kk0, e = s_ids[pair], t0 = pa ? 0 : 32;
-        const float *w0, *w1;
+        const int e = s_ids[pair];
         if (pa) {
           const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
           w0 = p.gs + rb * (size_t)p.ks_a;
@@ -598,11 +652,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         } else {
           w0 = w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b;
         }
-#pragma unroll 4
-        for (int q = tid - t0; q >= 0 && q < 2 * nk; q += MLS_CONSUMERS * 32 - t0) {
-          const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
-          wsc[hf * (p.vec_elems / MLS_BK8) + kk] = __ldg((hf ? w1 : w0) + kk);
-        }
+        if (q1st >= 0 && q1st < 2 * nk)
+          w1st = __ldg(q1st >= nk ? w1 + kk0 + q1st - nk : w0 + kk0 + q1st);
       }
       if (!pa && tid == 0) {
         if (i == na)
@@ -613,42 +664,18 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       }
       if (!pa)
         mls_consumers_sync();
+      if (!(pa && x_once))
+        mls_vec_load<DT, FP8>(pa ? p.x + (size_t)(pair / p.k) * p.H * 2
+                                 : p.h + (size_t)pair * p.I * (FP8 ? sizeof(float) : 2),
+                              pa, kk0, kk1, len, vec_p, vsc);
       if (FP8) {
-        /* k blocks kk0 .. kk1 - 1 of the token row (dtype) or the SwiGLU row
-         * (fp32, stored by other CTAs in this launch) quantized as
-         * moelink_quantize's FP8: e4m3 bytes and a scale a block, two blocks
-         * a warp at a time, 8 values a lane */
-        const char *src = pa ? p.x + (size_t)(pair / p.k) * p.H * 2
-                             : p.h + (size_t)pair * p.I * sizeof(float);
+        const int vb = p.vec_elems / MLS_BK8;
+        if (q1st >= 0 && q1st < 2 * nk)
+          wsc[(q1st >= nk) * vb + kk0 + (q1st >= nk ? q1st - nk : q1st)] = w1st;
 #pragma unroll 1
-        for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
-          const int live = j + (lane >> 4) < kk1 - kk0;
-          const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
-          float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-          if (live && pa) {
-            ml_dt_unpack16<DT>(__ldg((const uint4 *)(src + (size_t)col * 2)), f);
-          } else if (live) {
-            const float4 lo = __ldcg((const float4 *)(src + (size_t)col * 4));
-            const float4 hi = __ldcg((const float4 *)(src + (size_t)col * 4) + 1);
-            f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
-            f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
-          }
-          const uint2 q = ml_q_quantize8<MOELINK_QUANT_FP8>(f, col, live, vsc, lane);
-          if (live)
-            *(uint2 *)(vec_p + col) = q;
-        }
-        /* the vector's generic writes before wgmma's async-proxy reads */
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      } else {
-        const uint4 *src = pa ? (const uint4 *)(p.x + (size_t)(pair / p.k) * p.H * 2)
-                              : (const uint4 *)(p.h + (size_t)pair * p.I * 2);
-        const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
-#pragma unroll 1
-        for (int q = q0 + tid; q < q1; q += MLS_CONSUMERS * 32) {
-          uint4 v = make_uint4(0u, 0u, 0u, 0u);
-          if (q < lim)
-            v = pa ? __ldg(src + q) : __ldcg(src + q);
-          ((uint4 *)vec)[q] = v;
+        for (int q = q1st + wstride; q >= wstride && q < 2 * nk; q += wstride) {
+          const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
+          wsc[hf * vb + kk] = __ldg((hf ? w1 : w0) + kk);
         }
       }
       mls_consumers_sync();
