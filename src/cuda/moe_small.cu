@@ -528,16 +528,18 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         p.logits[d] = acc;
     }
   }
-  /* one token: its whole row into the vector region now, while the grid
-   * meets, once for every gate/up run (the down runs overwrite it after) */
-  const bool x_once = p.T == 1;
-  if (x_once && tid < MLS_CONSUMERS * 32)
-    mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
   __syncthreads();
   if (tid == 0) {
     mls_stamp(p, ML_SMALL_PH_LOGITS);
     __threadfence();
     atomicAdd(p.sync, 1u);
+  }
+  /* one token: its whole row into the vector region while the grid meets,
+   * once for every gate/up run (the down runs overwrite it after) */
+  const bool x_once = p.T == 1;
+  if (x_once && tid < MLS_CONSUMERS * 32)
+    mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
+  if (tid == 0) {
     mls_wait_count(p.sync, (uint32_t)G);
     mls_stamp(p, ML_SMALL_PH_BARRIER);
   }
