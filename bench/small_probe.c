@@ -168,8 +168,8 @@ static void probe(const char *preset, int T, int sms) {
   const double t = median(ms, RUNS) * 1e3;
   printf("%s%s T %d (H %zu I %zu E %zu k %d): %.1f us a launch (%s), expert weights "
          "%.1f MB (at most), %.2f TB/s\n",
-         preset, g_fp8 ? " fp8" : "", T, H, I, E, c.top_k, t, g_flush ? "memset flush" : "no flush", weights * 1e-6,
-         weights / t * 1e-6);
+         preset, g_fp8 ? " fp8" : "", T, H, I, E, c.top_k, t, g_flush ? "memset flush" : "no flush",
+         weights * 1e-6, weights / t * 1e-6);
   printf("  %-16s %9s %9s %9s   (us after the first CTA began; medians of %d runs)\n", "phase",
          "first", "median", "last", RUNS);
   for (int q = 0; q < ML_SMALL_PH_COUNT; ++q)

@@ -488,8 +488,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   const uint32_t full = ring + (uint32_t)(S * MLS_BOX), empty = full + 8u * (uint32_t)S;
   constexpr int BK = FP8 ? MLS_BK8 : MLS_BK;
   char *vec_p = ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S;
-  uint16_t *vec = (uint16_t *)vec_p;                                       /* 16-bit vector */
-  float *vsc = (float *)(vec_p + (size_t)p.vec_elems + MLS_VEC_PAD);     /* FP8: its scales */
+  uint16_t *vec = (uint16_t *)vec_p;                                 /* 16-bit vector */
+  float *vsc = (float *)(vec_p + (size_t)p.vec_elems + MLS_VEC_PAD); /* FP8: its scales */
   float *wsc = vsc + p.vec_elems / MLS_BK8; /* FP8: a run's weight scales, [2][vec_elems / 128] */
 
   if (tid == MLS_CONSUMERS * 32) {
@@ -1124,7 +1124,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   p.maxp_a = mls_maxp(s.ks_a, s.w_a, ctas);
   p.maxp_b = mls_maxp(s.ks_b, s.w_b, ctas);
   const long long units_b = (long long)s.P * s.nob;
-  p.whole_b = ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
+  p.whole_b =
+      ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
       (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
     return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");
@@ -1134,8 +1135,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   /* (the maps' F32 stands for e4m3 bytes: boxes of 128 k) */
   const moelink_dtype_t wdt = c->fp8_experts ? MOELINK_DTYPE_F32 : c->dtype;
   CUtensorMap gu, d;
-  ML_TRY(ml_sm90_map_b_box(&gu, wdt, a->gate_up, c->hidden, c->inter, 2, c->num_experts,
-                           MLS_COLS_A, 2, "small-batch layer kernel (gate/up)"));
+  ML_TRY(ml_sm90_map_b_box(&gu, wdt, a->gate_up, c->hidden, c->inter, 2, c->num_experts, MLS_COLS_A,
+                           2, "small-batch layer kernel (gate/up)"));
   ML_TRY(ml_sm90_map_b_box(&d, wdt, a->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS, 1,
                            "small-batch layer kernel (down)"));
   const int bf = c->dtype == MOELINK_DTYPE_BF16;
