@@ -106,11 +106,13 @@ MOELINK_PARAM(ROUTER_PLAN, 1)
 /* 0: a small batch's shared expert runs after the routed experts instead of
  * beside the router (an A/B switch for the benchmarks). */
 MOELINK_PARAM(SHARED_FIRST, 1)
-/* Batches of up to this many tokens of a layer without a shared expert run
- * as one kernel (ml_cuda_moe_small; at most 8; 0: never). Measured on an
- * H200 (graph replays, docs/PERF.md), one kernel / pipeline: qwen3-30b-a3b
- * T = 1 43.0-43.4 / 46.7-47.4 us, mixtral-8x7b 188.1-188.8 / 190.1-190.2;
- * at 4 tokens slower. */
+/* Batches of up to this many tokens of a layer without a shared expert
+ * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
+ * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "FP8
+ * experts in the one-kernel layer"), one kernel / pipeline at T = 1:
+ * qwen3-30b-a3b 38.8-39.1 / 44.9-45.1 us, FP8 32.3-32.4 / 41.5-41.8;
+ * mixtral-8x7b within 3% either way, FP8 109.6-111.1 / 112.7-112.9; at 4
+ * tokens slower. */
 MOELINK_PARAM(SMALL_LAYER_TOKENS, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {

@@ -53,9 +53,17 @@
  * leave. A wait that outlives MLS_WAIT_NS (a bug, never the schedule: every
  * CTA is resident) traps, so the launch fails instead of hanging.
  *
- * Measured on an H200 (docs/PERF.md, "The layer in one kernel" and "The
- * router's plan of a few pairs"): with a ring of 6 stages it beats the
- * pipeline at one token (qwen3-30b-a3b -8%, mixtral-8x7b -1%); with the
+ * Where the down units number 90-100% of the CTAs (qwen3-30b-a3b at one
+ * token: 128 units, 132 SMs), CTA b takes down unit b whole instead
+ * (MOELINK_SMALL_LAYER_WHOLE_DOWN): no partial sums and no ticket between
+ * CTAs in the phase whose chain of round trips ends the kernel. At one token
+ * the token's row is loaded into the vector region once, while the grid
+ * meets, for every gate/up run.
+ *
+ * Measured on an H200 (docs/PERF.md, "The layer in one kernel", "The
+ * router's plan of a few pairs", "FP8 experts in the one-kernel layer"):
+ * with a ring of 6 stages it beats the pipeline at one token (qwen3-30b-a3b
+ * -13%, FP8 -22%; mixtral-8x7b within 3% either way, FP8 -2%); with the
  * deepest ring shared memory holds (11-13 stages) it was slower, and at 4
  * tokens it is (the stream's tail across SMs). So the layer takes it for one
  * token unless MOELINK_SMALL_LAYER_TOKENS says otherwise. */
