@@ -437,8 +437,8 @@ template <int DT> static __device__ __forceinline__ uint16_t mls_round(float f) 
 /* k steps kk0 .. kk1 - 1 of a vector into the vector region vec (16-bit:
  * the values, zeros past len; FP8: e4m3 bytes and a scale a 128 in vsc,
  * quantized as moelink_quantize's FP8, two blocks a warp at a time, 8 values
- * a lane) by the consumer warps (tid < 128). src: the token row (dtype,
- * read-only: __ldg) or, f32_src, an fp32 SwiGLU row (FP8; 16-bit: dtype)
+ * a lane) by the consumer warps (tid < 128). src: with x_src the token row
+ * (dtype, read-only: __ldg), else a SwiGLU row (FP8: fp32, 16-bit: dtype)
  * stored by other CTAs in this launch (__ldcg). */
 template <int DT, int FP8>
 static __device__ __forceinline__ void mls_vec_load(const char *src, bool x_src, int kk0, int kk1,
@@ -691,12 +691,11 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       mls_consumers_sync();
 
       int row0[2];
-      if (FP8) {
-        row0[0] = warp * 16; /* wgmma's halves: gate, then up rows in a gate/up box */
+      if (FP8 || pa) {
+        /* gate/up: the gate rows of the warp's 16 columns, then their up
+         * rows; FP8 down alike (wgmma's two 64-row halves) */
+        row0[0] = warp * 16;
         row0[1] = 64 + warp * 16;
-      } else if (pa) {
-        row0[0] = warp * 16;      /* gate rows of the warp's 16 columns */
-        row0[1] = 64 + warp * 16; /* up rows of the same columns */
       } else {
         row0[0] = warp * 32;
         row0[1] = warp * 32 + 16;
