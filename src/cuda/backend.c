@@ -194,12 +194,6 @@ static moelink_status_t ml_cu_check_config(const ml_cu_ctx *c, const moelink_moe
   return MOELINK_SUCCESS;
 }
 
-static size_t ml_cu_take(size_t *cursor, size_t bytes) {
-  size_t at = (*cursor + 255) & ~(size_t)255;
-  *cursor = at + bytes;
-  return at;
-}
-
 /* The workspace for T = max_tokens: everything grows with T*k*(H+I) or T*H,
  * plus router partials bounded by the SM count (host arithmetic only). */
 static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_config_t *cfg,
@@ -210,47 +204,47 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   const size_t ds = moelink_dtype_size(cfg->dtype);
   L->plan_counts_bytes = ml_cuda_plan_ws_bytes((int)P, cfg->num_experts);
   size_t cur = 0;
-  L->ids = ml_cu_take(&cur, P * sizeof(int32_t));
-  L->wts = ml_cu_take(&cur, P * sizeof(float));
-  L->plan = ml_cu_take(&cur, moelink_plan_bytes(cfg->max_tokens, cfg->top_k, cfg->num_experts,
-                                                ML_CUDA_TILE_ROWS));
-  L->plan_counts = ml_cu_take(&cur, L->plan_counts_bytes);
+  L->ids = ml_cuda_take(&cur, P * sizeof(int32_t));
+  L->wts = ml_cuda_take(&cur, P * sizeof(float));
+  L->plan = ml_cuda_take(
+      &cur, moelink_plan_bytes(cfg->max_tokens, cfg->top_k, cfg->num_experts, ML_CUDA_TILE_ROWS));
+  L->plan_counts = ml_cuda_take(&cur, L->plan_counts_bytes);
   /* fp8_experts: h stays fp32 until it is quantized (what the layer's
    * definition and the CPU backend do) */
-  L->h = ml_cu_take(&cur, P * I * (cfg->fp8_experts ? sizeof(float) : ds));
-  L->y = ml_cu_take(&cur, P * H * ds);
+  L->h = ml_cuda_take(&cur, P * I * (cfg->fp8_experts ? sizeof(float) : ds));
+  L->y = ml_cuda_take(&cur, P * H * ds);
   /* fp8_shared: the shared expert's h fp32 too, until quantized */
-  L->sh_h = ml_cu_take(&cur, Is > 0 ? T * Is * (cfg->fp8_shared ? sizeof(float) : ds) : 0);
-  L->sh_out = ml_cu_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
-  L->partials = ml_cu_take(&cur, ml_cuda_router_partial_floats(cfg->num_experts, c->sm_count) *
-                                     sizeof(float));
+  L->sh_h = ml_cuda_take(&cur, Is > 0 ? T * Is * (cfg->fp8_shared ? sizeof(float) : ds) : 0);
+  L->sh_out = ml_cuda_take(&cur, Is > 0 ? T * H * sizeof(float) : 0);
+  L->partials = ml_cuda_take(&cur, ml_cuda_router_partial_floats(cfg->num_experts, c->sm_count) *
+                                       sizeof(float));
   L->tickets_bytes = ml_cuda_router_tickets(c->sm_count) * sizeof(int32_t);
-  L->tickets = ml_cu_take(&cur, L->tickets_bytes);
+  L->tickets = ml_cuda_take(&cur, L->tickets_bytes);
   ml_cuda_decode_scratch(cfg->max_tokens, cfg->top_k, cfg->num_experts, cfg->hidden, cfg->inter,
                          cfg->shared_inter, c->sm_count, &L->dec_part_floats,
                          &L->dec_ticket_count);
-  L->dec_part = ml_cu_take(&cur, L->dec_part_floats * sizeof(float));
-  L->dec_tickets = ml_cu_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
-  L->sched = ml_cu_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  L->dec_part = ml_cuda_take(&cur, L->dec_part_floats * sizeof(float));
+  L->dec_tickets = ml_cuda_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
+  L->sched = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
-  L->logits = ml_cu_take(&cur, L->logits_floats * sizeof(float));
+  L->logits = ml_cuda_take(&cur, L->logits_floats * sizeof(float));
   /* only where asked for (sm_90a machine code: compute capability 9.0) */
   if (ml_param_SMALL_LAYER_TOKENS() > 0 && c->cc_major == 9 && c->cc_minor == 0 &&
       ml_cuda_moe_small_fits(cfg, 1, c->smem_optin)) {
     L->small_bytes = ml_cuda_moe_small_scratch(cfg, c->sm_count, &L->small_zero);
-    L->small = ml_cu_take(&cur, L->small_bytes);
+    L->small = ml_cuda_take(&cur, L->small_bytes);
   }
   if (cfg->fp8_experts || cfg->fp8_shared) {
-    L->xq = ml_cu_take(&cur, T * H);
-    L->xs = ml_cu_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
+    L->xq = ml_cuda_take(&cur, T * H);
+    L->xs = ml_cuda_take(&cur, T * (H / ML_FP8_BLOCK) * sizeof(float));
   }
   if (cfg->fp8_experts) {
-    L->hq = ml_cu_take(&cur, P * I);
-    L->hs = ml_cu_take(&cur, P * (I / ML_FP8_BLOCK) * sizeof(float));
+    L->hq = ml_cuda_take(&cur, P * I);
+    L->hs = ml_cuda_take(&cur, P * (I / ML_FP8_BLOCK) * sizeof(float));
   }
   if (cfg->fp8_shared) {
-    L->shq = ml_cu_take(&cur, T * Is);
-    L->shs = ml_cu_take(&cur, T * (Is / ML_FP8_BLOCK) * sizeof(float));
+    L->shq = ml_cuda_take(&cur, T * Is);
+    L->shs = ml_cuda_take(&cur, T * (Is / ML_FP8_BLOCK) * sizeof(float));
   }
   L->total = (cur + 255) & ~(size_t)255;
   return MOELINK_SUCCESS;

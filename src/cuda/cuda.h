@@ -52,6 +52,37 @@ moelink_status_t ml_cuda_moe_experts_to(moelink_moe_t moe, const void *x, int T,
  * 9.0 exactly) and its SM count; cached per device (cuda/experts.cu). */
 moelink_status_t ml_cuda_sm90_device(int *is_sm90, int *sms);
 
+/* Raises kernel's dynamic shared-memory limit to bytes (past the 48 KiB
+ * default), with the largest carveout preferred, once per device: ready is
+ * the caller's table of ML_CUDA_MAX_DEVICES x slots bytes whose entry
+ * (device, which) remembers it; devices past the table set it at every call.
+ * A function attribute lives in the device's context; a race between threads
+ * sets it twice, which is harmless. */
+#define ML_CUDA_MAX_DEVICES 64 /* devices the backend's per-device tables cover */
+static inline moelink_status_t ml_cuda_allow_smem(const void *kernel, unsigned char *ready,
+                                                  int slots, int which, int bytes) {
+  int dev = 0;
+  ML_CUDA_TRY(cudaGetDevice(&dev));
+  unsigned char *flag =
+      dev >= 0 && dev < ML_CUDA_MAX_DEVICES ? ready + (size_t)dev * (size_t)slots + which : NULL;
+  if (flag != NULL && __atomic_load_n(flag, __ATOMIC_ACQUIRE))
+    return MOELINK_SUCCESS;
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared));
+  if (flag != NULL)
+    __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
+  return MOELINK_SUCCESS;
+}
+
+/* A bump allocator over a workspace's offsets: the offset of a region of
+ * bytes at the 256-byte boundary at or past *cursor, which moves past it. */
+static inline size_t ml_cuda_take(size_t *cursor, size_t bytes) {
+  const size_t at = (*cursor + 255) & ~(size_t)255;
+  *cursor = at + bytes;
+  return at;
+}
+
 /* Rows per tile of the grouped GEMMs; plans built by the CUDA backend use it. */
 #define ML_CUDA_TILE_ROWS 64
 

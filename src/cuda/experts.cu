@@ -130,21 +130,12 @@ enum {
   ML_K_SM90_FP8_TMA = ML_K_SM90_FP8_WIDE + 5, /* 2: its scaled GEMM with TMA stores */
   ML_K_COUNT = ML_K_SM90_FP8_TMA + 2
 };
-#define ML_GEMM_MAX_DEVICES 64
-static unsigned char ml_gemm_smem_ready[ML_GEMM_MAX_DEVICES][ML_K_COUNT];
+static unsigned char ml_gemm_smem_ready[ML_CUDA_MAX_DEVICES * ML_K_COUNT];
 
+/* (the carveout hint matters: three 72 KiB tile-engine CTAs, or one 193 KiB
+ * sm_90a CTA, per SM need the largest one) */
 static moelink_status_t ml_gemm_allow_smem(const void *kernel, int which, int bytes) {
-  int dev = 0;
-  ML_CUDA_TRY(cudaGetDevice(&dev));
-  int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
-  if (cached && __atomic_load_n(&ml_gemm_smem_ready[dev][which], __ATOMIC_ACQUIRE)) return MOELINK_SUCCESS;
-  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  /* a hint: three 72 KiB tile-engine CTAs, or one 193 KiB sm_90a CTA, per
-   * SM need the largest shared-memory carveout */
-  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared));
-  if (cached) __atomic_store_n(&ml_gemm_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
-  return MOELINK_SUCCESS;
+  return ml_cuda_allow_smem(kernel, ml_gemm_smem_ready, ML_K_COUNT, which, bytes);
 }
 
 static int ml_misaligned(const void *p) { return ((uintptr_t)p & 15) != 0; }
@@ -219,12 +210,12 @@ static __thread int ml_sm90_last_tile = 0;
 extern "C" int ml_cuda_gemm_last_sm90_tile(void) { return ml_sm90_last_tile; }
 
 /* Per device: 0 not yet asked, else 1 + (SM count << 1 | compute capability is 9.0). */
-static int ml_sm90_device_info[ML_GEMM_MAX_DEVICES];
+static int ml_sm90_device_info[ML_CUDA_MAX_DEVICES];
 
 extern "C" moelink_status_t ml_cuda_sm90_device(int *is_sm90, int *sms) {
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
-  int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
+  int cached = dev >= 0 && dev < ML_CUDA_MAX_DEVICES;
   int v = cached ? __atomic_load_n(&ml_sm90_device_info[dev], __ATOMIC_ACQUIRE) : 0;
   if (v == 0) {
     int major = 0, minor = 0, count = 0;
@@ -384,7 +375,7 @@ template <int DT, int MODE, int OUT_F32, int FP8, int CL = 1> static int ml_sm90
 
 /* Clusters of two of a cluster kernel the device holds at once (0: it cannot
  * run them), cached per device and kernel as value + 1. */
-static int ml_sm90_cluster_room_cache[ML_GEMM_MAX_DEVICES][ML_K_SM90_FP8_WIDE - ML_K_SM90_CL];
+static int ml_sm90_cluster_room_cache[ML_CUDA_MAX_DEVICES][ML_K_SM90_FP8_WIDE - ML_K_SM90_CL];
 
 template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t ml_sm90_cluster_room(int *room) {
@@ -392,7 +383,7 @@ static moelink_status_t ml_sm90_cluster_room(int *room) {
   const void *kernel = (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, 2>;
   int dev = 0;
   ML_CUDA_TRY(cudaGetDevice(&dev));
-  const int cached = dev >= 0 && dev < ML_GEMM_MAX_DEVICES;
+  const int cached = dev >= 0 && dev < ML_CUDA_MAX_DEVICES;
   int *slot = cached ? &ml_sm90_cluster_room_cache[dev][which - ML_K_SM90_CL] : NULL;
   int v = slot ? __atomic_load_n(slot, __ATOMIC_ACQUIRE) : 0;
   if (v == 0) {

@@ -232,29 +232,28 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
 
 /* ---- launches ------------------------------------------------------------------ */
 
-enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16_F32,
-       MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32,
-       /* FP8 operands, output dtype as named */
-       MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
-       MLD_K_FP8_SCALED_F32, MLD_K_FP8_SWIGLU_F32, MLD_K_COUNT };
-#define MLD_MAX_DEVICES 64
+enum {
+  MLD_K_SWIGLU_BF16,
+  MLD_K_SWIGLU_F16,
+  MLD_K_SCALED_BF16,
+  MLD_K_SCALED_BF16_F32,
+  MLD_K_SCALED_F16,
+  MLD_K_SCALED_F16_F32,
+  /* FP8 operands, output dtype as named */
+  MLD_K_FP8_SWIGLU_BF16,
+  MLD_K_FP8_SWIGLU_F16,
+  MLD_K_FP8_SCALED_BF16,
+  MLD_K_FP8_SCALED_F16,
+  MLD_K_FP8_SCALED_F32,
+  MLD_K_FP8_SWIGLU_F32,
+  MLD_K_COUNT
+};
 /* [device][kernel of 64-row passes, then of 16-row ones] */
-static unsigned char mld_smem_ready[MLD_MAX_DEVICES][2 * MLD_K_COUNT];
+static unsigned char mld_smem_ready[ML_CUDA_MAX_DEVICES * 2 * MLD_K_COUNT];
 
-/* The ring is past the 48 KiB default: raise the kernel's limit once per
- * device (a function attribute lives in the device's context; a race sets it
- * twice, which is harmless). */
+/* The ring is past the 48 KiB default: the kernel's limit raised once per device. */
 static moelink_status_t mld_allow_smem(const void *kernel, int which, int bytes) {
-  int dev = 0;
-  ML_CUDA_TRY(cudaGetDevice(&dev));
-  const int cached = dev >= 0 && dev < MLD_MAX_DEVICES;
-  if (cached && __atomic_load_n(&mld_smem_ready[dev][which], __ATOMIC_ACQUIRE))
-    return MOELINK_SUCCESS;
-  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  ML_CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared));
-  if (cached) __atomic_store_n(&mld_smem_ready[dev][which], 1, __ATOMIC_RELEASE);
-  return MOELINK_SUCCESS;
+  return ml_cuda_allow_smem(kernel, mld_smem_ready, 2 * MLD_K_COUNT, which, bytes);
 }
 
 template <int DT, int MODE, int OUT_F32, int FP8, int BN>

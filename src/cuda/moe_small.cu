@@ -875,12 +875,6 @@ typedef struct mls_layout {
   size_t part_a_floats, part_b_floats;
 } mls_layout;
 
-static size_t mls_take(size_t *cur, size_t bytes) {
-  const size_t at = (*cur + 255) & ~(size_t)255;
-  *cur = at + bytes;
-  return at;
-}
-
 static long long mls_div_up(long long a, long long b) { return (a + b - 1) / b; }
 
 /* Partial slots a unit of ks steps needs when W steps go to G CTAs. */
@@ -932,17 +926,17 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
       L->part_b_floats = fb;
   }
   size_t cur = 0;
-  L->tick_a = mls_take(&cur, (size_t)m.P * m.ncb * 4);
-  L->tick_b = mls_take(&cur, (size_t)m.P * m.nob * 4);
-  L->tick_g = mls_take(&cur, (size_t)Tm * m.nob * 4);
-  L->ready = mls_take(&cur, (size_t)m.P * 4);
-  L->sync = mls_take(&cur, 2 * 4);
+  L->tick_a = ml_cuda_take(&cur, (size_t)m.P * m.ncb * 4);
+  L->tick_b = ml_cuda_take(&cur, (size_t)m.P * m.nob * 4);
+  L->tick_g = ml_cuda_take(&cur, (size_t)Tm * m.nob * 4);
+  L->ready = ml_cuda_take(&cur, (size_t)m.P * 4);
+  L->sync = ml_cuda_take(&cur, 2 * 4);
   L->zero_bytes = (cur + 255) & ~(size_t)255;
-  L->logits = mls_take(&cur, (size_t)Tm * c->num_experts * 4);
-  L->h = mls_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
-  L->y = mls_take(&cur, (size_t)m.P * c->hidden * 2);
-  L->part_a = mls_take(&cur, L->part_a_floats * 4);
-  L->part_b = mls_take(&cur, L->part_b_floats * 4);
+  L->logits = ml_cuda_take(&cur, (size_t)Tm * c->num_experts * 4);
+  L->h = ml_cuda_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
+  L->y = ml_cuda_take(&cur, (size_t)m.P * c->hidden * 2);
+  L->part_a = ml_cuda_take(&cur, L->part_a_floats * 4);
+  L->part_b = ml_cuda_take(&cur, L->part_b_floats * 4);
   L->total = (cur + 255) & ~(size_t)255;
 }
 
@@ -1003,31 +997,16 @@ extern "C" size_t ml_cuda_moe_small_scratch(const moelink_moe_config_t *c, int s
   return L.total;
 }
 
-/* One-time function attributes per device (a race sets them twice: harmless). */
-#define MLS_MAX_DEVICES 64
-static unsigned char mls_ready[MLS_MAX_DEVICES][4];
-
-template <int DT, int FP8> static moelink_status_t mls_prepare(void) {
-  int dev = 0;
-  ML_CUDA_TRY(cudaGetDevice(&dev));
-  const int w = (DT == MOELINK_DTYPE_BF16 ? 0 : 1) + 2 * FP8;
-  const int cached = dev >= 0 && dev < MLS_MAX_DEVICES;
-  if (cached && __atomic_load_n(&mls_ready[dev][w], __ATOMIC_ACQUIRE))
-    return MOELINK_SUCCESS;
-  int optin = 0;
-  ML_CUDA_TRY(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  ML_CUDA_TRY(cudaFuncSetAttribute((const void *)mls_kernel<DT, FP8>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   optin - MLS_STATIC_SMEM));
-  if (cached)
-    __atomic_store_n(&mls_ready[dev][w], 1, __ATOMIC_RELEASE);
-  return MOELINK_SUCCESS;
-}
+/* [device][bf16, f16, then their FP8-expert kernels]: the kernel's shared
+ * memory raised to the device's opt-in limit (less the static part) */
+static unsigned char mls_ready[ML_CUDA_MAX_DEVICES * 4];
 
 template <int DT, int FP8>
 static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, const mls_params *p,
-                                   int ctas, size_t smem, cudaStream_t st) {
-  const moelink_status_t ps = mls_prepare<DT, FP8>();
+                                   int ctas, size_t smem, int optin, cudaStream_t st) {
+  const int which = (DT == MOELINK_DTYPE_BF16 ? 0 : 1) + 2 * FP8;
+  const moelink_status_t ps = ml_cuda_allow_smem((const void *)mls_kernel<DT, FP8>, mls_ready, 4,
+                                                 which, optin - MLS_STATIC_SMEM);
   if (ps != MOELINK_SUCCESS)
     return ps;
   /* (a grid that cannot be resident at once fails the cooperative launch) */
@@ -1148,8 +1127,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
                            "small-batch layer kernel (down)"));
   const int bf = c->dtype == MOELINK_DTYPE_BF16;
   if (c->fp8_experts)
-    return bf ? mls_launch<MOELINK_DTYPE_BF16, 1>(&gu, &d, &p, ctas, smem, st)
-              : mls_launch<MOELINK_DTYPE_F16, 1>(&gu, &d, &p, ctas, smem, st);
-  return bf ? mls_launch<MOELINK_DTYPE_BF16, 0>(&gu, &d, &p, ctas, smem, st)
-            : mls_launch<MOELINK_DTYPE_F16, 0>(&gu, &d, &p, ctas, smem, st);
+    return bf ? mls_launch<MOELINK_DTYPE_BF16, 1>(&gu, &d, &p, ctas, smem, optin, st)
+              : mls_launch<MOELINK_DTYPE_F16, 1>(&gu, &d, &p, ctas, smem, optin, st);
+  return bf ? mls_launch<MOELINK_DTYPE_BF16, 0>(&gu, &d, &p, ctas, smem, optin, st)
+            : mls_launch<MOELINK_DTYPE_F16, 0>(&gu, &d, &p, ctas, smem, optin, st);
 }
