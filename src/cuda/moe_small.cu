@@ -134,22 +134,6 @@ typedef struct mls_params {
 
 /* ---- PTX ------------------------------------------------------------------------ */
 
-static __device__ __forceinline__ uint64_t mls_evict_first(void) {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
-  return pol;
-}
-
-/* A 4D TMA box into shared memory, completing on bar, read once (evict first). */
-static __device__ __forceinline__ void mls_tma_4d(uint32_t dst, const CUtensorMap *map,
-                                                  uint32_t bar, int c0, int c1, int c2, int c3,
-                                                  uint64_t pol) {
-  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-               ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
-               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(pol)
-               : "memory");
-}
-
 static __device__ __forceinline__ uint32_t mls_ld_acquire(const uint32_t *p) {
   uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
@@ -420,10 +404,6 @@ static __device__ __forceinline__ void mls_box8(uint32_t slot, uint32_t vq, floa
   }
 }
 
-static __device__ __forceinline__ float mls_silu_mul(float g, float u) {
-  return g / (1.0f + __expf(-g)) * u;
-}
-
 template <int DT> static __device__ __forceinline__ float mls_to_f32(uint16_t v) {
   return ml_dt_half_to_f32<DT>((uint32_t)v);
 }
@@ -463,7 +443,7 @@ static __device__ __forceinline__ void mls_vec_load(const char *src, bool x_src,
         *(uint2 *)(vec + col) = q;
     }
     /* the vector's generic writes before wgmma's async-proxy reads */
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ml_fence_proxy_async();
   } else {
     const uint4 *s4 = (const uint4 *)src;
     const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
@@ -567,7 +547,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   for (int t = 0; t < p.T; ++t)
     mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
   /* the scratch's generic writes before the boxes' async-proxy ones */
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  ml_fence_proxy_async();
   __syncthreads();
   if (b == 0 && p.ids_out != NULL)
     for (int q = tid; q < p.T * p.k; q += MLS_THREADS) {
@@ -579,7 +559,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     /* ---- producer: one thread streams every box of this CTA's steps ---- */
     if (lane == 0) {
       mls_stamp(p, ML_SMALL_PH_SELECTED);
-      const uint64_t pol = mls_evict_first();
+      const uint64_t pol = ml_l2_evict_first();
       int s = 0, u, kk;
       if (na > 0) {
         u = a0 / p.ks_a;
@@ -598,7 +578,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         ml_mbar_arrive_tx(bar, MLS_BOX);
         if (i < na) {
           const int pair = u / p.ncb, cb = u - pair * p.ncb;
-          mls_tma_4d(dst, &map_gu, bar, kk * BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
+          ml_tma_load_4d_hint(dst, &map_gu, bar, kk * BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
           if (++kk == p.ks_a) {
             kk = 0;
             ++u;
@@ -609,7 +589,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           }
         } else {
           const int pair = u / p.nob, ob = u - pair * p.nob;
-          mls_tma_4d(dst, &map_d, bar, kk * BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
+          ml_tma_load_4d_hint(dst, &map_d, bar, kk * BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
           if (++kk == p.ks_b) {
             kk = 0;
             ++u;
@@ -785,7 +765,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int col = blk * MLS_COLS_A + trow[0][hh];
-              const float hv = mls_silu_mul(v[0][hh], v[1][hh]);
+              const float hv = mld_swiglu(v[0][hh], v[1][hh]);
               if (col < p.I && FP8)
                 ((float *)p.h)[(size_t)pair * p.I + col] = hv;
               else if (col < p.I)

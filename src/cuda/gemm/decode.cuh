@@ -625,7 +625,8 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   int rd = 0, wr = STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
     ml_cp_async_wait<STAGES - 2>();
-    if (FP8) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if (FP8)
+      ml_fence_proxy_async();
     /* stage kt landed for every thread, and every warp is done with the
      * slot refilled below (it held stage kt - 1) */
     __syncthreads();

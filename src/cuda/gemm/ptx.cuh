@@ -37,6 +37,12 @@ template <int N> static __device__ __forceinline__ void ml_cp_async_wait(void) {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* This thread's generic-proxy writes to shared memory ordered before later
+ * async-proxy accesses (TMA, wgmma) of the CTA. */
+static __device__ __forceinline__ void ml_fence_proxy_async(void) {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 /* The GPU's global nanosecond timer (%globaltimer): measurement stamps and
  * wait deadlines. */
 static __device__ __forceinline__ uint64_t ml_globaltimer(void) {

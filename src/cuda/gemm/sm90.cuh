@@ -419,6 +419,24 @@ static __device__ __forceinline__ void ml_tma_load_4d(uint32_t dst, const CUtens
       : "memory");
 }
 
+/* An L2 policy for data read once: evict it first. */
+static __device__ __forceinline__ uint64_t ml_l2_evict_first(void) {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(pol));
+  return pol;
+}
+
+/* ml_tma_load_4d with an L2 cache policy (ml_l2_evict_first: a weight
+ * stream read once). */
+static __device__ __forceinline__ void ml_tma_load_4d_hint(uint32_t dst, const CUtensorMap *map,
+                                                           uint32_t bar, int c0, int c1, int c2,
+                                                           int c3, uint64_t pol) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               ".L2::cache_hint [%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(pol)
+               : "memory");
+}
+
 /* ml_tma_load_4d into the same shared-memory offset of every CTA of the
  * cluster in mask, completing bytes on each one's mbarrier at bar's offset. */
 static __device__ __forceinline__ void ml_tma_load_4d_mc(uint32_t dst, const CUtensorMap *map,
@@ -1235,7 +1253,7 @@ ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d,
       }
     }
     /* the generic-proxy writes, visible to the TMA unit (async proxy) */
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ml_fence_proxy_async();
     ml_wg_sync(2 + cw);
     if (t == 0) {
 #pragma unroll
@@ -1311,7 +1329,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
         const uint64_t db = ml_wgmma_desc(a_s + ML_SM90_A_BYTES);
         /* A came through cp.async (generic proxy); wgmma reads through the
          * async proxy */
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        ml_fence_proxy_async();
         ml_wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < ML_SM90_BK / 16; ++kk)
@@ -1357,7 +1375,7 @@ static __device__ __forceinline__ void ml_sm90_fp8_issue(float *blk, uint32_t ba
   /* A came through cp.async (generic proxy); wgmma reads through the async
    * proxy */
   if (!(ML_SM90_PROBE & 4))
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    ml_fence_proxy_async();
   ml_wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < C::BK / 32; ++kk)

@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
     *(uint4 *)(ring_p + s * ML_GAW_STAGE + ML_GAW_W_BYTES + (p.m + rest / 8) * 128 +
                (rest % 8) * 16) = make_uint4(0u, 0u, 0u, 0u);
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  ml_fence_proxy_async();
   __syncthreads();
 
   float d[64];
@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(ML_GAW_THREADS, 1)
     for (int s = 0; s < nk; ++s) {
       ml_mbar_wait(bars + (uint32_t)(8 * stage), phase);
       /* a came through cp.async (generic proxy); wgmma reads through the async one */
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      ml_fence_proxy_async();
       const uint32_t st = ring + (uint32_t)(stage * ML_GAW_STAGE);
       const uint64_t da = ml_wgmma_desc(st + (uint32_t)(g * 64 * 128));
       const uint64_t db = ml_wgmma_desc(st + ML_GAW_W_BYTES);
