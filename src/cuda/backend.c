@@ -56,6 +56,7 @@ typedef struct ml_cu_moe {
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
   float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
   void *small;           /* ml_cuda_moe_small's scratch, or NULL where the layer never takes it */
+  int small_tokens;      /* with it: the most tokens a forward gives it (the rest: none) */
   uint8_t *xq, *hq;      /* fp8_experts: token rows [T, H] and SwiGLU rows [T*k, I] */
   float *xs, *hs;        /* in e4m3, with their scales per 128 (xq, xs also fp8_shared's) */
   uint8_t *shq;          /* fp8_shared: the shared expert's SwiGLU rows [T, Is] in e4m3 */
@@ -93,8 +94,6 @@ moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t
     moelink_status_t ml_s_ = (call);                                           \
     return ml_cuda_leave((ctx), ml_prev_, ml_s_);                                \
   } while (0)
-
-static int ml_cu_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
 
 /* MOELINK_CUDA_SYNC_CHECK=1: after each step of a call, wait for the stream
  * and name the step whose kernels faulted. For debugging only: it costs a
@@ -310,6 +309,12 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->sched = (int32_t *)(m->base + L->sched);
   m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
   m->small = L->small_bytes > 0 ? m->base + L->small : NULL;
+  /* (its token bound is the only part of ml_cuda_moe_small_fits a forward's
+   * T changes: settled here, not at every forward) */
+  for (int t = 1; m->small != NULL && t <= ml_param_SMALL_LAYER_TOKENS() &&
+                  ml_cuda_moe_small_fits(cfg, t, c->smem_optin);
+       ++t)
+    m->small_tokens = t;
   if (cfg->fp8_experts || cfg->fp8_shared) {
     m->xq = (uint8_t *)(m->base + L->xq);
     m->xs = (float *)(m->base + L->xs);
@@ -368,10 +373,10 @@ static moelink_status_t ml_cu_route_impl(moelink_moe_t moe, const void *x, int T
   const moelink_moe_config_t *cfg = &moe->cfg;
   const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
-  if (ml_cu_misaligned(x))
+  if (ml_cuda_misaligned(x))
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "x %p must be 16-byte aligned on the CUDA backend",
                    x);
-  if (ml_cu_misaligned(moe->w.router))
+  if (ml_cuda_misaligned(moe->w.router))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "weights.router %p must be 16-byte aligned on the CUDA backend",
                    moe->w.router);
@@ -462,7 +467,7 @@ static int ml_cu_fp8_quant_in_gemm(int max_rows) {
 static moelink_status_t ml_cu_quantize_x(moelink_moe_t moe, const void *x, int T, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
-  if (ml_cu_misaligned(x))
+  if (ml_cuda_misaligned(x))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "x %p must be 16-byte aligned on the CUDA backend (fp8 weights)", x);
   ML_TRY(ml_cuda_quantize(MOELINK_QUANT_FP8, cfg->dtype, x, T, cfg->hidden, m->xq, m->xs,
@@ -714,12 +719,11 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   const moelink_moe_config_t *cfg = &moe->cfg;
   const moelink_moe_weights_t *w = &moe->w;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
-  if (ml_cu_misaligned(out))
+  if (ml_cuda_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "out %p must be 16-byte aligned on the CUDA backend",
                    out);
-  const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
-  if (m->small != NULL && T <= ml_param_SMALL_LAYER_TOKENS() &&
-      ml_cuda_moe_small_fits(cfg, T, c->smem_optin)) {
+  if (T >= 1 && T <= m->small_tokens) {
+    const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
     ml_cuda_moe_small_args a;
     memset(&a, 0, sizeof a);
     a.cfg = cfg;

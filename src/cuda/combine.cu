@@ -89,8 +89,6 @@ static __global__ void __launch_bounds__(ML_C_THREADS) ml_combine_kernel(const m
   }
 }
 
-static int ml_c_misaligned(const void *ptr) { return ((uintptr_t)ptr & 15u) != 0; }
-
 extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
                                             const int32_t *pair_rows, int num_tokens, int top_k,
                                             int hidden, const float *shared_out, const void *x,
@@ -104,8 +102,8 @@ extern "C" moelink_status_t ml_cuda_combine(moelink_dtype_t dt, const void *y,
     return ml_fail(MOELINK_ERR_INTERNAL, "combine: H %d, k %d out of range", hidden, top_k);
   if (shared_gate != NULL && (x == NULL || shared_out == NULL))
     return ml_fail(MOELINK_ERR_INTERNAL, "combine: a shared gate without x or shared output");
-  if (ml_c_misaligned(y) || ml_c_misaligned(out) || ml_c_misaligned(shared_out) ||
-      ml_c_misaligned(x) || ml_c_misaligned(shared_gate))
+  if (ml_cuda_misaligned(y) || ml_cuda_misaligned(out) || ml_cuda_misaligned(shared_out) ||
+      ml_cuda_misaligned(x) || ml_cuda_misaligned(shared_gate))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "combine: y %p, out %p, x %p, shared gate %p must be 16-byte aligned", y, out,
                    x, shared_gate);

@@ -8,6 +8,7 @@
 #include "moelink_device.cuh"
 
 #include <cuda_runtime_api.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -74,6 +75,9 @@ static inline moelink_status_t ml_cuda_allow_smem(const void *kernel, unsigned c
     __atomic_store_n(flag, 1, __ATOMIC_RELEASE);
   return MOELINK_SUCCESS;
 }
+
+/* Whether p is off the 16-byte alignment the kernels' vector accesses need. */
+static inline int ml_cuda_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
 
 /* A bump allocator over a workspace's offsets: the offset of a region of
  * bytes at the 256-byte boundary at or past *cursor, which moves past it. */

@@ -138,8 +138,6 @@ static moelink_status_t ml_gemm_allow_smem(const void *kernel, int which, int by
   return ml_cuda_allow_smem(kernel, ml_gemm_smem_ready, ML_K_COUNT, which, bytes);
 }
 
-static int ml_misaligned(const void *p) { return ((uintptr_t)p & 15) != 0; }
-
 /* Checks shared by both GEMMs; sets *grid_x (0: nothing to do). */
 static moelink_status_t ml_gemm_check(const char *what, moelink_dtype_t dt, const void *a,
                                       int lda, const void *b, int n, int k,
@@ -175,7 +173,7 @@ static moelink_status_t ml_gemm_check(const char *what, moelink_dtype_t dt, cons
   if (a == NULL || b == NULL || out == NULL)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL operand (a %p, b %p, out %p)", what,
                    a, b, out);
-  if (ml_misaligned(a) || ml_misaligned(b) || ml_misaligned(out))
+  if (ml_cuda_misaligned(a) || ml_cuda_misaligned(b) || ml_cuda_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: operands must be 16-byte aligned (a %p, b %p, out %p)", what, a, b, out);
   return MOELINK_SUCCESS;
@@ -836,7 +834,7 @@ static moelink_status_t ml_sm90_fp8_args(const char *what, const void *a, const 
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
                    "%s: NULL operand (a %p, a_scale %p, b %p, b_scale %p, out %p)", what, a,
                    (const void *)a_scale, b, (const void *)b_scale, out);
-  if (ml_misaligned(a) || ml_misaligned(b) || ml_misaligned(out) ||
+  if (ml_cuda_misaligned(a) || ml_cuda_misaligned(b) || ml_cuda_misaligned(out) ||
       (((uintptr_t)a_scale | (uintptr_t)b_scale) & 3u))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: operands must be 16-byte aligned and scales 4-byte aligned", what);

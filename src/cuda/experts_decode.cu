@@ -284,8 +284,6 @@ static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, 
   return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN>(p, grid, which, pdl, name, stream);
 }
 
-static int mld_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
-
 /* Checks and fills everything but the mode-specific fields; *grid 0 means
  * there is nothing to do. fp8: e4m3 operands (dt is the output's dtype),
  * stages of 128 k. */
@@ -351,7 +349,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   if (a == NULL || b == NULL || out == NULL)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL operand (a %p, b %p, out %p)", what,
                    a, b, out);
-  if (mld_misaligned(a) || mld_misaligned(b) || mld_misaligned(out))
+  if (ml_cuda_misaligned(a) || ml_cuda_misaligned(b) || ml_cuda_misaligned(out))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: operands must be 16-byte aligned (a %p, b %p, out %p)", what, a, b, out);
   const int q = o->q_out != NULL || o->q_scale != NULL;
@@ -360,7 +358,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
       return ml_fail(MOELINK_ERR_UNSUPPORTED,
                      "%s: an FP8 copy of the output (q_out) is for the FP8 SwiGLU with an fp32 "
                      "output", what);
-    if (o->q_out == NULL || o->q_scale == NULL || mld_misaligned(o->q_out) ||
+    if (o->q_out == NULL || o->q_scale == NULL || ml_cuda_misaligned(o->q_out) ||
         ((uintptr_t)o->q_scale & 3u))
       return ml_fail(MOELINK_ERR_INVALID_ARGUMENT,
                      "%s: q_out %p and q_scale %p go together (16- and 4-byte aligned)", what,
@@ -380,7 +378,7 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
                      "tickets, have %zu and %zu)", what, splits, need_f, need_t,
                      o->partials ? o->partial_floats : (size_t)0,
                      o->tickets ? o->ticket_count : (size_t)0);
-    if (mld_misaligned(o->partials))
+    if (ml_cuda_misaligned(o->partials))
       return ml_fail(MOELINK_ERR_INTERNAL, "%s: partials %p not 16-byte aligned", what,
                      (void *)o->partials);
   }

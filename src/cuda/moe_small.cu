@@ -1011,8 +1011,6 @@ static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, 
   return MOELINK_SUCCESS;
 }
 
-static int mls_misaligned(const void *p) { return ((uintptr_t)p & 15u) != 0; }
-
 extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, cudaStream_t st) {
   const moelink_moe_config_t *c = a->cfg;
   const int T = a->num_tokens;
@@ -1033,8 +1031,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
       a->out == NULL || a->scratch == NULL || (c->correction_bias && a->bias == NULL) ||
       (c->fp8_experts && (a->gate_up_scale == NULL || a->down_scale == NULL)))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "small-batch layer kernel: a NULL operand");
-  if (mls_misaligned(a->x) || mls_misaligned(a->router) || mls_misaligned(a->gate_up) ||
-      mls_misaligned(a->down) || mls_misaligned(a->out) || mls_misaligned(a->scratch))
+  if (ml_cuda_misaligned(a->x) || ml_cuda_misaligned(a->router) || ml_cuda_misaligned(a->gate_up) ||
+      ml_cuda_misaligned(a->down) || ml_cuda_misaligned(a->out) || ml_cuda_misaligned(a->scratch))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "small-batch layer kernel: operands must be 16-byte aligned");
   const int ctas = a->ctas > 0 && a->ctas < a->sm_count ? a->ctas : a->sm_count;
