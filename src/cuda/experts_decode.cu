@@ -232,22 +232,11 @@ extern "C" void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_expert
 
 /* ---- launches ------------------------------------------------------------------ */
 
-enum {
-  MLD_K_SWIGLU_BF16,
-  MLD_K_SWIGLU_F16,
-  MLD_K_SCALED_BF16,
-  MLD_K_SCALED_BF16_F32,
-  MLD_K_SCALED_F16,
-  MLD_K_SCALED_F16_F32,
-  /* FP8 operands, output dtype as named */
-  MLD_K_FP8_SWIGLU_BF16,
-  MLD_K_FP8_SWIGLU_F16,
-  MLD_K_FP8_SCALED_BF16,
-  MLD_K_FP8_SCALED_F16,
-  MLD_K_FP8_SCALED_F32,
-  MLD_K_FP8_SWIGLU_F32,
-  MLD_K_COUNT
-};
+enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16_F32,
+       MLD_K_SCALED_F16, MLD_K_SCALED_F16_F32,
+       /* FP8 operands, output dtype as named */
+       MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
+       MLD_K_FP8_SCALED_F32, MLD_K_FP8_SWIGLU_F32, MLD_K_COUNT };
 /* [device][kernel of 64-row passes, then of 16-row ones] */
 static unsigned char mld_smem_ready[ML_CUDA_MAX_DEVICES * 2 * MLD_K_COUNT];
 

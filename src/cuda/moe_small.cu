@@ -35,7 +35,7 @@
  *
  * Work is shared out stream-K: the units of a phase (gate/up: a pair's 64
  * output columns, whose 64 gate and 64 up rows make one box; down: a pair's
- * 128 output rows) are cut into k steps of 64, and CTA b takes the steps
+ * 128 output rows) are cut into k steps of a box (64; FP8 128), and CTA b takes the steps
  * [b W / G, (b + 1) W / G) of the W of the phase, so every SM streams the
  * same number of bytes whatever the shapes. A unit cut between CTAs leaves
  * fp32 partial sums in global memory, one slot per part, and the CTA that
@@ -109,7 +109,7 @@ typedef struct mls_params {
   const float *bias;                                 /* [E] or NULL */
   void *out;                                         /* [T, H] */
   float *logits;                                     /* [T, E] */
-  const float *gs, *ds; /* FP8: the weights' block scales (ml_moe_weights' layout) */
+  const float *gs, *ds; /* FP8: the weights' block scales (moelink_moe_weights_t's layout) */
   char *h;              /* [P, I] SwiGLU rows (dtype; FP8: fp32, quantized by their readers) */
   char *y;                                           /* [P, H] weighted expert outputs (dtype) */
   float *part_a, *part_b;                            /* [units][maxp][128] partial sums */
@@ -560,16 +560,13 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     if (lane == 0) {
       mls_stamp(p, ML_SMALL_PH_SELECTED);
       const uint64_t pol = ml_l2_evict_first();
-      int s = 0, u, kk;
-      if (na > 0) {
-        u = a0 / p.ks_a;
-        kk = a0 - u * p.ks_a;
-      } else {
-        u = b0 / p.ks_b;
-        kk = b0 - u * p.ks_b;
-      }
+      int s = 0, u = a0 / p.ks_a, kk = a0 - u * p.ks_a;
       uint32_t ph = 0; /* parity of slot s's current round */
       for (int i = 0; i < n; ++i) {
+        if (i == na) { /* the down steps from here */
+          u = b0 / p.ks_b;
+          kk = b0 - u * p.ks_b;
+        }
         if (i >= S)
           ml_mbar_wait(empty + 8u * (uint32_t)s, ph ^ 1u);
         const uint32_t dst = ring + (uint32_t)(s * MLS_BOX), bar = full + 8u * (uint32_t)s;
@@ -582,10 +579,6 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           if (++kk == p.ks_a) {
             kk = 0;
             ++u;
-          }
-          if (i + 1 == na) {
-            u = b0 / p.ks_b;
-            kk = b0 - u * p.ks_b;
           }
         } else {
           const int pair = u / p.nob, ob = u - pair * p.nob;

@@ -209,10 +209,9 @@ static __device__ void ml_plan_small(int32_t id, int pairs, int E, ml_plan_ptrs 
       t += ((leads >> j) & 1u) && kj < key;
     }
     if (lead) {
-      const int n = s.count[key];
       plan.tiles[3 * t] = (int32_t)key;
       plan.tiles[3 * t + 1] = s.first[key];
-      plan.tiles[3 * t + 2] = n < ML_CUDA_TILE_ROWS ? n : ML_CUDA_TILE_ROWS;
+      plan.tiles[3 * t + 2] = s.count[key]; /* <= 32 rows: one tile (the assert above) */
     }
     if (tid == 0)
       *plan.num_tiles = __popc(leads);
