@@ -724,21 +724,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
                    out);
   if (T >= 1 && T <= m->small_tokens) {
     const ml_cu_ctx *c = ml_cu_ctx_of(moe->ctx);
-    ml_cuda_moe_small_args a;
-    memset(&a, 0, sizeof a);
-    a.cfg = cfg;
-    a.x = x;
-    a.num_tokens = T;
-    a.router = w->router;
-    a.bias = w->correction_bias;
-    a.gate_up = w->gate_up;
-    a.down = w->down;
-    a.gate_up_scale = w->gate_up_scale;
-    a.down_scale = w->down_scale;
-    a.out = out;
-    a.scratch = m->small;
-    a.scratch_bytes = m->lay.small_bytes;
-    a.sm_count = c->sm_count;
+    ml_cuda_moe_small_args a =
+        ml_cuda_moe_small_args_for(cfg, w, x, T, out, m->small, m->lay.small_bytes, c->sm_count);
     a.smem_optin = c->smem_optin;
     ML_TRY(ml_cuda_moe_small(&a, st));
     return ml_cu_step(st, "one-kernel layer");

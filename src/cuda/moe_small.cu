@@ -1004,6 +1004,29 @@ static moelink_status_t mls_launch(const CUtensorMap *gu, const CUtensorMap *d, 
   return MOELINK_SUCCESS;
 }
 
+extern "C" ml_cuda_moe_small_args ml_cuda_moe_small_args_for(const moelink_moe_config_t *cfg,
+                                                             const moelink_moe_weights_t *w,
+                                                             const void *x, int num_tokens,
+                                                             void *out, void *scratch,
+                                                             size_t scratch_bytes, int sm_count) {
+  ml_cuda_moe_small_args a;
+  memset(&a, 0, sizeof a);
+  a.cfg = cfg;
+  a.x = x;
+  a.num_tokens = num_tokens;
+  a.router = w->router;
+  a.bias = w->correction_bias;
+  a.gate_up = w->gate_up;
+  a.down = w->down;
+  a.gate_up_scale = w->gate_up_scale;
+  a.down_scale = w->down_scale;
+  a.out = out;
+  a.scratch = scratch;
+  a.scratch_bytes = scratch_bytes;
+  a.sm_count = sm_count;
+  return a;
+}
+
 extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, cudaStream_t st) {
   const moelink_moe_config_t *c = a->cfg;
   const int T = a->num_tokens;

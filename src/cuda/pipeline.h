@@ -225,6 +225,15 @@ enum ml_cuda_small_phase {
 };
 #define ML_CUDA_SMALL_STAMPS ML_SMALL_PH_COUNT
 
+/* The arguments of a launch for num_tokens tokens of x through layer cfg's
+ * weights w into out, over scratch (scratch_bytes, sized for sm_count SMs);
+ * the rest zero (the device's shared memory asked of it, one CTA an SM, no
+ * ids, no stamps). */
+ml_cuda_moe_small_args ml_cuda_moe_small_args_for(const moelink_moe_config_t *cfg,
+                                                  const moelink_moe_weights_t *w, const void *x,
+                                                  int num_tokens, void *out, void *scratch,
+                                                  size_t scratch_bytes, int sm_count);
+
 /* Whether the kernel takes num_tokens tokens of layer cfg on a device with
  * smem_optin bytes of shared memory a block (at most 8 tokens, and never
  * past cfg->max_tokens). */

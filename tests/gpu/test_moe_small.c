@@ -50,21 +50,8 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   gu_poison(dout2, xb);
   gu_poison(dids, (size_t)T * k * 4);
 
-  ml_cuda_moe_small_args a;
-  memset(&a, 0, sizeof a);
-  a.cfg = cfg;
-  a.x = dx;
-  a.num_tokens = T;
-  a.router = D->w.router;
-  a.bias = D->w.correction_bias;
-  a.gate_up = D->w.gate_up;
-  a.down = D->w.down;
-  a.gate_up_scale = D->w.gate_up_scale;
-  a.down_scale = D->w.down_scale;
-  a.out = dout;
-  a.scratch = scratch;
-  a.scratch_bytes = sb;
-  a.sm_count = g_sms;
+  ml_cuda_moe_small_args a =
+      ml_cuda_moe_small_args_for(cfg, &D->w, dx, T, dout, scratch, sb, g_sms);
   a.ctas = ctas;
   a.ids = dids;
   a.weights = dw;
