@@ -8,7 +8,9 @@
  * Here one persistent grid, one CTA an SM, all resident (a cooperative
  * launch), does everything:
  *
- *   logits   every warp of the grid takes some (token, expert) dot products
+ *   logits   every warp of the grid takes some (token, expert, part) dot
+ *            products (each cut into lsplit parts of H, so that the grid's
+ *            warps all have one: the barrier waits for the slowest warp)
  *            of the router, x . w_e in fp32, into a small global array;
  *   barrier  one grid-wide arrival counter;
  *   select   every CTA selects each token's experts and weights itself, from
@@ -108,7 +110,7 @@ typedef struct mls_params {
   const char *wr;                                    /* router [E, H] */
   const float *bias;                                 /* [E] or NULL */
   void *out;                                         /* [T, H] */
-  float *logits;                                     /* [T, E] */
+  float *logits;                                     /* [T, E, lsplit] parts */
   const float *gs, *ds; /* FP8: the weights' block scales (moelink_moe_weights_t's layout) */
   char *h;              /* [P, I] SwiGLU rows (dtype; FP8: fp32, quantized by their readers) */
   char *y;                                           /* [P, H] weighted expert outputs (dtype) */
@@ -122,6 +124,7 @@ typedef struct mls_params {
   float scaling;
   int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
   int whole_b;              /* 1: down unit b to CTA b (no unit cut between CTAs) */
+  int lsplit;               /* parts of H a router dot product is cut into */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
@@ -228,11 +231,16 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   const float *__restrict__ bias = p.bias;
   float *sc = scratch, *q = scratch + 512, *gs = scratch + 1024, *ws = scratch + 1536;
   float *red = scratch + 1552;
-  const float *lg = p.logits + (size_t)t * E;
+  const int ls = p.lsplit;
+  const float *lg = p.logits + (size_t)t * E * ls;
   float mx = -INFINITY;
 #pragma unroll 1
   for (int e = tid; e < E; e += MLS_THREADS) {
-    const float v = __ldcg(lg + e);
+    /* the logit's parts in order (one part: the value itself) */
+    float v = __ldcg(lg + (size_t)e * ls);
+#pragma unroll 1
+    for (int q = 1; q < ls; ++q)
+      v += __ldcg(lg + (size_t)e * ls + q);
     sc[e] = v;
     mx = fmaxf(mx, v);
   }
@@ -494,16 +502,17 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
-  /* ---- logits: the grid's warps share the T x E dot products ---- */
+  /* ---- logits: the grid's warps share the T x E x lsplit dot products ---- */
   {
-    const int nw = G * (MLS_THREADS / 32), H8 = p.H / 8;
-    for (int d = b * (MLS_THREADS / 32) + warp; d < p.T * p.E; d += nw) {
-      const int t = d / p.E, e = d - t * p.E;
+    const int nw = G * (MLS_THREADS / 32), H8 = p.H / 8, ls = p.lsplit;
+    for (int d = b * (MLS_THREADS / 32) + warp; d < p.T * p.E * ls; d += nw) {
+      const int te = d / ls, part = d - te * ls, t = te / p.E, e = te - t * p.E;
       const uint4 *xr = (const uint4 *)(p.x + (size_t)t * p.H * 2);
       const uint4 *wr = (const uint4 *)(p.wr + (size_t)e * p.H * 2);
+      const int q0 = (int)((long long)part * H8 / ls), q1 = (int)((long long)(part + 1) * H8 / ls);
       float acc = 0.0f;
 #pragma unroll 4
-      for (int q = lane; q < H8; q += 32) {
+      for (int q = q0 + lane; q < q1; q += 32) {
         float xv[8], wv[8];
         ml_dt_unpack16<DT>(__ldg(xr + q), xv);
         ml_dt_unpack16<DT>(__ldg(wr + q), wv);
@@ -836,6 +845,11 @@ static __global__ void __launch_bounds__(MLS_THREADS, 1)
  * of a stream-K share (qwen3-30b-a3b at one token: 128 units, 132 SMs). */
 MOELINK_PARAM(SMALL_LAYER_WHOLE_DOWN, 1)
 
+/* 1: each router dot product of the logits phase is cut into as many parts
+ * of H (at least 256 elements each) as keep every warp of the grid busy,
+ * instead of one warp a (token, expert); 0: one part. */
+MOELINK_PARAM(SMALL_LAYER_LOGIT_SPLIT, 1)
+
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
  * 1.5 us of each other at one token, 11-13 3.4-4.5 us slower for
@@ -905,7 +919,9 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   L->ready = ml_cuda_take(&cur, (size_t)m.P * 4);
   L->sync = ml_cuda_take(&cur, 2 * 4);
   L->zero_bytes = (cur + 255) & ~(size_t)255;
-  L->logits = ml_cuda_take(&cur, (size_t)Tm * c->num_experts * 4);
+  /* (lsplit keeps T E lsplit within the grid's warps, or is 1) */
+  L->logits =
+      ml_cuda_take(&cur, ((size_t)Tm * c->num_experts + (size_t)sm_count * (MLS_THREADS / 32)) * 4);
   L->h = ml_cuda_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
   L->y = ml_cuda_take(&cur, (size_t)m.P * c->hidden * 2);
   L->part_a = ml_cuda_take(&cur, L->part_a_floats * 4);
@@ -1104,6 +1120,12 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   p.maxp_a = mls_maxp(s.ks_a, s.w_a, ctas);
   p.maxp_b = mls_maxp(s.ks_b, s.w_b, ctas);
   const long long units_b = (long long)s.P * s.nob;
+  {
+    const int warps = ctas * (MLS_THREADS / 32), dots = T * c->num_experts;
+    int ls = dots < warps ? warps / dots : 1;
+    const int most = c->hidden / 256 > 1 ? c->hidden / 256 : 1;
+    p.lsplit = ml_param_SMALL_LAYER_LOGIT_SPLIT() != 0 ? (ls < most ? ls : most) : 1;
+  }
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
