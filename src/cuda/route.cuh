@@ -52,13 +52,26 @@ static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, 
  * router's warp-wide top-k picks in). */
 static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
   const float v = a[i];
-  int r = 0;
-#pragma unroll 4
-  for (int j = 0; j < n; ++j) {
-    const float u = a[j];
-    r += (u > v) | ((u == v) & (j < i));
+  /* sixteen loads in flight, then four independent counts (one chain of
+   * dependent adds waited a load's latency for every element) */
+  int r[4] = {0, 0, 0, 0};
+  int j = 0;
+#pragma unroll 1
+  for (; j + 16 <= n; j += 16) {
+    float u[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m)
+      u[m] = a[j + m];
+#pragma unroll
+    for (int m = 0; m < 16; ++m)
+      r[m & 3] += (u[m] > v) | ((u[m] == v) & (j + m < i));
   }
-  return r;
+#pragma unroll 1
+  for (; j < n; ++j) {
+    const float u = a[j];
+    r[0] += (u > v) | ((u == v) & (j < i));
+  }
+  return (r[0] + r[1]) + (r[2] + r[3]);
 }
 
 #endif
