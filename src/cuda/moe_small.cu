@@ -125,6 +125,7 @@ typedef struct mls_params {
   int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
   int whole_b;              /* 1: down unit b to CTA b (no unit cut between CTAs) */
   int lsplit;               /* parts of H a router dot product is cut into */
+  int row_once;             /* 1: one token's row into the vector region once, at the barrier */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
@@ -234,15 +235,32 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   const int ls = p.lsplit;
   const float *lg = p.logits + (size_t)t * E * ls;
   float mx = -INFINITY;
+  if (ls > 1) {
+    /* the parts, all in flight at once, into the (not yet used) selection
+     * values' and group scores' room (the host keeps E ls <= 1024) */
+    float *raw = scratch + 512;
+#pragma unroll 4
+    for (int j = tid; j < E * ls; j += MLS_THREADS)
+      raw[j] = __ldcg(lg + j);
+    __syncthreads();
 #pragma unroll 1
-  for (int e = tid; e < E; e += MLS_THREADS) {
-    /* the logit's parts in order (one part: the value itself) */
-    float v = __ldcg(lg + (size_t)e * ls);
+    for (int e = tid; e < E; e += MLS_THREADS) {
+      /* a logit's parts in order */
+      float v = raw[e * ls];
 #pragma unroll 1
-    for (int q = 1; q < ls; ++q)
-      v += __ldcg(lg + (size_t)e * ls + q);
-    sc[e] = v;
-    mx = fmaxf(mx, v);
+      for (int j = 1; j < ls; ++j)
+        v += raw[e * ls + j];
+      sc[e] = v;
+      mx = fmaxf(mx, v);
+    }
+    __syncthreads(); /* (raw is the selection values' room) */
+  } else {
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS) {
+      const float v = __ldcg(lg + e);
+      sc[e] = v;
+      mx = fmaxf(mx, v);
+    }
   }
   if (t == 0 && tid == 0)
     mls_stamp(p, ML_SMALL_PH_SEL_LOADED);
@@ -307,34 +325,30 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   __syncthreads();
   if (t == 0 && tid == 0)
     mls_stamp(p, ML_SMALL_PH_SEL_RANKED);
-  if (tid == 0) {
+  /* the weights: lane j < k of warp 0 computes winner j's, each lane with
+   * the same sums in the same order (k <= 16) */
+  if (tid < k) {
+    const float own = ws[tid];
+    float w = own;
     if (router == MOELINK_ROUTER_TOPK_SOFTMAX) {
       float m = ws[0];
-#pragma unroll 1
+#pragma unroll 4
       for (int j = 1; j < k; ++j)
         m = ws[j] > m ? ws[j] : m;
       float sum = 0.0f;
-#pragma unroll 1
-      for (int j = 0; j < k; ++j) {
-        ws[j] = expf(ws[j] - m);
-        sum += ws[j];
-      }
-#pragma unroll 1
+#pragma unroll 4
       for (int j = 0; j < k; ++j)
-        ws[j] = ws[j] / sum;
+        sum += expf(ws[j] - m);
+      w = expf(own - m) / sum;
     } else if (renormalize) {
       float sum = 0.0f;
-#pragma unroll 1
+#pragma unroll 4
       for (int j = 0; j < k; ++j)
         sum += ws[j];
       if (sum > 0.0f)
-#pragma unroll 1
-        for (int j = 0; j < k; ++j)
-          ws[j] = ws[j] / sum;
+        w = own / sum;
     }
-#pragma unroll 1
-    for (int j = 0; j < k; ++j)
-      wts[j] = scaling != 1.0f ? ws[j] * scaling : ws[j];
+    wts[tid] = scaling != 1.0f ? w * scaling : w;
   }
   __syncthreads();
 }
@@ -533,7 +547,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   }
   /* one token: its whole row into the vector region while the grid meets,
    * once for every gate/up run (the down runs overwrite it after) */
-  const bool x_once = p.T == 1;
+  const bool x_once = p.row_once && p.T == 1;
   if (x_once && tid < MLS_CONSUMERS * 32)
     mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
   if (tid == 0) {
@@ -850,6 +864,11 @@ MOELINK_PARAM(SMALL_LAYER_WHOLE_DOWN, 1)
  * instead of one warp a (token, expert); 0: one part. */
 MOELINK_PARAM(SMALL_LAYER_LOGIT_SPLIT, 1)
 
+/* 1: at one token, its row is loaded (FP8: quantized) into the vector region
+ * once, while the grid meets, for every gate/up run; 0: each run loads its k
+ * range as the runs of more tokens do. */
+MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
+
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
  * 1.5 us of each other at one token, 11-13 3.4-4.5 us slower for
@@ -1123,9 +1142,13 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   {
     const int warps = ctas * (MLS_THREADS / 32), dots = T * c->num_experts;
     int ls = dots < warps ? warps / dots : 1;
-    const int most = c->hidden / 256 > 1 ? c->hidden / 256 : 1;
+    /* parts of at least 256 elements; the selection gathers a token's
+     * E ls parts in 1024 floats of its scratch */
+    int most = c->hidden / 256 > 1 ? c->hidden / 256 : 1;
+    most = most < 1024 / c->num_experts ? most : 1024 / c->num_experts;
     p.lsplit = ml_param_SMALL_LAYER_LOGIT_SPLIT() != 0 ? (ls < most ? ls : most) : 1;
   }
+  p.row_once = ml_param_SMALL_LAYER_ROW_ONCE() != 0;
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
