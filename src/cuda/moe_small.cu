@@ -23,6 +23,12 @@
  *            pause between the two; four consumer warps multiply each box by
  *            the token's vector on tensor cores (mma m16n8k16 with the weight
  *            rows as M and the token as the one live column of N);
+ *   finish   a sixth warp takes each run's sums (a run: the steps of one
+ *            unit in a CTA's range) from the consumers through a two-slot
+ *            stage in shared memory and does the run's round trips (partial
+ *            sums and their ticket, SwiGLU, the pair's ready count) while
+ *            the consumers go on with the next run's boxes
+ *            (MOELINK_SMALL_LAYER_EPILOGUE_WARP);
  *   combine  finished output rows are weighted, rounded like the pipeline's
  *            y rows, and summed over the token's k experts in order.
  *
@@ -85,7 +91,7 @@
 #include <string.h>
 
 #define MLS_CONSUMERS 4                        /* warps that multiply */
-#define MLS_THREADS ((MLS_CONSUMERS + 1) * 32) /* and one that loads */
+#define MLS_THREADS ((MLS_CONSUMERS + 2) * 32) /* one that loads, one that finishes runs */
 #define MLS_BK 64                              /* k a box (16-bit weights) */
 #define MLS_BK8 128                            /* k a box (e4m3 weights): one scale block */
 #define MLS_ROWS 128                           /* weight rows a box */
@@ -126,6 +132,7 @@ typedef struct mls_params {
   int whole_b;              /* 1: down unit b to CTA b (no unit cut between CTAs) */
   int lsplit;               /* parts of H a router dot product is cut into */
   int row_once;             /* 1: one token's row into the vector region once, at the barrier */
+  int epi_warp;             /* 1: runs' sums finished by the epilogue warp, 0: by the consumers */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
@@ -165,22 +172,31 @@ static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_
 static_assert(MLS_CONSUMERS * 32 == 128, "the consumers are one warpgroup");
 static __device__ __forceinline__ void mls_consumers_sync(void) { ml_wg_sync(1); }
 
-/* The consumers' stores so far are published, then one arrival on ticket t:
+/* The group's stores so far are published, then one arrival on ticket t:
  * whether it was the one that made the count `last` + 1 (which then puts it
  * back to zero and may read what the others published). One fence by one
- * thread after the CTA barrier, as a grid barrier does it. Every consumer
- * thread calls it; flag: a shared word. */
+ * thread after the group's barrier, as a grid barrier does it. The group:
+ * the consumer warps (flag: a shared word), or with WARP the epilogue warp.
+ * Every thread of the group calls it. */
+template <bool WARP>
 static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, int *flag) {
-  mls_consumers_sync();
-  if (threadIdx.x == 0) {
+  if (WARP)
+    __syncwarp();
+  else
+    mls_consumers_sync();
+  int mine = 0;
+  if ((threadIdx.x & (WARP ? 31 : ~0u)) == 0) {
     __threadfence();
-    const int mine = atomicAdd(t, 1u) == last;
+    mine = atomicAdd(t, 1u) == last;
     if (mine) {
       *t = 0u;
       __threadfence();
     }
-    *flag = mine;
+    if (!WARP)
+      *flag = mine;
   }
+  if (WARP)
+    return __shfl_sync(0xffffffffu, mine, 0) != 0;
   mls_consumers_sync();
   return *flag != 0;
 }
@@ -194,6 +210,47 @@ static __device__ __forceinline__ int mls_owner(long long c, long long W, int G)
 
 static __device__ __forceinline__ long long mls_start(int b, long long W, int G) {
   return (long long)b * W / G;
+}
+
+/* One run: the steps of one unit in a CTA's range, from its step i (na:
+ * the CTA's gate/up steps; [a0, a1) and [b0, b1) its ranges of the phases).
+ * parts: the CTAs that hold some of the unit (with W >= G every CTA from the
+ * owner of its first step to the owner of its last; with W < G a CTA holds
+ * one step at most and CTAs between hold none: one part a step), pidx this
+ * CTA's part. */
+typedef struct mls_run {
+  int pa, u, kk0, kk1, pair, blk, parts, pidx;
+} mls_run;
+
+static __device__ __forceinline__ mls_run mls_run_at(const mls_params &p, int i, int na, int a0,
+                                                     int a1, int b0, int b1) {
+  const int G = (int)gridDim.x, b = (int)blockIdx.x;
+  mls_run r;
+  r.pa = i < na;
+  const int c0 = r.pa ? a0 + i : b0 + (i - na);
+  const int ks = r.pa ? p.ks_a : p.ks_b;
+  const long long W = r.pa ? p.w_a : p.w_b;
+  const int end = r.pa ? a1 : b1;
+  r.u = c0 / ks;
+  r.kk0 = c0 - r.u * ks;
+  const int ue = (r.u + 1) * ks;
+  r.kk1 = (ue < end ? ue : end) - r.u * ks;
+  const int per = r.pa ? p.ncb : p.nob;
+  r.pair = r.u / per;
+  r.blk = r.u - r.pair * per;
+  const long long us = (long long)r.u * ks, uend = us + ks;
+  if (!r.pa && p.whole_b) {
+    r.parts = 1;
+    r.pidx = 0;
+  } else if (W >= G) {
+    const int first = mls_owner(us, W, G);
+    r.parts = mls_owner(uend - 1, W, G) - first + 1;
+    r.pidx = b - first;
+  } else {
+    r.parts = ks;
+    r.pidx = r.kk0;
+  }
+  return r;
 }
 
 /* ---- selection ------------------------------------------------------------------ */
@@ -479,6 +536,114 @@ static __device__ __forceinline__ void mls_vec_load(const char *src, bool x_src,
   }
 }
 
+/* ---- a run's sums ---------------------------------------------------------------- */
+
+/* FP8: the weight scales of run R's boxes, contiguous in k from w0 + kk and
+ * w1 + kk (a gate/up box's halves sit in two 128-row blocks: gate, up; a down
+ * box in one). */
+static __device__ __forceinline__ void mls_run_scales(const mls_params &p, const mls_run &R,
+                                                      const int *ids, const float **w0,
+                                                      const float **w1) {
+  const int e = ids[R.pair];
+  if (R.pa) {
+    const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(R.blk / 2);
+    *w0 = p.gs + rb * (size_t)p.ks_a;
+    *w1 = p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a;
+  } else {
+    *w0 = *w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)R.blk) * (size_t)p.ks_b;
+  }
+}
+
+/* Run R's 128 sums to where they go. The thread holds (when holder) the
+ * sums v[mi][hh] of the unit's tile rows trow[mi][hh]; at gate/up mi 0 holds
+ * gate rows and mi 1 their up rows. With more parts than one they go through
+ * the unit's partial slots and ticket and the last part's CTA goes on with
+ * the whole sums: gate/up: h = SwiGLU, then the pair's ready count; down: the
+ * weighted rows y and, by the last of the token's k units of this row block,
+ * the token's output rows. The group: the consumer warps (128 threads, flag a
+ * shared word) or with WARP the epilogue warp. */
+template <int DT, int FP8, bool WARP>
+static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls_run &R,
+                                                  const int trow[2][2], float v[2][2],
+                                                  bool holder, const float *wts, int *flag) {
+  const int me = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
+  const int nth = WARP ? 32 : MLS_CONSUMERS * 32;
+  if (R.parts > 1) {
+    float *part = R.pa ? p.part_a : p.part_b;
+    const size_t base = (size_t)R.u * (size_t)(R.pa ? p.maxp_a : p.maxp_b) * MLS_ROWS;
+    if (holder)
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          __stcg(part + base + (size_t)R.pidx * MLS_ROWS + trow[mi][hh], v[mi][hh]);
+    if (!mls_ticket<WARP>((R.pa ? p.tick_a : p.tick_b) + R.u, (uint32_t)(R.parts - 1), flag))
+      return;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float sum = 0.0f;
+        if (holder)
+#pragma unroll 1
+          for (int q = 0; q < R.parts; ++q)
+            sum += __ldcg(part + base + (size_t)q * MLS_ROWS + trow[mi][hh]);
+        v[mi][hh] = sum;
+      }
+  }
+  if (R.pa) {
+    /* h = silu(gate) * up, rounded to the dtype as the pipeline stores it
+     * (FP8: kept in fp32 until its readers quantize it) */
+    if (holder)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int col = R.blk * MLS_COLS_A + trow[0][hh];
+        const float hv = mld_swiglu(v[0][hh], v[1][hh]);
+        if (col < p.I && FP8)
+          ((float *)p.h)[(size_t)R.pair * p.I + col] = hv;
+        else if (col < p.I)
+          ((uint16_t *)p.h)[(size_t)R.pair * p.I + col] = mls_round<DT>(hv);
+      }
+    if (WARP)
+      __syncwarp();
+    else
+      mls_consumers_sync();
+    if (me == 0) {
+      __threadfence();
+      atomicAdd(p.ready + R.pair, 1u);
+    }
+  } else {
+    /* y = w * rows, rounded as the pipeline's y rows; the token's row block
+     * is summed by the last of its k units */
+    const float w = wts[R.pair];
+    uint16_t *y = (uint16_t *)p.y + (size_t)R.pair * p.H;
+    if (holder)
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int o = R.blk * MLS_ROWS + trow[mi][hh];
+          if (o < p.H)
+            y[o] = mls_round<DT>(w * v[mi][hh]);
+        }
+    const int t = R.pair / p.k;
+    if (mls_ticket<WARP>(p.tick_g + (size_t)t * p.nob + R.blk, (uint32_t)(p.k - 1), flag)) {
+#pragma unroll 1
+      for (int r = me; r < MLS_ROWS; r += nth) {
+        const int o = R.blk * MLS_ROWS + r;
+        if (o >= p.H)
+          break;
+        const uint16_t *yt = (const uint16_t *)p.y + (size_t)t * p.k * p.H + o;
+        float sum = 0.0f;
+#pragma unroll 1
+        for (int j = 0; j < p.k; ++j)
+          sum += mls_to_f32<DT>(__ldcg(yt + (size_t)j * p.H));
+        ((uint16_t *)p.out)[(size_t)t * p.H + o] = mls_round<DT>(sum);
+      }
+    }
+  }
+}
+
 /* ---- the kernel ------------------------------------------------------------------ */
 
 template <int DT, int FP8>
@@ -489,6 +654,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   __shared__ int s_ids[MLS_MAX_TOKENS * ML_CUDA_MAX_TOPK];
   __shared__ float s_wts[MLS_MAX_TOKENS * ML_CUDA_MAX_TOPK];
   __shared__ int s_flag;
+  __shared__ float s_stage[2 * MLS_ROWS]; /* runs' sums on their way to the epilogue warp */
+  __shared__ __align__(8) uint64_t s_ebar[4];
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
   const uint32_t raw = ml_smem_u32(mls_smem);
@@ -496,6 +663,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   char *ring_p = mls_smem + (ring - raw);
   const int S = p.stages;
   const uint32_t full = ring + (uint32_t)(S * MLS_BOX), empty = full + 8u * (uint32_t)S;
+  const uint32_t efull = ml_smem_u32(s_ebar), efree = efull + 16u; /* two slots each */
   constexpr int BK = FP8 ? MLS_BK8 : MLS_BK;
   char *vec_p = ring_p + (size_t)S * MLS_BOX + 16 * (size_t)S;
   uint16_t *vec = (uint16_t *)vec_p;                                 /* 16-bit vector */
@@ -512,6 +680,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     for (int s = 0; s < S; ++s) {
       ml_mbar_init(full + 8u * (uint32_t)s, 1);
       ml_mbar_init(empty + 8u * (uint32_t)s, MLS_CONSUMERS);
+    }
+    for (int q = 0; q < 2; ++q) {
+      ml_mbar_init(efull + 8u * (uint32_t)q, MLS_CONSUMERS * 32);
+      ml_mbar_init(efree + 8u * (uint32_t)q, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -617,49 +789,36 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         }
       }
     }
-  } else {
+  } else if (warp < MLS_CONSUMERS) {
     /* ---- consumers ---- */
     const uint32_t *vec32 = (const uint32_t *)vec;
     const int fr = lane >> 2;            /* accumulator row within a fragment's 8 */
     const bool holder = (lane & 3) == 0; /* lanes holding the live column */
-    int i = 0, s = 0;
-    uint32_t ph = 0; /* parity of slot s's current round */
+    int i = 0, s = 0, run = 0;
+    uint32_t ph = 0;    /* parity of slot s's current round */
+    float w_next = 0.f; /* FP8: this thread's first scale of the next run, on its way */
+    bool have_next = false;
     while (i < n) {
-      /* one run: the steps of one unit in this CTA's range */
-      const bool pa = i < na;
-      const int c0 = pa ? a0 + i : b0 + (i - na);
-      const int ks = pa ? p.ks_a : p.ks_b;
-      const long long W = pa ? p.w_a : p.w_b;
-      const int end = pa ? a1 : b1;
-      const int u = c0 / ks, kk0 = c0 - u * ks;
-      const int ue = (u + 1) * ks;
-      const int kk1 = (ue < end ? ue : end) - u * ks;
-      const int per = pa ? p.ncb : p.nob;
-      const int pair = u / per, blk = u - pair * per;
+      const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
+      const bool pa = R.pa;
+      const int kk0 = R.kk0, kk1 = R.kk1, pair = R.pair;
       const int len = pa ? p.H : p.I;
 
       /* the vector's k range of this run into shared memory */
       mls_consumers_sync(); /* everyone is done with the last run's */
-      /* FP8: the run's weight scales, one a box and half (a gate/up box's
-       * halves sit in two 128-row blocks: gate, up; a down box in one),
-       * contiguous in k: loaded once a run, not a round trip a box; each
-       * thread's first one into a register before the vector's loads (down:
-       * by warps 1-3, while thread 0 waits for the SwiGLU row), stored after */
+      /* FP8: the run's weight scales, one a box and half, loaded once a run,
+       * not a round trip a box: each thread's first one (loaded while the
+       * last run streamed) stored after the vector's loads (down: by warps
+       * 1-3, while thread 0 waits for the SwiGLU row), the rest, if any,
+       * loaded here */
       const float *w0 = NULL, *w1 = NULL;
       const int nk = kk1 - kk0, t0 = pa ? 0 : 32, wstride = MLS_CONSUMERS * 32 - t0;
       const int q1st = tid - t0;
       float w1st = 0.0f;
       if (FP8) {
-        const int e = s_ids[pair];
-        if (pa) {
-          const size_t rb = (size_t)e * (size_t)(2 * p.I / MLS_BK8) + (size_t)(blk / 2);
-          w0 = p.gs + rb * (size_t)p.ks_a;
-          w1 = p.gs + (rb + (size_t)(p.I / MLS_BK8)) * (size_t)p.ks_a;
-        } else {
-          w0 = w1 = p.ds + ((size_t)e * (size_t)p.nob + (size_t)blk) * (size_t)p.ks_b;
-        }
+        mls_run_scales(p, R, s_ids, &w0, &w1);
         if (q1st >= 0 && q1st < 2 * nk)
-          w1st = __ldg(q1st >= nk ? w1 + kk0 + q1st - nk : w0 + kk0 + q1st);
+          w1st = have_next ? w_next : __ldg(q1st >= nk ? w1 + kk0 + q1st - nk : w0 + kk0 + q1st);
       }
       if (!pa && tid == 0) {
         if (i == na)
@@ -682,6 +841,16 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int q = q1st + wstride; q >= wstride && q < 2 * nk; q += wstride) {
           const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
           wsc[hf * vb + kk] = __ldg((hf ? w1 : w0) + kk);
+        }
+        /* the next run's first scales on their way while this run streams */
+        have_next = i + nk < n;
+        if (have_next) {
+          const mls_run Rn = mls_run_at(p, i + nk, na, a0, a1, b0, b1);
+          const int nkn = Rn.kk1 - Rn.kk0, qn = tid - (Rn.pa ? 0 : 32);
+          const float *n0, *n1;
+          mls_run_scales(p, Rn, s_ids, &n0, &n1);
+          if (qn >= 0 && qn < 2 * nkn)
+            w_next = __ldg(qn >= nkn ? n1 + Rn.kk0 + qn - nkn : n0 + Rn.kk0 + qn);
         }
       }
       mls_consumers_sync();
@@ -719,28 +888,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         }
       }
 
-      /* the unit's sums: from registers when this CTA holds all of it, else
-       * through the partial slots and the unit's ticket */
-      /* the unit's parts: with W >= G every CTA from the owner of its first
-       * step to the owner of its last holds some; with W < G a CTA holds one
-       * step at most and CTAs between hold none: one part a step */
-      const long long us = (long long)u * ks;
-      const long long uend = us + ks;
-      int parts, pidx;
-      if (!pa && p.whole_b) {
-        parts = 1;
-        pidx = 0;
-      } else if (W >= G) {
-        const int first = mls_owner(us, W, G);
-        parts = mls_owner(uend - 1, W, G) - first + 1;
-        pidx = b - first;
-      } else {
-        parts = ks;
-        pidx = kk0;
-      }
-      float *part = pa ? p.part_a : p.part_b;
-      const int maxp = pa ? p.maxp_a : p.maxp_b;
-      /* tile rows of this thread's four values: [mi][h] */
+      /* tile rows of this thread's four sums: [mi][h] */
       int trow[2][2];
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
@@ -748,78 +896,47 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int hh = 0; hh < 2; ++hh)
           trow[mi][hh] = row0[mi] + fr + 8 * hh;
       float v[2][2] = {{acc[0][0], acc[0][2]}, {acc[1][0], acc[1][2]}};
-      bool mine = true;
-      if (parts > 1) {
-        float *slot = part + ((size_t)u * maxp + (size_t)pidx) * MLS_ROWS;
+      if (p.epi_warp) {
+        /* to the epilogue warp through stage slot run & 1 (free again once
+         * it took what the run two before left there) */
+        const int slot = run & 1, use = run >> 1;
+        if (use > 0)
+          ml_mbar_wait(efree + 8u * (uint32_t)slot, (uint32_t)((use - 1) & 1));
         if (holder)
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
-              __stcg(slot + trow[mi][hh], v[mi][hh]);
-        mine = mls_ticket((pa ? p.tick_a : p.tick_b) + u, (uint32_t)(parts - 1), &s_flag);
-        if (mine) {
-          const float *base = part + (size_t)u * maxp * MLS_ROWS;
-#pragma unroll
-          for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              float sum = 0.0f;
-              if (holder)
-#pragma unroll 1
-                for (int q = 0; q < parts; ++q)
-                  sum += __ldcg(base + (size_t)q * MLS_ROWS + trow[mi][hh]);
-              v[mi][hh] = sum;
-            }
-        }
+              s_stage[slot * MLS_ROWS + trow[mi][hh]] = v[mi][hh];
+        ml_mbar_arrive(efull + 8u * (uint32_t)slot);
+      } else {
+        mls_finish<DT, FP8, false>(p, R, trow, v, holder, s_wts, &s_flag);
       }
-      if (mine) {
-        if (pa) {
-          /* h = silu(gate) * up, rounded to the dtype as the pipeline stores
-           * it (FP8: kept in fp32 until its readers quantize it) */
-          if (holder)
+      ++run;
+    }
+  } else if (p.epi_warp) {
+    /* ---- epilogue warp: each run's sums, in run order, while the consumers
+     * go on with the next run (lane l: tile rows l + 32 hh + 64 mi) ---- */
+    int i = 0, run = 0;
+    while (i < n) {
+      const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
+      const int slot = run & 1, use = run >> 1;
+      ml_mbar_wait(efull + 8u * (uint32_t)slot, (uint32_t)(use & 1));
+      int trow[2][2];
+      float v[2][2];
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-              const int col = blk * MLS_COLS_A + trow[0][hh];
-              const float hv = mld_swiglu(v[0][hh], v[1][hh]);
-              if (col < p.I && FP8)
-                ((float *)p.h)[(size_t)pair * p.I + col] = hv;
-              else if (col < p.I)
-                ((uint16_t *)p.h)[(size_t)pair * p.I + col] = mls_round<DT>(hv);
-            }
-          mls_consumers_sync();
-          if (tid == 0) {
-            __threadfence();
-            atomicAdd(p.ready + pair, 1u);
-          }
-        } else {
-          /* y = w * rows, rounded as the pipeline's y rows; the token's row
-           * block is summed by the last of its k units */
-          const float w = s_wts[pair];
-          uint16_t *y = (uint16_t *)p.y + (size_t)pair * p.H;
-          if (holder)
+      for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-              for (int hh = 0; hh < 2; ++hh) {
-                const int o = blk * MLS_ROWS + trow[mi][hh];
-                if (o < p.H)
-                  y[o] = mls_round<DT>(w * v[mi][hh]);
-              }
-          const int t = pair / p.k;
-          if (mls_ticket(p.tick_g + (size_t)t * p.nob + blk, (uint32_t)(p.k - 1), &s_flag)) {
-            const int o = blk * MLS_ROWS + tid;
-            if (tid < MLS_ROWS && o < p.H) {
-              const uint16_t *yt = (const uint16_t *)p.y + (size_t)t * p.k * p.H + o;
-              float sum = 0.0f;
-#pragma unroll 1
-              for (int j = 0; j < p.k; ++j)
-                sum += mls_to_f32<DT>(__ldcg(yt + (size_t)j * p.H));
-              ((uint16_t *)p.out)[(size_t)t * p.H + o] = mls_round<DT>(sum);
-            }
-          }
+        for (int hh = 0; hh < 2; ++hh) {
+          trow[mi][hh] = 64 * mi + 32 * hh + lane;
+          v[mi][hh] = s_stage[slot * MLS_ROWS + trow[mi][hh]];
         }
-      }
+      __syncwarp();
+      if (lane == 0)
+        ml_mbar_arrive(efree + 8u * (uint32_t)slot);
+      mls_finish<DT, FP8, true>(p, R, trow, v, true, s_wts, NULL);
+      i += R.kk1 - R.kk0;
+      ++run;
     }
   }
 
@@ -828,6 +945,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     mls_stamp(p, ML_SMALL_PH_CONSUMED);
   __syncthreads();
   if (tid == 0) {
+    mls_stamp(p, ML_SMALL_PH_SUMS_DONE);
     __threadfence();
     if (atomicAdd(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
       for (int q = 0; q < p.T * p.k; ++q)
@@ -868,6 +986,12 @@ MOELINK_PARAM(SMALL_LAYER_LOGIT_SPLIT, 1)
  * once, while the grid meets, for every gate/up run; 0: each run loads its k
  * range as the runs of more tokens do. */
 MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
+
+/* 1: a sixth warp finishes each run (the partial sums' ticket, SwiGLU, the
+ * ready count, the weighted rows and the output's ticket) while the consumers
+ * go on with the next run's boxes; 0: the consumers finish it themselves
+ * (every round trip of it on their way). */
+MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
@@ -1149,6 +1273,7 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
     p.lsplit = ml_param_SMALL_LAYER_LOGIT_SPLIT() != 0 ? (ls < most ? ls : most) : 1;
   }
   p.row_once = ml_param_SMALL_LAYER_ROW_ONCE() != 0;
+  p.epi_warp = ml_param_SMALL_LAYER_EPILOGUE_WARP() != 0;
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||

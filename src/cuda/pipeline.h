@@ -220,7 +220,8 @@ enum ml_cuda_small_phase {
   ML_SMALL_PH_READY,          /* the SwiGLU rows of its first down unit ready */
   ML_SMALL_PH_FIRST_DOWN_BOX, /* the first down box landed */
   ML_SMALL_PH_LAST_ISSUE,     /* the producer issued its last box */
-  ML_SMALL_PH_CONSUMED,       /* every box used, every sum stored */
+  ML_SMALL_PH_CONSUMED,       /* the consumers used every box */
+  ML_SMALL_PH_SUMS_DONE,      /* every run's sums stored (the epilogue warp's too) */
   ML_SMALL_PH_COUNT
 };
 #define ML_CUDA_SMALL_STAMPS ML_SMALL_PH_COUNT
