@@ -174,8 +174,9 @@ static __device__ __forceinline__ void mls_consumers_sync(void) { ml_wg_sync(1);
 
 /* The group's stores so far are published, then one arrival on ticket t:
  * whether it was the one that made the count `last` + 1 (which then puts it
- * back to zero and may read what the others published). One fence by one
- * thread after the group's barrier, as a grid barrier does it. The group:
+ * back to zero and may read what the others published). One acquire-release
+ * add by one thread after the group's barrier (no sequentially consistent
+ * fence: that one also waited for the loads in flight). The group:
  * the consumer warps (flag: a shared word), or with WARP the epilogue warp.
  * Every thread of the group calls it. */
 template <bool WARP>
@@ -186,12 +187,9 @@ static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, in
     mls_consumers_sync();
   int mine = 0;
   if ((threadIdx.x & (WARP ? 31 : ~0u)) == 0) {
-    __threadfence();
-    mine = atomicAdd(t, 1u) == last;
-    if (mine) {
-      *t = 0u;
-      __threadfence();
-    }
+    mine = ml_atom_add_acq_rel_gpu(t, 1u) == last;
+    if (mine)
+      *t = 0u; /* (for the next launch: one ticket a launch) */
     if (!WARP)
       *flag = mine;
   }
@@ -554,6 +552,23 @@ static __device__ __forceinline__ void mls_run_scales(const mls_params &p, const
   }
 }
 
+/* p0[q MLS_ROWS] for q < n added in q order, four loads in flight at a time. */
+static __device__ __forceinline__ float mls_sum_parts(const float *p0, int n) {
+  float sum = 0.0f;
+#pragma unroll 1
+  for (int q = 0; q < n; q += 4) {
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      x[j] = q + j < n ? __ldcg(p0 + (size_t)(q + j) * MLS_ROWS) : 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (q + j < n)
+        sum += x[j];
+  }
+  return sum;
+}
+
 /* Run R's 128 sums to where they go. The thread holds (when holder) the
  * sums v[mi][hh] of the unit's tile rows trow[mi][hh]; at gate/up mi 0 holds
  * gate rows and mi 1 their up rows. With more parts than one they go through
@@ -583,12 +598,7 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
     for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        float sum = 0.0f;
-        if (holder)
-#pragma unroll 1
-          for (int q = 0; q < R.parts; ++q)
-            sum += __ldcg(part + base + (size_t)q * MLS_ROWS + trow[mi][hh]);
-        v[mi][hh] = sum;
+        v[mi][hh] = holder ? mls_sum_parts(part + base + trow[mi][hh], R.parts) : 0.0f;
       }
   }
   if (R.pa) {
@@ -608,10 +618,8 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
       __syncwarp();
     else
       mls_consumers_sync();
-    if (me == 0) {
-      __threadfence();
-      atomicAdd(p.ready + R.pair, 1u);
-    }
+    if (me == 0)
+      ml_red_add_release_gpu(p.ready + R.pair, 1u);
   } else {
     /* y = w * rows, rounded as the pipeline's y rows; the token's row block
      * is summed by the last of its k units */
@@ -628,17 +636,28 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
         }
     const int t = R.pair / p.k;
     if (mls_ticket<WARP>(p.tick_g + (size_t)t * p.nob + R.blk, (uint32_t)(p.k - 1), flag)) {
-#pragma unroll 1
-      for (int r = me; r < MLS_ROWS; r += nth) {
-        const int o = R.blk * MLS_ROWS + r;
-        if (o >= p.H)
-          break;
+      /* every row's k values in flight at once, then added in order */
+      constexpr int RPT = WARP ? MLS_ROWS / 32 : 1;
+      static_assert(WARP || MLS_CONSUMERS * 32 == MLS_ROWS, "a consumer thread a row");
+      uint16_t yv[RPT][ML_CUDA_MAX_TOPK];
+#pragma unroll
+      for (int rr = 0; rr < RPT; ++rr) {
+        const int o = R.blk * MLS_ROWS + me + rr * nth;
         const uint16_t *yt = (const uint16_t *)p.y + (size_t)t * p.k * p.H + o;
+#pragma unroll
+        for (int j = 0; j < ML_CUDA_MAX_TOPK; ++j)
+          yv[rr][j] = o < p.H && j < p.k ? __ldcg(yt + (size_t)j * p.H) : (uint16_t)0;
+      }
+#pragma unroll
+      for (int rr = 0; rr < RPT; ++rr) {
+        const int o = R.blk * MLS_ROWS + me + rr * nth;
         float sum = 0.0f;
-#pragma unroll 1
-        for (int j = 0; j < p.k; ++j)
-          sum += mls_to_f32<DT>(__ldcg(yt + (size_t)j * p.H));
-        ((uint16_t *)p.out)[(size_t)t * p.H + o] = mls_round<DT>(sum);
+#pragma unroll
+        for (int j = 0; j < ML_CUDA_MAX_TOPK; ++j)
+          if (j < p.k)
+            sum += mls_to_f32<DT>(yv[rr][j]);
+        if (o < p.H)
+          ((uint16_t *)p.out)[(size_t)t * p.H + o] = mls_round<DT>(sum);
       }
     }
   }
@@ -714,8 +733,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   __syncthreads();
   if (tid == 0) {
     mls_stamp(p, ML_SMALL_PH_LOGITS);
-    __threadfence();
-    atomicAdd(p.sync, 1u);
+    ml_red_add_release_gpu(p.sync, 1u);
   }
   /* one token: its whole row into the vector region while the grid meets,
    * once for every gate/up run (the down runs overwrite it after) */

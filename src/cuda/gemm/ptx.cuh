@@ -43,6 +43,26 @@ static __device__ __forceinline__ void ml_fence_proxy_async(void) {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+/* *p += v at GPU scope with release semantics: this thread's earlier writes,
+ * and those it synchronized with (a CTA or warp barrier before it), are
+ * visible to whoever reads the sum with acquire. A release fence and the
+ * add, without __threadfence's sequentially consistent fence and L1
+ * invalidation. */
+static __device__ __forceinline__ void ml_red_add_release_gpu(uint32_t *p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+/* The same with the old value back and acquire semantics too: the caller
+ * also sees what the earlier adders released. */
+static __device__ __forceinline__ uint32_t ml_atom_add_acq_rel_gpu(uint32_t *p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
 /* The GPU's global nanosecond timer (%globaltimer): measurement stamps and
  * wait deadlines. */
 static __device__ __forceinline__ uint64_t ml_globaltimer(void) {
