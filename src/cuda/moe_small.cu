@@ -24,7 +24,8 @@
  *            the token's vector on tensor cores (mma m16n8k16 with the weight
  *            rows as M and the token as the one live column of N);
  *   finish   a sixth warp takes each run's sums (a run: the steps of one
- *            unit in a CTA's range) from the consumers through a two-slot
+ *            unit in a CTA's range; all but the CTA's last, which the
+ *            consumers finish) from the consumers through a two-slot
  *            stage in shared memory and does the run's round trips (partial
  *            sums and their ticket, SwiGLU, the pair's ready count) while
  *            the consumers go on with the next run's boxes
@@ -914,9 +915,11 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int hh = 0; hh < 2; ++hh)
           trow[mi][hh] = row0[mi] + fr + 8 * hh;
       float v[2][2] = {{acc[0][0], acc[0][2]}, {acc[1][0], acc[1][2]}};
-      if (p.epi_warp) {
+      if (p.epi_warp && i < n) {
         /* to the epilogue warp through stage slot run & 1 (free again once
-         * it took what the run two before left there) */
+         * it took what the run two before left there); the CTA's last run
+         * the consumers finish themselves, four times the threads with
+         * nothing else left to do */
         const int slot = run & 1, use = run >> 1;
         if (use > 0)
           ml_mbar_wait(efree + 8u * (uint32_t)slot, (uint32_t)((use - 1) & 1));
@@ -938,6 +941,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     int i = 0, run = 0;
     while (i < n) {
       const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
+      if (i + (R.kk1 - R.kk0) >= n)
+        break; /* the last run: the consumers' */
       const int slot = run & 1, use = run >> 1;
       ml_mbar_wait(efull + 8u * (uint32_t)slot, (uint32_t)(use & 1));
       int trow[2][2];
@@ -1005,10 +1010,11 @@ MOELINK_PARAM(SMALL_LAYER_LOGIT_SPLIT, 1)
  * range as the runs of more tokens do. */
 MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
 
-/* 1: a sixth warp finishes each run (the partial sums' ticket, SwiGLU, the
- * ready count, the weighted rows and the output's ticket) while the consumers
- * go on with the next run's boxes; 0: the consumers finish it themselves
- * (every round trip of it on their way). */
+/* 1: a sixth warp finishes each run but a CTA's last (the partial sums'
+ * ticket, SwiGLU, the ready count, the weighted rows and the output's
+ * ticket) while the consumers go on with the next run's boxes; 0: the
+ * consumers finish every run themselves (every round trip of it on their
+ * way). */
 MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
