@@ -1010,11 +1010,13 @@ MOELINK_PARAM(SMALL_LAYER_LOGIT_SPLIT, 1)
  * range as the runs of more tokens do. */
 MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
 
-/* 1: a sixth warp finishes each run but a CTA's last (the partial sums'
- * ticket, SwiGLU, the ready count, the weighted rows and the output's
- * ticket) while the consumers go on with the next run's boxes; 0: the
- * consumers finish every run themselves (every round trip of it on their
- * way). */
+/* Which layers have a sixth warp finish each run but a CTA's last (the
+ * partial sums' ticket, SwiGLU, the ready count, the weighted rows and the
+ * output's ticket) while the consumers go on with the next run's boxes:
+ * 1: FP8 experts only, 2: every layer, 0: none (the consumers finish every
+ * run themselves, every round trip of it on their way). At one token it
+ * took 1.9 us off qwen3-30b-a3b's FP8 layer and put 2.2 us on its bf16 one
+ * (docs/PERF.md). */
 MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
@@ -1297,7 +1299,10 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
     p.lsplit = ml_param_SMALL_LAYER_LOGIT_SPLIT() != 0 ? (ls < most ? ls : most) : 1;
   }
   p.row_once = ml_param_SMALL_LAYER_ROW_ONCE() != 0;
-  p.epi_warp = ml_param_SMALL_LAYER_EPILOGUE_WARP() != 0;
+  {
+    const int64_t ew = ml_param_SMALL_LAYER_EPILOGUE_WARP();
+    p.epi_warp = ew >= 2 || (ew == 1 && c->fp8_experts);
+  }
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
