@@ -12,7 +12,8 @@
  *  - the kernel's own choice of experts and weights (CTA 0's) against the
  *    CPU router's; outputs poisoned before each run; a second run bitwise
  *    equal; the counters left zero; tokens whose routing is a near tie left
- *    out of the output comparison;
+ *    out of the output comparison; router rows in equal pairs, whose exact
+ *    ties must go to the lower expert;
  *  - beside the GPU pipeline's forward of the same tokens (T > 1, which the
  *    layer does not send to the kernel by default);
  *  - what it refuses: too many tokens, a shared expert, FP8 shapes off the
@@ -22,6 +23,25 @@
 
 static moelink_context_t g_gpu, g_cpu;
 static int g_sms, g_optin;
+static int g_pairs; /* the router's rows come in equal pairs (test_exact_ties) */
+
+/* With router rows 2i and 2i + 1 equal (and their biases), every selection
+ * value comes twice, bit for bit, and a tie goes to the lower expert: 2i + 1
+ * is chosen only right after 2i, and 2i in any slot but the last is followed
+ * by 2i + 1. Checks that order in the kernel's choice (the CPU comparison
+ * would let a tie pass as a near tie). */
+static void check_pairs(const char *what, const int32_t *ids, int T, int k) {
+  long bad = 0;
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) {
+      const int32_t e = ids[(size_t)t * k + j];
+      if (e & 1)
+        bad += !(j > 0 && ids[(size_t)t * k + j - 1] == e - 1);
+      else if (j + 1 < k)
+        bad += ids[(size_t)t * k + j + 1] != e + 1;
+    }
+  CHECK(bad == 0, "%s: exact ties go to the lower expert (%ld slots out of order)", what, bad);
+}
 
 static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D,
                      moelink_moe_t gmoe, moelink_moe_t cmoe, int T, int ctas) {
@@ -78,6 +98,8 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   int32_t *gi = gu_host((size_t)T * k * 4);
   unsigned char *tie = gu_host((size_t)T);
   const gu_route_stats rs = gu_routes_check(what, L, cmoe, hx, T, dids, dw, gi, tie);
+  if (g_pairs)
+    check_pairs(what, gi, T, k);
 
   CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
   gu_err e = gu_compare(dt, go, co, (size_t)T, H, tie);
@@ -201,6 +223,45 @@ static void test_layers(void) {
   layer("deepseek-v3 routed fp8", &c, 909);
 }
 
+/* Router rows (and biases) in equal pairs: exact ties in every token's
+ * selection, on the softmax router and on DeepSeek's (groups of 32 hold
+ * whole pairs), 1 and 3 tokens. */
+static void test_exact_ties(void) {
+  const char *presets[] = {"qwen3-30b-a3b", "deepseek-v3"};
+  for (int pi = 0; pi < 2; ++pi) {
+    moelink_moe_config_t c = base(presets[pi], 256, 128, MOELINK_DTYPE_BF16);
+    char desc[200], name[320];
+    gu_describe(desc, sizeof desc, &c);
+    snprintf(name, sizeof name, "%s ties (%s)", presets[pi], desc);
+    ref_layer L;
+    if (ref_layer_make(&L, &c, 910u + (unsigned)pi, 0.0) != 0) {
+      CHECK(0, "ref_layer_make for %s", name);
+      continue;
+    }
+    const size_t row = (size_t)c.hidden * moelink_dtype_size(c.dtype);
+    for (int e = 0; e + 1 < c.num_experts; e += 2) {
+      memcpy((char *)L.router + (size_t)(e + 1) * row, (char *)L.router + (size_t)e * row, row);
+      if (L.bias != NULL)
+        L.bias[e + 1] = L.bias[e];
+    }
+    gu_dev_layer D;
+    gu_dev_layer_upload(&D, &L);
+    moelink_moe_t gmoe = NULL, cmoe = NULL;
+    GU_MUST(moelink_moe_create(g_gpu, &c, &gmoe), "GPU layer");
+    GU_MUST(moelink_moe_create(g_cpu, &c, &cmoe), "CPU layer");
+    GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
+    GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
+    g_pairs = 1;
+    run_case(name, &L, &D, gmoe, cmoe, 1, 0);
+    run_case(name, &L, &D, gmoe, cmoe, 3, 0);
+    g_pairs = 0;
+    moelink_moe_destroy(gmoe);
+    moelink_moe_destroy(cmoe);
+    gu_dev_layer_free(&D);
+    ref_layer_free(&L);
+  }
+}
+
 static void test_refusals(void) {
   moelink_moe_config_t c = base("mixtral-8x7b", 256, 128, MOELINK_DTYPE_BF16);
   CHECK(!ml_cuda_moe_small_fits(&c, 9, g_optin), "nine tokens are refused");
@@ -276,6 +337,7 @@ int main(void) {
   if (major == 9 && minor == 0) {
     test_refusals();
     test_layers();
+    test_exact_ties();
   } else {
     ml_t_diag("compute capability %d.%d: the kernel is sm_90a machine code only", major, minor);
   }
