@@ -273,13 +273,11 @@ static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, flo
  * router chooses them (src/cpu/router.c): scores, correction bias, groups
  * kept by their rank, and the k winners by their rank (each expert counts
  * the experts ahead of it: a larger selection value, or an equal one at a
- * lower index; the winners found among each 32 experts' k best), no rounds.
- * scratch: MLS_SEL_FLOATS floats of shared memory:
+ * lower index), no rounds. scratch: MLS_SEL_FLOATS floats of shared memory:
  * scores [0, 512), selection values [512, 1024) (NaN: out of the running),
- * group scores [1024, 1536) (then the winners' candidates: values
- * [1024, 1280), experts [1280, 1536)), the winners' scores [1536, 1552), the
- * reduction [1552, 1560). The groups' scores and ranks are the router
- * kernel's (route.cuh); the rest of the loops are rolled (once a launch). */
+ * group scores [1024, 1536), the winners' scores [1536, 1552), the reduction
+ * [1552, 1560). The groups' scores and every rank are the router kernel's
+ * (route.cuh); the rest of the loops are rolled (once a launch). */
 static __device__ __forceinline__ void mls_select(const mls_params &p, int t, float *scratch,
                                                   int *ids, float *wts) {
   /* the arguments in registers once (a callee reading them through a
@@ -368,52 +366,16 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
         q[e] = NAN;
     __syncthreads();
   }
-  {
-    /* the k winners in two steps: each 32 experts' own k best by one warp
-     * (their ranks among the 32 through shuffles), then the rank of each of
-     * those among them all. A winner is among its 32's k best, and all that
-     * rank ahead of it are winners too: its rank among the candidates is its
-     * rank. Candidates: in the group scores' room (free by now). */
-    float *cv = scratch + 1024;
-    int *ce = (int *)(scratch + 1280);
-    const int nch = (E + 31) / 32, warp = tid >> 5, lane = tid & 31;
 #pragma unroll 1
-    for (int c = warp; c < nch; c += MLS_THREADS / 32) {
-      const int e = c * 32 + lane;
-      const float v = e < E ? q[e] : NAN;
-      int r = 0;
-#pragma unroll
-      for (int m = 0; m < 32; ++m) {
-        const float u = __shfl_sync(0xffffffffu, v, m);
-        r += (u > v) | ((u == v) & (m < lane));
-      }
-      if (lane < k)
-        cv[c * k + lane] = NAN; /* (fewer than k in the running here) */
-      __syncwarp();
-      if (!isnan(v) && r < k) {
-        cv[c * k + r] = v;
-        ce[c * k + r] = e;
-      }
-    }
-    __syncthreads();
-    const int nc = nch * k;
-#pragma unroll 1
-    for (int j = tid; j < nc; j += MLS_THREADS) {
-      const float v = cv[j];
-      if (isnan(v))
-        continue;
-      /* (NaN, out of the running, is neither larger nor equal: never counted) */
-      const int e = ce[j];
-      int r = 0;
-#pragma unroll 8
-      for (int m = 0; m < nc; ++m) {
-        const float u = cv[m];
-        r += (u > v) | ((u == v) & (ce[m] < e));
-      }
-      if (r < k) {
-        ids[r] = e;
-        ws[r] = sc[e];
-      }
+  for (int e = tid; e < E; e += MLS_THREADS) {
+    const float v = q[e];
+    if (isnan(v))
+      continue;
+    /* (NaN, out of the running, is neither larger nor equal: never counted) */
+    const int r = ml_r_rank(q, E, e);
+    if (r < k) {
+      ids[r] = e;
+      ws[r] = sc[e];
     }
   }
   __syncthreads();
