@@ -70,9 +70,9 @@
  * meets, for every gate/up run.
  *
  * Measured on an H200 (docs/PERF.md, "The layer in one kernel", "The
- * router's plan of a few pairs", "FP8 experts in the one-kernel layer"):
- * with a ring of 6 stages it beats the pipeline at one token (qwen3-30b-a3b
- * -13%, FP8 -22%; mixtral-8x7b within 3% either way, FP8 -2%); with the
+ * router's plan of a few pairs", "FP8 experts in the one-kernel layer", "The
+ * one-kernel layer's chain"): with a ring of 6 stages it beats the pipeline
+ * at one token (qwen3-30b-a3b -27%, FP8 -34%; mixtral-8x7b -3%, FP8 -7%); with the
  * deepest ring shared memory holds (11-13 stages) it was slower, and at 4
  * tokens it is (the stream's tail across SMs). So the layer takes it for one
  * token unless MOELINK_SMALL_LAYER_TOKENS says otherwise. */
