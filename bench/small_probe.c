@@ -50,7 +50,7 @@ static double median(double *v, int n) {
 static const char *g_phase[ML_SMALL_PH_COUNT] = {
     "start",          "logits",     "barrier",   "sel: loaded",  "sel: scored",
     "sel: ranked",    "selected",   "first box", "gate/up done", "ready",
-    "first down box", "last issue", "consumed", "sums done"};
+    "first down box", "last issue", "consumed",  "sums done"};
 
 static void probe(const char *preset, int T, int sms) {
   moelink_moe_config_t c = MOELINK_MOE_CONFIG_INIT;

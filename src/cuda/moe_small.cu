@@ -580,8 +580,8 @@ static __device__ __forceinline__ float mls_sum_parts(const float *p0, int n) {
  * shared word) or with WARP the epilogue warp. */
 template <int DT, int FP8, bool WARP>
 static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls_run &R,
-                                                  const int trow[2][2], float v[2][2],
-                                                  bool holder, const float *wts, int *flag) {
+                                                  const int trow[2][2], float v[2][2], bool holder,
+                                                  const float *wts, int *flag) {
   const int me = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
   const int nth = WARP ? 32 : MLS_CONSUMERS * 32;
   if (R.parts > 1) {
