@@ -553,6 +553,13 @@ static __device__ __forceinline__ void mls_run_scales(const mls_params &p, const
   }
 }
 
+/* FP8: scale q of a run's 2 nk (its k steps kk0 .. kk0 + nk - 1 from w0,
+ * then the same from w1). */
+static __device__ __forceinline__ const float *mls_scale_at(const float *w0, const float *w1,
+                                                            int kk0, int nk, int q) {
+  return q >= nk ? w1 + kk0 + q - nk : w0 + kk0 + q;
+}
+
 /* p0[q MLS_ROWS] for q < n added in q order, four loads in flight at a time. */
 static __device__ __forceinline__ float mls_sum_parts(const float *p0, int n) {
   float sum = 0.0f;
@@ -837,7 +844,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       if (FP8) {
         mls_run_scales(p, R, s_ids, &w0, &w1);
         if (q1st >= 0 && q1st < 2 * nk)
-          w1st = have_next ? w_next : __ldg(q1st >= nk ? w1 + kk0 + q1st - nk : w0 + kk0 + q1st);
+          w1st = have_next ? w_next : __ldg(mls_scale_at(w0, w1, kk0, nk, q1st));
       }
       if (!pa && tid == 0) {
         if (i == na)
@@ -869,7 +876,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           const float *n0, *n1;
           mls_run_scales(p, Rn, s_ids, &n0, &n1);
           if (qn >= 0 && qn < 2 * nkn)
-            w_next = __ldg(qn >= nkn ? n1 + Rn.kk0 + qn - nkn : n0 + Rn.kk0 + qn);
+            w_next = __ldg(mls_scale_at(n0, n1, Rn.kk0, nkn, qn));
         }
       }
       mls_consumers_sync();
