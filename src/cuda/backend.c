@@ -107,11 +107,11 @@ MOELINK_PARAM(ROUTER_PLAN, 1)
 MOELINK_PARAM(SHARED_FIRST, 1)
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
- * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "FP8
- * experts in the one-kernel layer"), one kernel / pipeline at T = 1:
- * qwen3-30b-a3b 38.8-39.1 / 44.9-45.1 us, FP8 32.3-32.4 / 41.5-41.8;
- * mixtral-8x7b within 3% either way, FP8 109.6-111.1 / 112.7-112.9; at 4
- * tokens slower. */
+ * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
+ * one-kernel layer's chain", commit 13e38b2), one kernel / pipeline at T = 1:
+ * qwen3-30b-a3b 34.6-35.1 / 47.7-48.0 us, FP8 27.5-27.6 / 41.6-41.9;
+ * mixtral-8x7b 184.2-184.6 / 189.4-189.9, FP8 107.6 / 115.6; at 2 and 4
+ * tokens slower (88bcd14's kernel). */
 MOELINK_PARAM(SMALL_LAYER_TOKENS, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
