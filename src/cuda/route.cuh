@@ -66,6 +66,18 @@ static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
     for (int m = 0; m < 16; ++m)
       r[m & 3] += (u[m] > v) | ((u[m] == v) & (j + m < i));
   }
+  /* the rest (all of a short array: the router's groups, mixtral's 8
+   * experts) four loads at a time, then one */
+#pragma unroll 1
+  for (; j + 4 <= n; j += 4) {
+    float u[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      u[m] = a[j + m];
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      r[m] += (u[m] > v) | ((u[m] == v) & (j + m < i));
+  }
 #pragma unroll 1
   for (; j < n; ++j) {
     const float u = a[j];
