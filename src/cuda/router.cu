@@ -458,18 +458,18 @@ static __device__ void ml_r_sum_partials(const float4 *part, int splits, int str
 
 /* Whether this CTA is the last of count to get here (after its global
  * writes are visible); the last one resets the ticket for the next launch.
- * Every thread of the CTA must call it; flag is shared scratch. */
+ * One acquire-release add by thread 0 after the CTA barrier publishes the
+ * CTA's writes and, for the last, acquires the others' (no sequentially
+ * consistent fence by every thread). Every thread of the CTA must call it;
+ * flag is shared scratch. */
 static __device__ __forceinline__ bool ml_r_ticket(int32_t *ticket, int count, int *flag) {
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    *flag = atomicAdd(ticket, 1) == count - 1;
+    *flag = ml_atom_add_acq_rel_gpu((uint32_t *)ticket, 1u) == (uint32_t)(count - 1);
     if (*flag) *ticket = 0;
   }
   __syncthreads();
-  if (!*flag) return false;
-  __threadfence();
-  return true;
+  return *flag != 0;
 }
 
 /* Ranges per group of the two-level sum: all of them (one level) while the
