@@ -25,9 +25,9 @@
 # skipped on one; RANKS (default: every GPU of the machine) is their rank count, the mgpu tests'
 # too (issue 7: 4 and 8).
 # BUILD_TARGETS="t1 t2": build only these targets (e.g. moelink_cli for a bench-only run).
-# AB_PATCH=path.patch: the decode part also runs, right after each default run, the moelink
-# of a second build: a copy of the tree with the patch applied (AB_PATCH_R=1: reversed, e.g.
-# the parent of a wip patch already applied with git am): a same-call A/B of a change.
+# AB_PATCH="a.patch [b.patch...]": the decode part also runs, right after each default run, the
+# moelink of one more build per patch: a copy of the tree with that patch applied (AB_PATCH_R=1:
+# reversed, e.g. the parent of a wip patch already applied with git am): same-call A/Bs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -73,24 +73,26 @@ log "build ok"
 
 rc=0
 
-# AB_PATCH: the second build (moelink_cli only) from a patched copy of the tree
-ABBIN=""
-if [ -n "${AB_PATCH:-}" ]; then
-  WIP=/tmp/mlwip ABP=$(realpath "$AB_PATCH")
-  log "A/B build: $AB_PATCH${AB_PATCH_R:+ reversed} in $WIP"
+# AB_PATCH: one more build (moelink_cli only) per patch, each from a patched copy of the tree
+ABBINS=() ABNAMES=()
+i=0
+for abp in ${AB_PATCH:-}; do
+  i=$((i + 1))
+  WIP=/tmp/mlwip$i ABP=$(realpath "$abp")
+  log "A/B build $i: $abp${AB_PATCH_R:+ reversed} in $WIP"
   rm -rf "$WIP" && mkdir -p "$WIP"
   tar --exclude='./build*' --exclude=./out -cf - . | tar -xf - -C "$WIP"
   if (cd "$WIP" && patch -p1 --quiet ${AB_PATCH_R:+-R} <"$ABP") >>"$OUT/build.log" 2>&1 &&
      { cmake -S "$WIP" -B "$WIP/build-ab" -DMOELINK_CUDA=ON -DCMAKE_BUILD_TYPE=Release ${ML_CMAKE_FLAGS:-} &&
        cmake --build "$WIP/build-ab" -j "$JOBS" --target moelink_cli; } >>"$OUT/build.log" 2>&1; then
-    ABBIN="$WIP/build-ab/moelink"
-    log "A/B build ok"
+    ABBINS+=("$WIP/build-ab/moelink") ABNAMES+=("$abp")
+    log "A/B build $i ok"
   else
     tail -20 "$OUT/build.log"
-    log "A/B BUILD FAILED (the decode part runs without it)"
+    log "A/B BUILD $i FAILED (the decode part runs without it)"
     rc=1
   fi
-fi
+done
 if want gpu; then
   log "ctest -L gpu"
   # GPU_TESTS: a ctest -R regex (only those tests)
@@ -301,13 +303,13 @@ if case "$PARTS" in *" decode "*) true;; *) false;; esac; then
             --json "$OUT/json/decode_${p}_$q${ab:+_${ab//[^A-Za-z0-9]/_}}_$r.json" 2>&1 |
             tee -a "$OUT/decode.log" || rc=1
         done
-        if [ -n "$ABBIN" ]; then
-          log "decode $p $q (graph replay) with $AB_PATCH${AB_PATCH_R:+ reversed}"
-          "$ABBIN" bench --backend cuda --preset "$p" $f --graph \
+        for j in "${!ABBINS[@]}"; do
+          log "decode $p $q (graph replay) with ${ABNAMES[$j]}${AB_PATCH_R:+ reversed}"
+          "${ABBINS[$j]}" bench --backend cuda --preset "$p" $f --graph \
             --tokens "${DECODE_TOKENS:-1,16,128}" \
-            --json "$OUT/json/decode_${p}_${q}_abpatch_$r.json" 2>&1 |
+            --json "$OUT/json/decode_${p}_${q}_abpatch$((j + 1))_$r.json" 2>&1 |
             tee -a "$OUT/decode.log" || rc=1
-        fi
+        done
       done
     done
   done
