@@ -259,6 +259,12 @@ if case "$PARTS" in *" probe "*) true;; *) false;; esac; then
   c_probe small_probe || rc=1
   log "one-kernel layer probe, FP8 experts"
   ./"$BUILD"/small_probe --fp8 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  # SMALL_PROBE_ENV: both again once per VAR=v[,VAR=v] word
+  for v in ${SMALL_PROBE_ENV:-}; do
+    log "one-kernel layer probe with $v"
+    env ${v//,/ } ./"$BUILD"/small_probe 2>&1 | tee -a "$OUT/probe.log" || rc=1
+    env ${v//,/ } ./"$BUILD"/small_probe --fp8 2>&1 | tee -a "$OUT/probe.log" || rc=1
+  done
   log "gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b}"
   ./"$BUILD"/tests/gpu_test_decode --bench ${PROBE_PRESETS:-mixtral-8x7b} 2>&1 |
     tee -a "$OUT/probe.log" || rc=1
