@@ -104,13 +104,8 @@
 #define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
 #define MLS_VEC_PAD 128           /* e4m3 vector: bytes the wgmma operand reads past its end */
-#define MLS_MAX_STAGES 24         /* ring stages at most (the piece list's bound) */
-#define MLS_LIST 32               /* entries of a CTA's piece list (mls_list_put) */
-#define MLS_PIECE_MASK 0x7FFFFF   /* a list entry: phase << 23 | piece */
-#define MLS_END_ENTRY 0xFFFFFF    /* the list's entry after a CTA's last piece */
 
 static_assert(MLS_BK8 == ML_FP8_BLOCK, "an e4m3 box is one k block of the scale grid");
-static_assert(MLS_LIST > MLS_MAX_STAGES + 5, "the piece list outlives its readers");
 
 static_assert(MLS_THREADS / 32 * MLS_SEL_FLOATS * 4 <= MLS_MIN_STAGES * MLS_BOX,
               "the selection scratch fits the ring");
@@ -126,9 +121,8 @@ typedef struct mls_params {
   const float *gs, *ds; /* FP8: the weights' block scales (moelink_moe_weights_t's layout) */
   char *h;              /* [P, I] SwiGLU rows (dtype; FP8: fp32, quantized by their readers) */
   char *y;                                           /* [P, H] weighted expert outputs (dtype) */
-  float *part_a, *part_b; /* [slots][128] partial sums (a unit's parts in consecutive slots) */
-  uint32_t *tick_a, *tick_b, *tick_g, *ready; /* zero between launches */
-  uint32_t *sync; /* zero between launches: the grid barrier, the leave count, two claim counts */
+  float *part_a, *part_b;                            /* [units][maxp][128] partial sums */
+  uint32_t *tick_a, *tick_b, *tick_g, *ready, *sync; /* zero between launches */
   int64_t *stamps;  /* measurements: [G][ML_CUDA_SMALL_STAMPS] %globaltimer, or NULL */
   int32_t *ids_out; /* [T, k] or NULL: CTA 0's selection */
   float *wts_out;
@@ -141,8 +135,7 @@ typedef struct mls_params {
   int row_once;             /* 1: one token's row into the vector region once, at the barrier */
   int epi_warp;             /* 1: runs' sums finished by the epilogue warp, 0: by the consumers */
   long long w_a, w_b;       /* k steps of each phase */
-  long long ws_a, ws_b;     /* steps of a phase's static pieces (one a CTA) */
-  int d_a, d_b;             /* dynamic pieces that follow them (0: none) */
+  int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
   int vec_elems;            /* the vector region's elements (FP8: its e4m3 bytes, then
                                MLS_VEC_PAD, a scale per 128, two weight scales per 128) */
@@ -209,107 +202,54 @@ static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, in
 
 /* ---- the schedule --------------------------------------------------------------- */
 
-/* Of n equal pieces of [0, W) (piece q: [q W / n, (q + 1) W / n)), the one
- * that holds step c < W. */
-static __device__ __forceinline__ int mls_owner(long long c, long long W, int n) {
-  return (int)(((c + 1) * (long long)n + W - 1) / W) - 1;
+/* The CTA of G whose range [b W / G, (b + 1) W / G) holds step c < W. */
+static __device__ __forceinline__ int mls_owner(long long c, long long W, int G) {
+  return (int)(((c + 1) * (long long)G + W - 1) / W) - 1;
 }
 
-/* A phase's W steps are cut into pieces: G static ones over [0, ws), piece b
- * CTA b's, then d dynamic ones over [ws, W) that the CTAs claim as they go
- * (d = 0, ws = W: stream-K by equal shares). The first step of piece j (of
- * piece G + d: W). Whole down units: piece b is down unit b (empty past the
- * units). */
-static __device__ __forceinline__ long long mls_piece_start(const mls_params &p, int pb, int j) {
-  const int G = (int)gridDim.x;
-  if (pb && p.whole_b) {
-    const long long units = p.w_b / p.ks_b;
-    return (j < units ? j : units) * (long long)p.ks_b;
-  }
-  const long long W = pb ? p.w_b : p.w_a, ws = pb ? p.ws_b : p.ws_a;
-  if (j <= G)
-    return (long long)j * ws / G;
-  return ws + (long long)(j - G) * (W - ws) / (pb ? p.d_b : p.d_a);
+static __device__ __forceinline__ long long mls_start(int b, long long W, int G) {
+  return (long long)b * W / G;
 }
 
-/* The piece that holds step c of phase pb (not of whole down units). */
-static __device__ __forceinline__ int mls_piece_of(const mls_params &p, int pb, long long c) {
-  const int G = (int)gridDim.x;
-  const long long W = pb ? p.w_b : p.w_a, ws = pb ? p.ws_b : p.ws_a;
-  return c < ws ? mls_owner(c, ws, G) : G + mls_owner(c - ws, W - ws, pb ? p.d_b : p.d_a);
-}
-
-/* One run: the steps of one unit in piece j of phase pb, from step c on.
- * parts: the pieces that hold some of the unit (with W >= G every piece from
- * the one of its first step to the one of its last, none empty; with W < G a
- * piece holds one step at most and some hold none: one part a step); pidx
- * this piece's part; slot the partial slot of the unit's first part (its
- * parts take the slots that follow). With W >= G the line of steps cut at
- * both the units' and the pieces' bounds gives each (piece, unit) its slot
- * piece + unit, which grows from one such fragment to the next: G + d +
- * units slots at most; with W < G slot + part is the step (W < G slots). */
+/* One run: the steps of one unit in a CTA's range, from its step i (na:
+ * the CTA's gate/up steps; [a0, a1) and [b0, b1) its ranges of the phases).
+ * parts: the CTAs that hold some of the unit (with W >= G every CTA from the
+ * owner of its first step to the owner of its last; with W < G a CTA holds
+ * one step at most and CTAs between hold none: one part a step), pidx this
+ * CTA's part. */
 typedef struct mls_run {
-  int pa, u, kk0, kk1, pair, blk, parts, pidx, slot;
+  int pa, u, kk0, kk1, pair, blk, parts, pidx;
 } mls_run;
 
-static __device__ __forceinline__ mls_run mls_run_at(const mls_params &p, int pb, int j,
-                                                     long long c) {
-  const int G = (int)gridDim.x;
+static __device__ __forceinline__ mls_run mls_run_at(const mls_params &p, int i, int na, int a0,
+                                                     int a1, int b0, int b1) {
+  const int G = (int)gridDim.x, b = (int)blockIdx.x;
   mls_run r;
-  r.pa = !pb;
-  const int ks = pb ? p.ks_b : p.ks_a;
-  const long long W = pb ? p.w_b : p.w_a, end = mls_piece_start(p, pb, j + 1);
-  r.u = (int)(c / ks);
-  const long long us = (long long)r.u * ks, ue = us + ks;
-  r.kk0 = (int)(c - us);
-  r.kk1 = (int)((ue < end ? ue : end) - us);
-  const int per = pb ? p.nob : p.ncb;
+  r.pa = i < na;
+  const int c0 = r.pa ? a0 + i : b0 + (i - na);
+  const int ks = r.pa ? p.ks_a : p.ks_b;
+  const long long W = r.pa ? p.w_a : p.w_b;
+  const int end = r.pa ? a1 : b1;
+  r.u = c0 / ks;
+  r.kk0 = c0 - r.u * ks;
+  const int ue = (r.u + 1) * ks;
+  r.kk1 = (ue < end ? ue : end) - r.u * ks;
+  const int per = r.pa ? p.ncb : p.nob;
   r.pair = r.u / per;
   r.blk = r.u - r.pair * per;
-  if (pb && p.whole_b) {
+  const long long us = (long long)r.u * ks, uend = us + ks;
+  if (!r.pa && p.whole_b) {
     r.parts = 1;
     r.pidx = 0;
-    r.slot = 0;
   } else if (W >= G) {
-    const int first = mls_piece_of(p, pb, us);
-    r.parts = mls_piece_of(p, pb, ue - 1) - first + 1;
-    r.pidx = j - first;
-    r.slot = first + r.u;
+    const int first = mls_owner(us, W, G);
+    r.parts = mls_owner(uend - 1, W, G) - first + 1;
+    r.pidx = b - first;
   } else {
     r.parts = ks;
     r.pidx = r.kk0;
-    r.slot = (int)us;
   }
   return r;
-}
-
-/* A CTA's pieces go from its producer to its consumers and epilogue warp
- * through a list in shared memory: entry n (pb << 23 | piece) in slot n %
- * MLS_LIST, tagged with n's low 8 bits (a reader waits until the slot holds
- * its own n). The producer puts a piece on the list before its first box, so
- * it is never more than stages + 2 entries ahead of the consumers (a piece is
- * a box at least), nor are they more than two runs ahead of the epilogue
- * warp: the list needs MLS_LIST > stages + 5. After the CTA's last piece,
- * MLS_END_ENTRY. */
-static __device__ __forceinline__ void mls_list_put(int *list, int n, int v) {
-  *(volatile int *)(list + (n & (MLS_LIST - 1))) = (int)(((unsigned)n & 0xFFu) << 24 | (unsigned)v);
-}
-
-/* entry n, or -1 while it is not there yet */
-static __device__ __forceinline__ int mls_list_peek(const int *list, int n) {
-  const unsigned v = (unsigned)*(const volatile int *)(list + (n & (MLS_LIST - 1)));
-  return (v >> 24) == ((unsigned)n & 0xFFu) ? (int)(v & 0xFFFFFFu) : -1;
-}
-
-static __device__ __forceinline__ int mls_list_get(const int *list, int n) {
-  int v = mls_list_peek(list, n);
-  if (v >= 0)
-    return v;
-  const uint64_t t0 = ml_globaltimer();
-  while ((v = mls_list_peek(list, n)) < 0)
-    if (ml_globaltimer() - t0 > MLS_WAIT_NS)
-      __trap();
-  return v;
 }
 
 /* ---- selection ------------------------------------------------------------------ */
@@ -653,7 +593,7 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
   const int nth = WARP ? 32 : MLS_CONSUMERS * 32;
   if (R.parts > 1) {
     float *part = R.pa ? p.part_a : p.part_b;
-    const size_t base = (size_t)R.slot * MLS_ROWS;
+    const size_t base = (size_t)R.u * (size_t)(R.pa ? p.maxp_a : p.maxp_b) * MLS_ROWS;
     if (holder)
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
@@ -743,7 +683,6 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   __shared__ int s_flag;
   __shared__ float s_stage[2 * MLS_ROWS]; /* runs' sums on their way to the epilogue warp */
   __shared__ __align__(8) uint64_t s_ebar[4];
-  __shared__ int s_list[MLS_LIST]; /* the CTA's pieces, producer to consumers */
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int G = (int)gridDim.x, b = (int)blockIdx.x;
   const uint32_t raw = ml_smem_u32(mls_smem);
@@ -773,8 +712,6 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       ml_mbar_init(efull + 8u * (uint32_t)q, MLS_CONSUMERS * 32);
       ml_mbar_init(efree + 8u * (uint32_t)q, 1);
     }
-    for (int q = 0; q < MLS_LIST; ++q)
-      s_list[q] = -1; /* (tag 0xFF: entry q < MLS_LIST is not there) */
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
 
@@ -817,6 +754,16 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   }
   __syncthreads();
 
+  /* (the host keeps every step count below 2^31) */
+  const int a0 = (int)mls_start(b, p.w_a, G), a1 = (int)mls_start(b + 1, p.w_a, G);
+  int b0 = (int)mls_start(b, p.w_b, G), b1 = (int)mls_start(b + 1, p.w_b, G);
+  if (p.whole_b) {
+    const int units = (int)(p.w_b / p.ks_b);
+    b0 = (b < units ? b : units) * p.ks_b;
+    b1 = (b + 1 < units ? b + 1 : units) * p.ks_b;
+  }
+  const int na = a1 - a0, n = na + (b1 - b0);
+
   /* ---- selection: every CTA for itself (scratch in the idle ring) ---- */
   for (int t = 0; t < p.T; ++t)
     mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
@@ -830,78 +777,55 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     }
 
   if (warp == MLS_CONSUMERS) {
-    /* ---- producer: one thread streams every box of this CTA's pieces: in
-     * each phase its static piece, then the dynamic ones it claims ---- */
+    /* ---- producer: one thread streams every box of this CTA's steps ---- */
     if (lane == 0) {
       mls_stamp(p, ML_SMALL_PH_SELECTED);
       const uint64_t pol = ml_l2_evict_first();
-      int s = 0, n = 0;
+      int s = 0, u = a0 / p.ks_a, kk = a0 - u * p.ks_a;
       uint32_t ph = 0; /* parity of slot s's current round */
-      long long issued = 0;
-      for (int pb = 0; pb < 2; ++pb) {
-        const int d = pb ? p.d_b : p.d_a, ks = pb ? p.ks_b : p.ks_a, per = pb ? p.nob : p.ncb;
-        uint32_t *claims = p.sync + 2 + pb;
-        int j = b;
-        /* the next dynamic piece claimed a piece ahead (the atomic's round
-         * trip under this piece's boxes) */
-        int next = d > 0 ? (int)atomicAdd(claims, 1u) : 0;
-        for (;;) {
-          long long c = mls_piece_start(p, pb, j);
-          const long long ce = mls_piece_start(p, pb, j + 1);
-          if (c < ce)
-            mls_list_put(s_list, n++, pb << 23 | j);
-          int u = (int)(c / ks), kk = (int)(c - (long long)u * ks);
-          for (; c < ce; ++c, ++issued) {
-            if (issued >= S)
-              ml_mbar_wait(empty + 8u * (uint32_t)s, ph ^ 1u);
-            const uint32_t dst = ring + (uint32_t)(s * MLS_BOX), bar = full + 8u * (uint32_t)s;
-            ml_mbar_arrive_tx(bar, MLS_BOX);
-            const int pair = u / per, ub = u - pair * per;
-            if (pb)
-              ml_tma_load_4d_hint(dst, &map_d, bar, kk * BK, ub * MLS_ROWS, 0, s_ids[pair], pol);
-            else
-              ml_tma_load_4d_hint(dst, &map_gu, bar, kk * BK, ub * MLS_COLS_A, 0, s_ids[pair],
-                                  pol);
-            if (++kk == ks) {
-              kk = 0;
-              ++u;
-            }
-            if (++s == S) {
-              s = 0;
-              ph ^= 1u;
-            }
+      for (int i = 0; i < n; ++i) {
+        if (i == na) { /* the down steps from here */
+          u = b0 / p.ks_b;
+          kk = b0 - u * p.ks_b;
+        }
+        if (i >= S)
+          ml_mbar_wait(empty + 8u * (uint32_t)s, ph ^ 1u);
+        const uint32_t dst = ring + (uint32_t)(s * MLS_BOX), bar = full + 8u * (uint32_t)s;
+        if (i + 1 == n)
+          mls_stamp(p, ML_SMALL_PH_LAST_ISSUE);
+        ml_mbar_arrive_tx(bar, MLS_BOX);
+        if (i < na) {
+          const int pair = u / p.ncb, cb = u - pair * p.ncb;
+          ml_tma_load_4d_hint(dst, &map_gu, bar, kk * BK, cb * MLS_COLS_A, 0, s_ids[pair], pol);
+          if (++kk == p.ks_a) {
+            kk = 0;
+            ++u;
           }
-          if (next >= d)
-            break;
-          j = (int)G + next;
-          next = (int)atomicAdd(claims, 1u);
+        } else {
+          const int pair = u / p.nob, ob = u - pair * p.nob;
+          ml_tma_load_4d_hint(dst, &map_d, bar, kk * BK, ob * MLS_ROWS, 0, s_ids[pair], pol);
+          if (++kk == p.ks_b) {
+            kk = 0;
+            ++u;
+          }
+        }
+        if (++s == S) {
+          s = 0;
+          ph ^= 1u;
         }
       }
-      mls_stamp(p, ML_SMALL_PH_LAST_ISSUE);
-      mls_list_put(s_list, n, MLS_END_ENTRY);
     }
   } else if (warp < MLS_CONSUMERS) {
     /* ---- consumers ---- */
     const uint32_t *vec32 = (const uint32_t *)vec;
     const int fr = lane >> 2;            /* accumulator row within a fragment's 8 */
     const bool holder = (lane & 3) == 0; /* lanes holding the live column */
-    int s = 0, run = 0, n = 0;
+    int i = 0, s = 0, run = 0;
     uint32_t ph = 0;    /* parity of slot s's current round */
     float w_next = 0.f; /* FP8: this thread's first scale of the next run, on its way */
-    bool have_next = false, first = true, first_down = true;
-    long long c = 0, ce = 0; /* the rest of the current piece */
-    int pb = 0, j = 0;
-    for (;;) {
-      if (c == ce) { /* the next piece */
-        const int e = mls_list_get(s_list, n++);
-        if (e == MLS_END_ENTRY)
-          break;
-        pb = e >> 23;
-        j = e & MLS_PIECE_MASK;
-        c = mls_piece_start(p, pb, j);
-        ce = mls_piece_start(p, pb, j + 1);
-      }
-      const mls_run R = mls_run_at(p, pb, j, c);
+    bool have_next = false;
+    while (i < n) {
+      const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
       const bool pa = R.pa;
       const int kk0 = R.kk0, kk1 = R.kk1, pair = R.pair;
       const int len = pa ? p.H : p.I;
@@ -923,10 +847,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           w1st = have_next ? w_next : __ldg(mls_scale_at(w0, w1, kk0, nk, q1st));
       }
       if (!pa && tid == 0) {
-        if (first_down)
+        if (i == na)
           mls_stamp(p, ML_SMALL_PH_GATE_UP_DONE);
         mls_wait_count(p.ready + pair, (uint32_t)p.ncb);
-        if (first_down)
+        if (i == na)
           mls_stamp(p, ML_SMALL_PH_READY);
       }
       if (!pa)
@@ -944,23 +868,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
           const int hf = q >= nk, kk = kk0 + (hf ? q - nk : q);
           wsc[hf * vb + kk] = __ldg((hf ? w1 : w0) + kk);
         }
-        /* the next run's first scales on their way while this run streams,
-         * where it is known: in this piece, or the next piece on the list */
-        int npb = pb, nj = j;
-        long long nc = c + nk;
-        if (nc == ce) {
-          const int e = mls_list_peek(s_list, n);
-          have_next = e >= 0 && e != MLS_END_ENTRY;
-          if (have_next) {
-            npb = e >> 23;
-            nj = e & MLS_PIECE_MASK;
-            nc = mls_piece_start(p, npb, nj);
-          }
-        } else {
-          have_next = true;
-        }
+        /* the next run's first scales on their way while this run streams */
+        have_next = i + nk < n;
         if (have_next) {
-          const mls_run Rn = mls_run_at(p, npb, nj, nc);
+          const mls_run Rn = mls_run_at(p, i + nk, na, a0, a1, b0, b1);
           const int nkn = Rn.kk1 - Rn.kk0, qn = tid - (Rn.pa ? 0 : 32);
           const float *n0, *n1;
           mls_run_scales(p, Rn, s_ids, &n0, &n1);
@@ -981,11 +892,11 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         row0[1] = warp * 32 + 16;
       }
       float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      for (int kk = kk0; kk < kk1; ++kk) {
+      for (int kk = kk0; kk < kk1; ++kk, ++i) {
         ml_mbar_wait(full + 8u * (uint32_t)s, ph);
-        if (tid == 0 && kk == kk0 && first)
+        if (tid == 0 && i == 0)
           mls_stamp(p, ML_SMALL_PH_FIRST_BOX);
-        if (tid == 0 && kk == kk0 && !pa && first_down)
+        if (tid == 0 && i == na)
           mls_stamp(p, ML_SMALL_PH_FIRST_DOWN_BOX);
         if (FP8) {
           const float sw[2] = {wsc[kk], wsc[p.vec_elems / MLS_BK8 + kk]};
@@ -1011,12 +922,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int hh = 0; hh < 2; ++hh)
           trow[mi][hh] = row0[mi] + fr + 8 * hh;
       float v[2][2] = {{acc[0][0], acc[0][2]}, {acc[1][0], acc[1][2]}};
-      c += kk1 - kk0;
-      first = false;
-      first_down = first_down && pa;
-      /* the CTA's last run: the end of its last piece */
-      const bool last = c == ce && mls_list_get(s_list, n) == MLS_END_ENTRY;
-      if (p.epi_warp && !last) {
+      if (p.epi_warp && i < n) {
         /* to the epilogue warp through stage slot run & 1 (free again once
          * it took what the run two before left there); the CTA's last run
          * the consumers finish themselves, four times the threads with
@@ -1039,21 +945,10 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   } else if (p.epi_warp) {
     /* ---- epilogue warp: each run's sums, in run order, while the consumers
      * go on with the next run (lane l: tile rows l + 32 hh + 64 mi) ---- */
-    int run = 0, n = 0, pb = 0, j = 0;
-    long long c = 0, ce = 0;
-    for (;;) {
-      if (c == ce) {
-        const int e = mls_list_get(s_list, n++);
-        if (e == MLS_END_ENTRY)
-          break;
-        pb = e >> 23;
-        j = e & MLS_PIECE_MASK;
-        c = mls_piece_start(p, pb, j);
-        ce = mls_piece_start(p, pb, j + 1);
-      }
-      const mls_run R = mls_run_at(p, pb, j, c);
-      c += R.kk1 - R.kk0;
-      if (c == ce && mls_list_get(s_list, n) == MLS_END_ENTRY)
+    int i = 0, run = 0;
+    while (i < n) {
+      const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
+      if (i + (R.kk1 - R.kk0) >= n)
         break; /* the last run: the consumers' */
       const int slot = run & 1, use = run >> 1;
       ml_mbar_wait(efull + 8u * (uint32_t)slot, (uint32_t)(use & 1));
@@ -1070,6 +965,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       if (lane == 0)
         ml_mbar_arrive(efree + 8u * (uint32_t)slot);
       mls_finish<DT, FP8, true>(p, R, trow, v, true, s_wts, NULL);
+      i += R.kk1 - R.kk0;
       ++run;
     }
   }
@@ -1084,8 +980,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     if (atomicAdd(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
       for (int q = 0; q < p.T * p.k; ++q)
         p.ready[q] = 0u;
-      for (int q = 0; q < 4; ++q)
-        p.sync[q] = 0u;
+      p.sync[0] = 0u;
+      p.sync[1] = 0u;
       __threadfence();
     }
   }
@@ -1144,40 +1040,13 @@ typedef struct mls_layout {
 
 static long long mls_div_up(long long a, long long b) { return (a + b - 1) / b; }
 
-/* Percent of each phase's k steps (gate/up, then down) that the CTAs claim
- * in pieces as they go (an atomic count a phase), after their equal static
- * shares of the rest, so that the SMs that stream faster take more and the
- * phase ends at about the same time on all: 0: none (stream-K by equal
- * shares alone). Not for whole down units. */
-MOELINK_PARAM(SMALL_LAYER_DYNAMIC, 0)
-
-/* k steps (boxes) a dynamic piece, at least (MOELINK_SMALL_LAYER_DYNAMIC). */
-MOELINK_PARAM(SMALL_LAYER_PIECE, 4)
-
-/* A phase of W steps on G CTAs: steps of the static pieces (*ws) and dynamic
- * pieces after them (*d), each piece a step at least. */
-static void mls_pieces(long long W, int G, long long *ws, int *d) {
-  *ws = W;
-  *d = 0;
-  const int64_t pct = ml_param_SMALL_LAYER_DYNAMIC(), pc = ml_param_SMALL_LAYER_PIECE();
-  if (pct <= 0 || pc <= 0 || W < 2LL * G)
-    return;
-  long long dyn = W * (pct < 100 ? pct : 100) / 100;
-  if (dyn > W - G)
-    dyn = W - G; /* a step a static piece at least */
-  long long n = dyn / pc;
-  if (n > (1LL << 22))
-    n = 1LL << 22; /* (a list entry's 23 bits hold G + n) */
-  if (n < 1)
-    return;
-  *ws = W - dyn;
-  *d = (int)n;
-}
-
-/* Partial slots of a phase of W steps cut into `units` units, on G CTAs with
- * d dynamic pieces (mls_run_at's slot). */
-static size_t mls_slots(long long W, long long units, int G, int d) {
-  return W >= G ? (size_t)(G + d + units) : (size_t)W;
+/* Partial slots a unit of ks steps needs when W steps go to G CTAs. */
+static int mls_maxp(int ks, long long W, int G) {
+  const long long per = W / G;
+  if (per < 1)
+    return ks;
+  const long long m = mls_div_up(ks, per) + 1;
+  return (int)(m < ks ? m : ks);
 }
 
 typedef struct mls_shape {
@@ -1212,12 +1081,8 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   const mls_shape m = mls_shape_of(c, Tm);
   for (int T = 1; T <= Tm; ++T) {
     const mls_shape s = mls_shape_of(c, T);
-    long long ws;
-    int da, db;
-    mls_pieces(s.w_a, sm_count, &ws, &da);
-    mls_pieces(s.w_b, sm_count, &ws, &db);
-    const size_t fa = mls_slots(s.w_a, (long long)s.P * s.ncb, sm_count, da) * MLS_ROWS;
-    const size_t fb = mls_slots(s.w_b, (long long)s.P * s.nob, sm_count, db) * MLS_ROWS;
+    const size_t fa = (size_t)s.P * s.ncb * mls_maxp(s.ks_a, s.w_a, sm_count) * MLS_ROWS;
+    const size_t fb = (size_t)s.P * s.nob * mls_maxp(s.ks_b, s.w_b, sm_count) * MLS_ROWS;
     if (fa > L->part_a_floats)
       L->part_a_floats = fa;
     if (fb > L->part_b_floats)
@@ -1228,7 +1093,7 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   L->tick_b = ml_cuda_take(&cur, (size_t)m.P * m.nob * 4);
   L->tick_g = ml_cuda_take(&cur, (size_t)Tm * m.nob * 4);
   L->ready = ml_cuda_take(&cur, (size_t)m.P * 4);
-  L->sync = ml_cuda_take(&cur, 4 * 4);
+  L->sync = ml_cuda_take(&cur, 2 * 4);
   L->zero_bytes = (cur + 255) & ~(size_t)255;
   /* (lsplit keeps T E lsplit within the grid's warps, or is 1) */
   L->logits =
@@ -1263,8 +1128,6 @@ static int mls_stages(const moelink_moe_config_t *c, int smem_optin) {
   const int64_t want = ml_param_SMALL_LAYER_STAGES();
   if (want > 0 && want < s)
     s = (int)want;
-  if (s > MLS_MAX_STAGES)
-    s = MLS_MAX_STAGES;
   return s >= MLS_MIN_STAGES ? s : 0;
 }
 
@@ -1430,6 +1293,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   if (s.w_a >= INT_MAX / 2 || s.w_b >= INT_MAX / 2)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "small-batch layer kernel: %lld / %lld k steps", s.w_a,
                    s.w_b);
+  p.maxp_a = mls_maxp(s.ks_a, s.w_a, ctas);
+  p.maxp_b = mls_maxp(s.ks_b, s.w_b, ctas);
   const long long units_b = (long long)s.P * s.nob;
   {
     const int warps = ctas * (MLS_THREADS / 32), dots = T * c->num_experts;
@@ -1447,13 +1312,8 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   }
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
-  mls_pieces(s.w_a, ctas, &p.ws_a, &p.d_a);
-  p.ws_b = s.w_b;
-  p.d_b = 0;
-  if (!p.whole_b)
-    mls_pieces(s.w_b, ctas, &p.ws_b, &p.d_b);
-  if (mls_slots(s.w_a, (long long)s.P * s.ncb, ctas, p.d_a) * MLS_ROWS > L.part_a_floats ||
-      mls_slots(s.w_b, units_b, ctas, p.d_b) * MLS_ROWS > L.part_b_floats)
+  if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
+      (size_t)s.P * s.nob * p.maxp_b * MLS_ROWS > L.part_b_floats)
     return ml_fail(MOELINK_ERR_INTERNAL, "small-batch layer kernel: partial slots too few");
   p.stages = mls_stages(c, optin);
   p.vec_elems = mls_vec_elems(c);
