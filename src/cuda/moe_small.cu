@@ -104,7 +104,7 @@
 #define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
 #define MLS_VEC_PAD 128           /* e4m3 vector: bytes the wgmma operand reads past its end */
-#define MLS_VEC_FLIGHT 4          /* a consumer thread's vector loads in flight */
+#define MLS_VEC_FLIGHT 2          /* a consumer thread's vector loads in flight */
 
 static_assert(MLS_BK8 == ML_FP8_BLOCK, "an e4m3 box is one k block of the scale grid");
 
