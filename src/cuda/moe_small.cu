@@ -104,7 +104,6 @@
 #define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
 #define MLS_VEC_PAD 128           /* e4m3 vector: bytes the wgmma operand reads past its end */
-#define MLS_VEC_FLIGHT 4          /* a consumer thread's vector loads in flight */
 
 static_assert(MLS_BK8 == ML_FP8_BLOCK, "an e4m3 box is one k block of the scale grid");
 
@@ -503,75 +502,35 @@ template <int DT, int FP8>
 static __device__ __forceinline__ void mls_vec_load(const char *src, bool x_src, int kk0, int kk1,
                                                     int len, char *vec, float *vsc) {
   const int tid = (int)threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  /* MLS_VEC_FLIGHT loads of a thread in flight before any is used (a down
-   * run's SwiGLU row, stored by other CTAs, is a round trip to the L2 a load:
-   * mixtral-8x7b's FP8 runs of ~54 blocks took seven of them one after
-   * another) */
-  constexpr int U = MLS_VEC_FLIGHT;
-  if (FP8 && x_src) {
-    /* (the token row: one block pair a warp at a time; measured faster for
-     * qwen3-30b-a3b than with its loads in flight, reason not known) */
+  if (FP8) {
 #pragma unroll 1
     for (int j = 2 * warp; j < kk1 - kk0; j += 2 * MLS_CONSUMERS) {
       const int live = j + (lane >> 4) < kk1 - kk0;
       const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
       float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (live)
+      if (live && x_src) {
         ml_dt_unpack16<DT>(__ldg((const uint4 *)(src + (size_t)col * 2)), f);
+      } else if (live) {
+        const float4 lo = __ldcg((const float4 *)(src + (size_t)col * 4));
+        const float4 hi = __ldcg((const float4 *)(src + (size_t)col * 4) + 1);
+        f[0] = lo.x, f[1] = lo.y, f[2] = lo.z, f[3] = lo.w;
+        f[4] = hi.x, f[5] = hi.y, f[6] = hi.z, f[7] = hi.w;
+      }
       const uint2 q = ml_q_quantize8<MOELINK_QUANT_FP8>(f, col, live, vsc, lane);
       if (live)
         *(uint2 *)(vec + col) = q;
-    }
-    ml_fence_proxy_async();
-  } else if (FP8) {
-    const int nk = kk1 - kk0;
-#pragma unroll 1
-    for (int j0 = 2 * warp; j0 < nk; j0 += 2 * MLS_CONSUMERS * U) {
-      float4 raw[U][2];
-#pragma unroll
-      for (int uu = 0; uu < U; ++uu) {
-        const int j = j0 + uu * 2 * MLS_CONSUMERS;
-        const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
-        raw[uu][0] = raw[uu][1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (j + (lane >> 4) < nk) {
-          raw[uu][0] = __ldcg((const float4 *)(src + (size_t)col * 4));
-          raw[uu][1] = __ldcg((const float4 *)(src + (size_t)col * 4) + 1);
-        }
-      }
-#pragma unroll
-      for (int uu = 0; uu < U; ++uu) {
-        const int j = j0 + uu * 2 * MLS_CONSUMERS;
-        if (j >= nk)
-          break; /* (the whole warp) */
-        const int live = j + (lane >> 4) < nk;
-        const int col = (kk0 + j + (lane >> 4)) * MLS_BK8 + (lane & 15) * 8;
-        const float f[8] = {raw[uu][0].x, raw[uu][0].y, raw[uu][0].z, raw[uu][0].w,
-                            raw[uu][1].x, raw[uu][1].y, raw[uu][1].z, raw[uu][1].w};
-        const uint2 q = ml_q_quantize8<MOELINK_QUANT_FP8>(f, col, live, vsc, lane);
-        if (live)
-          *(uint2 *)(vec + col) = q;
-      }
     }
     /* the vector's generic writes before wgmma's async-proxy reads */
     ml_fence_proxy_async();
   } else {
     const uint4 *s4 = (const uint4 *)src;
     const int q0 = kk0 * (MLS_BK / 8), q1 = kk1 * (MLS_BK / 8), lim = len / 8;
-    constexpr int NT = MLS_CONSUMERS * 32;
 #pragma unroll 1
-    for (int q = q0 + tid; q < q1; q += NT * U) {
-      uint4 v[U];
-#pragma unroll
-      for (int uu = 0; uu < U; ++uu) {
-        const int qq = q + uu * NT;
-        v[uu] = make_uint4(0u, 0u, 0u, 0u);
-        if (qq < q1 && qq < lim)
-          v[uu] = x_src ? __ldg(s4 + qq) : __ldcg(s4 + qq);
-      }
-#pragma unroll
-      for (int uu = 0; uu < U; ++uu)
-        if (q + uu * NT < q1)
-          ((uint4 *)vec)[q + uu * NT] = v[uu];
+    for (int q = q0 + tid; q < q1; q += MLS_CONSUMERS * 32) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (q < lim)
+        v = x_src ? __ldg(s4 + q) : __ldcg(s4 + q);
+      ((uint4 *)vec)[q] = v;
     }
   }
 }
