@@ -47,42 +47,39 @@ static __device__ __forceinline__ float ml_r_group_score(const float *S, int g, 
   return isnan(gs) ? -INFINITY : gs;
 }
 
+/* ml_r_rank's counts r[4] for a[j..j + M): the M loads in flight first, then
+ * element m's comparison into count m % 4. */
+template <int M>
+static __device__ __forceinline__ void ml_r_rank_part(const float *a, int j, float v, int i,
+                                                      int r[4]) {
+  float u[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    u[m] = a[j + m];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+    r[m & 3] += (u[m] > v) | ((u[m] == v) & (j + m < i));
+}
+
 /* Where element i of a[0..n) ranks: how many come before it in decreasing
  * order with ties to the lower index (the order the
- * router's warp-wide top-k picks in). */
+ * router's warp-wide top-k picks in). Sixteen loads in flight, then four
+ * independent counts (one chain of dependent adds waited a load's latency
+ * for every element); the rest (all of a short array: the router's groups,
+ * mixtral's 8 experts) four loads at a time, then one. */
 static __device__ __forceinline__ int ml_r_rank(const float *a, int n, int i) {
   const float v = a[i];
-  /* sixteen loads in flight, then four independent counts (one chain of
-   * dependent adds waited a load's latency for every element) */
   int r[4] = {0, 0, 0, 0};
   int j = 0;
 #pragma unroll 1
-  for (; j + 16 <= n; j += 16) {
-    float u[16];
-#pragma unroll
-    for (int m = 0; m < 16; ++m)
-      u[m] = a[j + m];
-#pragma unroll
-    for (int m = 0; m < 16; ++m)
-      r[m & 3] += (u[m] > v) | ((u[m] == v) & (j + m < i));
-  }
-  /* the rest (all of a short array: the router's groups, mixtral's 8
-   * experts) four loads at a time, then one */
+  for (; j + 16 <= n; j += 16)
+    ml_r_rank_part<16>(a, j, v, i, r);
 #pragma unroll 1
-  for (; j + 4 <= n; j += 4) {
-    float u[4];
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-      u[m] = a[j + m];
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-      r[m] += (u[m] > v) | ((u[m] == v) & (j + m < i));
-  }
+  for (; j + 4 <= n; j += 4)
+    ml_r_rank_part<4>(a, j, v, i, r);
 #pragma unroll 1
-  for (; j < n; ++j) {
-    const float u = a[j];
-    r[0] += (u > v) | ((u == v) & (j < i));
-  }
+  for (; j < n; ++j)
+    ml_r_rank_part<1>(a, j, v, i, r);
   return (r[0] + r[1]) + (r[2] + r[3]);
 }
 
