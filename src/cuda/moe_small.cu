@@ -1206,12 +1206,7 @@ extern "C" ml_cuda_moe_small_args ml_cuda_moe_small_args_for(const moelink_moe_c
   a.cfg = cfg;
   a.x = x;
   a.num_tokens = num_tokens;
-  a.router = w->router;
-  a.bias = w->correction_bias;
-  a.gate_up = w->gate_up;
-  a.down = w->down;
-  a.gate_up_scale = w->gate_up_scale;
-  a.down_scale = w->down_scale;
+  a.w = w;
   a.out = out;
   a.scratch = scratch;
   a.scratch_bytes = scratch_bytes;
@@ -1235,12 +1230,13 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
                    "small-batch layer kernel: %d tokens of this layer are not supported "
                    "(ml_cuda_moe_small_fits)",
                    T);
-  if (a->x == NULL || a->router == NULL || a->gate_up == NULL || a->down == NULL ||
-      a->out == NULL || a->scratch == NULL || (c->correction_bias && a->bias == NULL) ||
-      (c->fp8_experts && (a->gate_up_scale == NULL || a->down_scale == NULL)))
+  const moelink_moe_weights_t *w = a->w;
+  if (w == NULL || a->x == NULL || w->router == NULL || w->gate_up == NULL || w->down == NULL ||
+      a->out == NULL || a->scratch == NULL || (c->correction_bias && w->correction_bias == NULL) ||
+      (c->fp8_experts && (w->gate_up_scale == NULL || w->down_scale == NULL)))
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "small-batch layer kernel: a NULL operand");
-  if (ml_cuda_misaligned(a->x) || ml_cuda_misaligned(a->router) || ml_cuda_misaligned(a->gate_up) ||
-      ml_cuda_misaligned(a->down) || ml_cuda_misaligned(a->out) || ml_cuda_misaligned(a->scratch))
+  if (ml_cuda_misaligned(a->x) || ml_cuda_misaligned(w->router) || ml_cuda_misaligned(w->gate_up) ||
+      ml_cuda_misaligned(w->down) || ml_cuda_misaligned(a->out) || ml_cuda_misaligned(a->scratch))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "small-batch layer kernel: operands must be 16-byte aligned");
   const int ctas = a->ctas > 0 && a->ctas < a->sm_count ? a->ctas : a->sm_count;
@@ -1256,10 +1252,10 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   memset(&p, 0, sizeof p);
   char *base = (char *)a->scratch;
   p.x = (const char *)a->x;
-  p.wr = (const char *)a->router;
-  p.bias = c->correction_bias ? a->bias : NULL;
-  p.gs = c->fp8_experts ? a->gate_up_scale : NULL;
-  p.ds = c->fp8_experts ? a->down_scale : NULL;
+  p.wr = (const char *)w->router;
+  p.bias = c->correction_bias ? w->correction_bias : NULL;
+  p.gs = c->fp8_experts ? w->gate_up_scale : NULL;
+  p.ds = c->fp8_experts ? w->down_scale : NULL;
   p.out = a->out;
   p.logits = (float *)(base + L.logits);
   p.h = base + L.h;
@@ -1321,9 +1317,9 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
   /* (the maps' F32 stands for e4m3 bytes: boxes of 128 k) */
   const moelink_dtype_t wdt = c->fp8_experts ? MOELINK_DTYPE_F32 : c->dtype;
   CUtensorMap gu, d;
-  ML_TRY(ml_sm90_map_b_box(&gu, wdt, a->gate_up, c->hidden, c->inter, 2, c->num_experts, MLS_COLS_A,
+  ML_TRY(ml_sm90_map_b_box(&gu, wdt, w->gate_up, c->hidden, c->inter, 2, c->num_experts, MLS_COLS_A,
                            2, "small-batch layer kernel (gate/up)"));
-  ML_TRY(ml_sm90_map_b_box(&d, wdt, a->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS, 1,
+  ML_TRY(ml_sm90_map_b_box(&d, wdt, w->down, c->inter, c->hidden, 1, c->num_experts, MLS_ROWS, 1,
                            "small-batch layer kernel (down)"));
   const int bf = c->dtype == MOELINK_DTYPE_BF16;
   if (c->fp8_experts)

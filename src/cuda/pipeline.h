@@ -185,12 +185,10 @@ typedef struct ml_cuda_moe_small_args {
   const moelink_moe_config_t *cfg;
   const void *x; /* [num_tokens, H], 16-byte aligned (as every pointer here) */
   int num_tokens;
-  const void *router;  /* [E, H] */
-  const float *bias;   /* [E] where cfg->correction_bias */
-  const void *gate_up; /* [E, 2I, H] */
-  const void *down;    /* [E, H, I] */
-  const float *gate_up_scale; /* cfg->fp8_experts: [E, 2I/128, H/128] */
-  const float *down_scale;    /* cfg->fp8_experts: [E, H/128, I/128] */
+  /* the layer's weights on the device (moelink_moe_weights_t's layout): the
+   * router, gate_up, down and, where cfg asks for them, the correction bias
+   * and the FP8 block scales */
+  const moelink_moe_weights_t *w;
   void *out;           /* [num_tokens, H] */
   void *scratch;       /* ml_cuda_moe_small_scratch bytes; its first zero_bytes zero
                           before the first launch, and every launch leaves them zero */

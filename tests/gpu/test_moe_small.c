@@ -286,18 +286,11 @@ static void test_refusals(void) {
   const size_t H = (size_t)c.hidden;
   char *x = gu_dev(H * 2 + 16), *out = gu_dev(H * 2 + 16);
   char *w = gu_dev(gu_elems_gate_up(&c) * 2);
-  ml_cuda_moe_small_args a;
-  memset(&a, 0, sizeof a);
-  a.cfg = &c;
-  a.x = x;
-  a.num_tokens = 1;
-  a.router = w;
-  a.gate_up = w;
-  a.down = w;
-  a.out = NULL;
-  a.scratch = scratch;
-  a.scratch_bytes = sb;
-  a.sm_count = g_sms;
+  moelink_moe_weights_t ww = MOELINK_MOE_WEIGHTS_INIT;
+  ww.router = w;
+  ww.gate_up = w;
+  ww.down = w;
+  ml_cuda_moe_small_args a = ml_cuda_moe_small_args_for(&c, &ww, x, 1, NULL, scratch, sb, g_sms);
   CHECK(ml_cuda_moe_small(&a, NULL) == MOELINK_ERR_INVALID_ARGUMENT, "NULL out refused: %s",
         moelink_last_error());
   moelink_moe_config_t f8n = c;
