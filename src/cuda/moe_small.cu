@@ -1022,7 +1022,7 @@ MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
  * output's ticket) while the consumers go on with the next run's boxes:
  * 1: FP8 experts only, 2: every layer, 0: none (the consumers finish every
  * run themselves, every round trip of it on their way). At one token it
- * took 1.9 us off qwen3-30b-a3b's FP8 layer and put 2.2 us on its bf16 one
+ * took 1.9 us off qwen3-30b-a3b's FP8 layer and put 1-2.5 us on its bf16 one
  * (docs/PERF.md). */
 MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
 
