@@ -23,7 +23,6 @@
 
 static moelink_context_t g_gpu, g_cpu;
 static int g_sms, g_optin;
-static int g_pairs; /* the router's rows come in equal pairs (test_exact_ties) */
 
 /* With router rows 2i and 2i + 1 equal (and their biases), every selection
  * value comes twice, bit for bit, and a tie goes to the lower expert: 2i + 1
@@ -43,8 +42,9 @@ static void check_pairs(const char *what, const int32_t *ids, int T, int k) {
   CHECK(bad == 0, "%s: exact ties go to the lower expert (%ld slots out of order)", what, bad);
 }
 
+/* pairs: the router's rows come in equal pairs (test_exact_ties) */
 static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D,
-                     moelink_moe_t gmoe, moelink_moe_t cmoe, int T, int ctas) {
+                     moelink_moe_t gmoe, moelink_moe_t cmoe, int T, int ctas, int pairs) {
   const moelink_moe_config_t *cfg = &L->cfg;
   const moelink_dtype_t dt = cfg->dtype;
   const size_t es = moelink_dtype_size(dt), H = (size_t)cfg->hidden, xb = (size_t)T * H * es;
@@ -98,7 +98,7 @@ static void run_case(const char *name, const ref_layer *L, const gu_dev_layer *D
   int32_t *gi = gu_host((size_t)T * k * 4);
   unsigned char *tie = gu_host((size_t)T);
   const gu_route_stats rs = gu_routes_check(what, L, cmoe, hx, T, dids, dw, gi, tie);
-  if (g_pairs)
+  if (pairs)
     check_pairs(what, gi, T, k);
 
   CHECK_OK(moelink_moe_forward(cmoe, hx, T, co, NULL), "CPU forward");
@@ -151,13 +151,13 @@ static void layer(const char *label, const moelink_moe_config_t *cfg, uint64_t s
     for (int j = 0; j < 4; ++j) {
       if (Ts[i] > 3 && j > 1)
         continue; /* the slow grids on the short batches */
-      run_case(name, &L, &D, gmoe, cmoe, Ts[i], ctas[j]);
+      run_case(name, &L, &D, gmoe, cmoe, Ts[i], ctas[j], 0);
     }
     /* as many CTAs as down units (T k row blocks of 128): each takes one
      * whole unit (MOELINK_SMALL_LAYER_WHOLE_DOWN), no partial sums */
     const int units = Ts[i] * cfg->top_k * ((cfg->hidden + 127) / 128);
     if (Ts[i] <= 2 && units > 3 && units != 7 && units < g_sms)
-      run_case(name, &L, &D, gmoe, cmoe, Ts[i], units);
+      run_case(name, &L, &D, gmoe, cmoe, Ts[i], units, 0);
   }
   moelink_moe_destroy(gmoe);
   moelink_moe_destroy(cmoe);
@@ -251,10 +251,8 @@ static void test_exact_ties(void) {
     GU_MUST(moelink_moe_create(g_cpu, &c, &cmoe), "CPU layer");
     GU_MUST(moelink_moe_set_weights(gmoe, &D.w), "GPU weights");
     GU_MUST(moelink_moe_set_weights(cmoe, &L.w), "CPU weights");
-    g_pairs = 1;
-    run_case(name, &L, &D, gmoe, cmoe, 1, 0);
-    run_case(name, &L, &D, gmoe, cmoe, 3, 0);
-    g_pairs = 0;
+    run_case(name, &L, &D, gmoe, cmoe, 1, 0, 1);
+    run_case(name, &L, &D, gmoe, cmoe, 3, 0, 1);
     moelink_moe_destroy(gmoe);
     moelink_moe_destroy(cmoe);
     gu_dev_layer_free(&D);
