@@ -976,13 +976,14 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   __syncthreads();
   if (tid == 0) {
     mls_stamp(p, ML_SMALL_PH_SUMS_DONE);
-    __threadfence();
-    if (atomicAdd(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
+    /* the CTA's uses of the counters (behind the barrier above) released, the
+     * other CTAs' acquired by the last one out; its zeros need no fence of
+     * their own: the launch's end publishes them to the next one */
+    if (ml_atom_add_acq_rel_gpu(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
       for (int q = 0; q < p.T * p.k; ++q)
         p.ready[q] = 0u;
       p.sync[0] = 0u;
       p.sync[1] = 0u;
-      __threadfence();
     }
   }
 }
