@@ -53,13 +53,6 @@ MOELINK_PARAM(DECODE_WAVES, 1)
  * left opts.splits at 0 (0: the policy); the layers size their split scratch
  * for it (ml_cuda_decode_scratch). */
 MOELINK_PARAM(DECODE_SPLITS, 0)
-/* Column blocks (128 weight rows) a CTA takes one after another, the next
- * block's first weight stages loading during the epilogue of the one before:
- * 16-bit operands, and FP8 ones (whose stages hold twice the k, so a CTA's
- * k range is half as many stages and its start and end weigh twice as
- * much). 1: a CTA a block. */
-MOELINK_PARAM(DECODE_GROUP, 1)
-MOELINK_PARAM(DECODE_FP8_GROUP, 1)
 /* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
 MOELINK_PARAM(DECODE_SMALL, 1)
 /* ml_cuda_decode_narrow: rows an expert on average up to which a layer's
@@ -164,17 +157,11 @@ static int mld_mblocks(int swiglu, int n) {
   return mld_ceil_div(n, swiglu ? mld_cols<MLD_SWIGLU>::N : mld_cols<MLD_SCALED>::N);
 }
 
-/* Column blocks a CTA takes (mld_args.group) */
-static int mld_group(int fp8) {
-  const int64_t g = fp8 ? ml_param_DECODE_FP8_GROUP() : ml_param_DECODE_GROUP();
-  return g < 1 ? 1 : g > 64 ? 64 : (int)g;
-}
-
 extern "C" int ml_cuda_decode_policy_splits(int swiglu, int n, int k, int max_passes,
                                             int sm_count) {
   int kt_per = 0;
-  return mld_splits(mld_ceil_div(mld_mblocks(swiglu, n), mld_group(0)), mld_ceil_div(k, MLD_BK),
-                    max_passes, sm_count, 0, 1, &kt_per);
+  return mld_splits(mld_mblocks(swiglu, n), mld_ceil_div(k, MLD_BK), max_passes, sm_count, 0, 1,
+                    &kt_per);
 }
 
 /* The tickets of a launch of `passes` passes x mb column blocks: one a
@@ -195,13 +182,10 @@ static size_t mld_partials(int swiglu, int n, int rows, int splits) {
 static void mld_need(int swiglu, int n, int k, int rows, int passes, int sub, int unsplit,
                      int routed, int sm_count, size_t *floats, size_t *tickets) {
   const int mb = mld_mblocks(swiglu, n);
-  int kt_per = 0, s = 1;
-  /* (the most splits of the launches with either operand width's group) */
-  for (int fp8 = 0; fp8 < 2 && !unsplit; ++fp8) {
-    const int sg = mld_splits(mld_ceil_div(mb, mld_group(fp8)), mld_ceil_div(k, MLD_BK), passes,
-                              sm_count, (int)ml_param_DECODE_SPLITS(), routed, &kt_per);
-    s = sg > s ? sg : s;
-  }
+  int kt_per = 0;
+  const int s = unsplit ? 1
+                        : mld_splits(mb, mld_ceil_div(k, MLD_BK), passes, sm_count,
+                                     (int)ml_param_DECODE_SPLITS(), routed, &kt_per);
   /* a SwiGLU may have an FP8 output (ml_decode_opts.q_out), split or not */
   const size_t t = mld_tickets(passes * sub, mb, swiglu);
   if (swiglu && t > *tickets) *tickets = t;
@@ -328,13 +312,12 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
     passes = ml_cuda_decode_passes(rows, 1);
   }
   const int mb = mld_mblocks(swiglu, n);
-  const int group = mld_group(fp8), mbg = mld_ceil_div(mb, group);
   const int ktiles = mld_ceil_div(k, fp8 ? MLD_ROW_BYTES : MLD_BK);
   int kt_per = 0;
   const int forced = o->splits > 0 ? o->splits : (int)ml_param_DECODE_SPLITS();
   /* (the split policy counts tiles: a tile's further row blocks add CTAs
    * only where the tile has the rows) */
-  const int splits = mld_splits(mbg, ktiles, passes, o->sm_count, forced, tiles != NULL, &kt_per);
+  const int splits = mld_splits(mb, ktiles, passes, o->sm_count, forced, tiles != NULL, &kt_per);
   if (passes == 0 || mb == 0 || rows == 0) return MOELINK_SUCCESS;
   /* 16-row passes where no tile can have more rows (the problem's rows, or
    * the caller's bound on a tile's), or where asked to cut tiles into them */
@@ -348,12 +331,10 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
         (bound < ML_CUDA_TILE_ROWS ? bound + MLD_BN_SMALL - 1 : ML_CUDA_TILE_ROWS) / MLD_BN_SMALL;
     passes *= p->sub;
   }
-  const int64_t ctas = (int64_t)passes * mbg * splits;
+  const int64_t ctas = (int64_t)passes * mb * splits;
   if (ctas > INT_MAX)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "%s: %d passes x %d groups of column blocks x %d "
-                   "splits is too many CTAs",
-                   what, passes, mbg, splits);
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: %d passes x %d column blocks x %d splits is "
+                   "too many CTAs", what, passes, mb, splits);
   if (a == NULL || b == NULL || out == NULL)
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "%s: NULL operand (a %p, b %p, out %p)", what,
                    a, b, out);
@@ -408,7 +389,6 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
   p->rows = rows;
   p->passes = passes;
   p->mblocks = mb;
-  p->group = group;
   p->splits = splits;
   p->kt_per = kt_per;
   /* A dense problem names its expert without the plan; a tiled one only

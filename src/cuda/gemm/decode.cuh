@@ -7,16 +7,12 @@
  * side (n8 fragments of tokens), which wastes nothing when a tile has 1..8
  * rows, and the grid is cut so that every SM streams weights:
  *
- *   CTA = (pass, column blocks, K split), pass fastest in blockIdx.x
+ *   CTA = (pass, column block, K split), pass fastest in blockIdx.x
  *     pass          BN rows of one tile of the plan (a tile: <= 64 rows of one
  *                   expert; BN = 64, or 16 with the tile's rows in up to
  *                   four passes), or BN rows of a dense problem
  *     column block  128 weight rows: 128 output columns of the plain GEMM, or
- *                   64 gate rows + the 64 up rows of the same columns; a CTA
- *                   takes `group` adjacent ones, one after another, the next
- *                   one's first weight stages in flight during the epilogue
- *                   of the one before (a CTA's start and end are gaps in its
- *                   weight stream; a short k range makes them a large share)
+ *                   64 gate rows + the 64 up rows of the same columns
  *     K split       a range of 64-wide k tiles
  *
  * Passes of one expert are adjacent, so the CTAs that read the same weight
@@ -34,9 +30,8 @@
  * fragments that hold rows of the pass are loaded and multiplied.
  *
  * Epilogue: accumulators go through shared memory (transposed to [token]
- * [weight row], in the ring's last stages) so that global stores are 16-byte
- * and row-contiguous. With one K split the CTA applies SwiGLU or the row
- * scale and stores the output.
+ * [weight row]) so that global stores are 16-byte and row-contiguous. With
+ * one K split the CTA applies SwiGLU or the row scale and stores the output.
  * With several, each CTA stores its fp32 partial block, takes a ticket, and
  * the last CTA of the output block sums the partials in split order (so the
  * sum does not depend on which CTA came last) and stores the output.
@@ -131,7 +126,6 @@ typedef struct mld_args {
   uint32_t *tickets;         /* [passes][mblocks] (splits > 1) */
   int lda, a_div, n, k, rows;
   int passes, mblocks, splits, kt_per;
-  int group;                 /* column blocks a CTA takes one after another (>= 1) */
   int early;                 /* tile list and weights readable before the wait */
   int no_mma;                /* ML_DECODE_PROBE_NO_MMA */
   /* SwiGLU into fp32 only, NULL: none. The output also quantized per 128
@@ -482,114 +476,6 @@ static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int
   }
 }
 
-/* This thread's weight rows r0 + 16 i of column block col0 (expert weights
- * at wbase, k elements of ES bytes a row): pointers, and a bit per row that
- * exists (false past n). */
-template <int MODE, int ES>
-static __device__ __forceinline__ void mld_weight_ptrs(const char *wbase, int r0, int col0, int n,
-                                                       int k, const char **wp, uint32_t *valid) {
-  uint32_t v = 0;
-#pragma unroll
-  for (int i = 0; i < MLD_W_LOADS; ++i) {
-    int col, wrow;
-    const bool ok = mld_weight_row<MODE>(r0 + 16 * i, col0, n, &col, &wrow);
-    wp[i] = ok ? wbase + (size_t)wrow * (size_t)k * ES : wbase;
-    v |= (uint32_t)ok << i;
-  }
-  *valid = v;
-}
-
-/* The output of one (pass, split, column block) from the epilogue tile cs
- * [token][tile row] (mld_kernel): with one K split the output itself (and
- * the FP8 copy of a SwiGLU); with several, this split's partial block, a
- * ticket, and the fixed-order sum by the last split to arrive. Every thread
- * of the CTA calls it. */
-template <int DT, int MODE, int OUT_F32>
-static __device__ void mld_block_out(const mld_args &p, const float *cs, int pass, int split,
-                                     int mb, int row0, int rows) {
-  __shared__ int s_last;
-  const int tid = (int)threadIdx.x;
-  const int col0 = mb * mld_cols<MODE>::N;
-  constexpr int OCH = mld_cols<MODE>::N / 8; /* 8-column chunks of a row */
-  if (p.splits == 1) {
-    for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
-      const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
-      if (col >= p.n)
-        continue;
-      const float4 *src = (const float4 *)(cs + tok * MLD_CS_LD + 8 * q);
-      const float4 lo = src[0], hi = src[1];
-      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      if (MODE == MLD_SCALED) {
-        const float s = mld_row_scale(p, row0 + tok);
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          v[j] *= s;
-      }
-      mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
-    }
-    if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL)
-      mld_quantize_out(p, pass, mb, row0, rows);
-    return;
-  }
-
-  /* ---- several splits: partial block, ticket, fixed-order sum ---- */
-  const size_t ncols = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
-  constexpr int PCH = MLD_BM / 4; /* float4 chunks of a tile row */
-  for (int i = tid; i < rows * PCH; i += MLD_THREADS) {
-    const int tok = i / PCH, q = i % PCH;
-    int col, wrow;
-    if (!mld_weight_row<MODE>(4 * q, col0, p.n, &col, &wrow))
-      continue;
-    const float4 v = *(const float4 *)(cs + tok * MLD_CS_LD + 4 * q);
-    __stcg((float4 *)(p.partials + ((size_t)split * (size_t)p.rows + (size_t)(row0 + tok)) * ncols +
-                      (size_t)wrow),
-           v);
-  }
-  /* this CTA's partials visible device-wide before its ticket (an
-   * acquire-release add by thread 0 after the barrier; the last CTA also
-   * acquires the others') */
-  __syncthreads();
-  if (tid == 0) {
-    uint32_t *ticket = p.tickets + (size_t)pass * (size_t)p.mblocks + (size_t)mb;
-    const uint32_t before = ml_atom_add_acq_rel_gpu(ticket, 1u);
-    s_last = before == (uint32_t)(p.splits - 1);
-    /* all splits have arrived: leave the ticket zero for the next launch */
-    if (s_last)
-      *ticket = 0u;
-  }
-  __syncthreads();
-  if (!s_last)
-    return;
-  const size_t split_stride = (size_t)p.rows * ncols;
-  for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
-    const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
-    if (col >= p.n)
-      continue;
-    const float *src = p.partials + (size_t)(row0 + tok) * ncols + (size_t)col;
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (MODE == MLD_SWIGLU) {
-      float u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int s = 0; s < p.splits; ++s) {
-        mld_add8(v, src + (size_t)s * split_stride);
-        mld_add8(u, src + (size_t)s * split_stride + (size_t)p.n);
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        v[j] = mld_swiglu(v[j], u[j]);
-    } else {
-      for (int s = 0; s < p.splits; ++s)
-        mld_add8(v, src + (size_t)s * split_stride);
-      const float sc = mld_row_scale(p, row0 + tok);
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        v[j] *= sc;
-    }
-    mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
-  }
-  if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL)
-    mld_quantize_out(p, pass, mb, row0, rows);
-}
-
 /* ---- the kernel ---------------------------------------------------------------- */
 
 /* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
@@ -598,6 +484,7 @@ static __device__ void mld_block_out(const mld_args &p, const float *cs, int pas
 template <int DT, int MODE, int OUT_F32, int FP8, int BN>
 static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
   extern __shared__ __align__(128) char mld_smem[];
+  __shared__ int s_last;
   typedef mld_cfg<BN> C;
   constexpr int COLS = mld_cols<MODE>::N;
   constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
@@ -609,7 +496,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   const int pass = item % p.passes;
   item /= p.passes;
   const int split = item % p.splits;
-  const int mbg = item / p.splits; /* p.group column blocks from mbg x p.group */
+  const int mb = item / p.splits;
 
   if (!p.early) mld_grid_wait();
   int expert = 0, row0, rows;
@@ -637,6 +524,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   }
   rows = rows < p.rows - row0 ? rows : p.rows - row0;
 
+  const int col0 = mb * COLS;
   const int ktiles = (p.k + KT - 1) / KT;
   const int kt0 = split * p.kt_per;
   int nkt = ktiles - kt0 < p.kt_per ? ktiles - kt0 : p.kt_per;
@@ -649,22 +537,18 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them */
   const uint32_t base = FP8 ? (raw + 1023u) & ~1023u : raw;
   const uint32_t scl = base + (uint32_t)(STAGES * SB);
-  /* The epilogue tile overlays the ring's last CS_SLOTS stages, so that the
-   * next column block's first PRE weight stages can be in flight (in the
-   * slots before it) while this block's epilogue runs. */
-  constexpr int CS_SLOTS = (BN * MLD_CS_LD * 4 + SB - 1) / SB;
-  constexpr int PRE = STAGES - CS_SLOTS < STAGES - 1 ? STAGES - CS_SLOTS : STAGES - 1;
-  static_assert(CS_SLOTS >= 1 && PRE >= 1, "the epilogue tile leaves room for a stage");
-  float *const cs = (float *)(mld_smem + (base - raw) + (uint32_t)((STAGES - CS_SLOTS) * SB));
 
   const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
   const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * ES;
-  /* The column blocks of this CTA, one after another: mb_end - mb0 of them */
-  const int mb0 = mbg * p.group;
-  const int mb_end = mb0 + p.group < p.mblocks ? mb0 + p.group : p.mblocks;
   const char *wp[MLD_W_LOADS];
   uint32_t wvalid = 0;
-  mld_weight_ptrs<MODE, ES>(wbase, r0, mb0 * COLS, p.n, p.k, wp, &wvalid);
+#pragma unroll
+  for (int i = 0; i < MLD_W_LOADS; ++i) {
+    int col, wrow;
+    const bool ok = mld_weight_row<MODE>(r0 + 16 * i, col0, p.n, &col, &wrow);
+    wp[i] = ok ? wbase + (size_t)wrow * (size_t)p.k * ES : wbase;
+    wvalid |= (uint32_t)ok << i;
+  }
 
   /* The weights of the first stages go out as soon as the expert is known,
    * ahead of the gather index round trip (and, when early, of the wait). */
@@ -696,167 +580,205 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   /* FP8: thread c == 0 of each row group also copies its rows' scales of the
    * stage's k block, in the same commit group as the rows */
   const bool scale_copier = FP8 && c == 0;
+
+  /* Prologue: stages 0..STAGES-2 in flight, one commit group each; the
+   * weights issued above all sit in group 0, older than any stage's tokens,
+   * so "group kt complete" still means stage kt has landed. */
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nkt) {
+      const uint32_t slot = base + (uint32_t)(s * SB);
+      mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue,
+                         (kt0 + s) * KT + c * (16 / ES), p.k);
+      if (scale_copier)
+        mld_load_scales<XL>(scl + (uint32_t)(s * C::SCALE_BYTES), r0, sp, xvalid, xissue, kt0 + s);
+    }
+    ml_cp_async_commit();
+  }
+
+  float acc[2][NF][4];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < NF; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
   const int nv = (rows + 7) >> 3, np = (rows + 15) >> 4;
+  /* FP8: weight scale blocks of the two m16 fragments (SwiGLU: the gate
+   * rows' and the up rows'; plain: one block holds all 128 rows) */
+  const float *swp[2] = {NULL, NULL};
+  if (FP8) {
+    const int blk0 = col0 / MLD_FP8_BLOCK;
+    const int blk1 = MODE == MLD_SWIGLU ? (p.n + col0) / MLD_FP8_BLOCK : blk0;
+    swp[0] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk0) * (size_t)p.kblocks;
+    swp[1] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
+  }
+
+  /* FP8: the weight scales of a stage are loaded a stage ahead (a load
+   * issued just before the promotion that needs it would stall every stage
+   * for a round trip to L2) */
+  float sw_next[2] = {0.0f, 0.0f};
+  if (FP8 && nkt > 0) {
+    sw_next[0] = __ldg(swp[0] + kt0);
+    sw_next[1] = __ldg(swp[1] + kt0);
+  }
+
+  int rd = 0, wr = STAGES - 1;
+  for (int kt = 0; kt < nkt; ++kt) {
+    ml_cp_async_wait<STAGES - 2>();
+    if (FP8)
+      ml_fence_proxy_async();
+    /* stage kt landed for every thread, and every warp is done with the
+     * slot refilled below (it held stage kt - 1) */
+    __syncthreads();
+    const int next = kt + STAGES - 1;
+    if (next < nkt) {
+      const uint32_t slot = base + (uint32_t)(wr * SB);
+      const int kcol = (kt0 + next) * KT + c * (16 / ES);
+      mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
+      mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
+      if (scale_copier)
+        mld_load_scales<XL>(scl + (uint32_t)(wr * C::SCALE_BYTES), r0, sp, xvalid, xissue,
+                            kt0 + next);
+    }
+    ml_cp_async_commit();
+    const uint32_t cur = base + (uint32_t)(rd * SB);
+    if (FP8) {
+      const float sw[2] = {sw_next[0], sw_next[1]};
+      if (kt + 1 < nkt) {
+        sw_next[0] = __ldg(swp[0] + kt0 + kt + 1);
+        sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
+      }
+      if (!p.no_mma) {
+        const float *sx = (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * C::SCALE_BYTES));
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        /* the stage's cp.async writes (generic proxy) before wgmma's reads
+         * (async proxy): every thread fenced its own before the barrier */
+        if (nv <= 1)
+          mld_wgmma_stage<8, NF>(cur, acc, sx, sw);
+        else if (NF <= 2 || nv <= 2)
+          mld_wgmma_stage<16, NF>(cur, acc, sx, sw);
+        else if constexpr (NF >= 8) {
+          if (nv <= 4)
+            mld_wgmma_stage<32, NF>(cur, acc, sx, sw);
+          else
+            mld_wgmma_stage<64, NF>(cur, acc, sx, sw);
+        }
+#else
+        float blk[2][NF][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < NF; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) blk[mi][ni][e] = 0.0f;
+        mld_compute_stage<MODE, DT, 1, NF>(cur, blk, nv, np);
+        mld_promote_fp8<NF, NF>(acc, blk, sx, sw, nv);
+#endif
+      }
+    } else if (!p.no_mma) {
+      mld_compute_stage<MODE, DT, 0, NF>(cur, acc, nv, np);
+    }
+    rd = rd + 1 == STAGES ? 0 : rd + 1;
+    wr = wr + 1 == STAGES ? 0 : wr + 1;
+  }
+  ml_cp_async_wait<0>();
+  __syncthreads();
+
+  /* ---- accumulators -> shared [token][tile row] ---- */
+  float *cs = (float *)mld_smem;
   const int lane = tid & 31, warp = tid >> 5;
   const int fr = lane >> 2, ft = (lane & 3) * 2;
-  /* weight stages of the current column block already issued */
-  int issued = STAGES - 1;
-
-  for (int mb = mb0; mb < mb_end; ++mb) {
-    const int col0 = mb * COLS;
-    /* Prologue: stages 0..STAGES-2 in flight, one commit group each; the
-     * weights issued before it all sit in group 0, older than any stage's
-     * tokens, so "group kt complete" still means stage kt has landed. */
+  const bool fused = MODE == MLD_SWIGLU && p.splits == 1;
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < nkt) {
-        const uint32_t slot = base + (uint32_t)(s * SB);
-        const int kcol = (kt0 + s) * KT + c * (16 / ES);
-        if (s >= issued)
-          mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
-        mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
-        if (scale_copier)
-          mld_load_scales<XL>(scl + (uint32_t)(s * C::SCALE_BYTES), r0, sp, xvalid, xissue,
-                              kt0 + s);
-      }
-      ml_cp_async_commit();
-    }
-
-    float acc[2][NF][4];
+  for (int ni = 0; ni < NF; ++ni) {
+    if (ni >= nv) continue;
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int ni = 0; ni < NF; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          acc[mi][ni][e] = 0.0f;
-    /* FP8: weight scale blocks of the two m16 fragments (SwiGLU: the gate
-     * rows' and the up rows'; plain: one block holds all 128 rows) */
-    const float *swp[2] = {NULL, NULL};
-    if (FP8) {
-      const int blk0 = col0 / MLD_FP8_BLOCK;
-      const int blk1 = MODE == MLD_SWIGLU ? (p.n + col0) / MLD_FP8_BLOCK : blk0;
-      swp[0] =
-          p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk0) * (size_t)p.kblocks;
-      swp[1] =
-          p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
-    }
-
-    /* FP8: the weight scales of a stage are loaded a stage ahead (a load
-     * issued just before the promotion that needs it would stall every stage
-     * for a round trip to L2) */
-    float sw_next[2] = {0.0f, 0.0f};
-    if (FP8 && nkt > 0) {
-      sw_next[0] = __ldg(swp[0] + kt0);
-      sw_next[1] = __ldg(swp[1] + kt0);
-    }
-
-    int rd = 0, wr = STAGES - 1;
-    for (int kt = 0; kt < nkt; ++kt) {
-      ml_cp_async_wait<STAGES - 2>();
-      if (FP8)
-        ml_fence_proxy_async();
-      /* stage kt landed for every thread, and every warp is done with the
-       * slot refilled below (it held stage kt - 1) */
-      __syncthreads();
-      const int next = kt + STAGES - 1;
-      if (next < nkt) {
-        const uint32_t slot = base + (uint32_t)(wr * SB);
-        const int kcol = (kt0 + next) * KT + c * (16 / ES);
-        mld_load_w<ES>(slot + swz, wp, wvalid, kcol, p.k);
-        mld_load_x<ES, XL>(slot + MLD_W_BYTES + swz, xp, xvalid, xissue, kcol, p.k);
-        if (scale_copier)
-          mld_load_scales<XL>(scl + (uint32_t)(wr * C::SCALE_BYTES), r0, sp, xvalid, xissue,
-                              kt0 + next);
-      }
-      ml_cp_async_commit();
-      const uint32_t cur = base + (uint32_t)(rd * SB);
-      if (FP8) {
-        const float sw[2] = {sw_next[0], sw_next[1]};
-        if (kt + 1 < nkt) {
-          sw_next[0] = __ldg(swp[0] + kt0 + kt + 1);
-          sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
-        }
-        if (!p.no_mma) {
-          const float *sx =
-              (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * C::SCALE_BYTES));
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-          /* the stage's cp.async writes (generic proxy) before wgmma's reads
-           * (async proxy): every thread fenced its own before the barrier */
-          if (nv <= 1)
-            mld_wgmma_stage<8, NF>(cur, acc, sx, sw);
-          else if (NF <= 2 || nv <= 2)
-            mld_wgmma_stage<16, NF>(cur, acc, sx, sw);
-          else if constexpr (NF >= 8) {
-            if (nv <= 4)
-              mld_wgmma_stage<32, NF>(cur, acc, sx, sw);
-            else
-              mld_wgmma_stage<64, NF>(cur, acc, sx, sw);
-          }
-#else
-          float blk[2][NF][4];
+      for (int e = 0; e < 2; ++e) {
+        const int tok = ni * 8 + ft + e;
+        if (fused) {
+          cs[tok * MLD_CS_LD + warp * 16 + fr + 8 * h] =
+              mld_swiglu(acc[0][ni][2 * h + e], acc[1][ni][2 * h + e]);
+        } else {
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int ni = 0; ni < NF; ++ni)
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                blk[mi][ni][e] = 0.0f;
-          mld_compute_stage<MODE, DT, 1, NF>(cur, blk, nv, np);
-          mld_promote_fp8<NF, NF>(acc, blk, sx, sw, nv);
-#endif
+            cs[tok * MLD_CS_LD + mld_acc_row<MODE, FP8>(warp, mi) + fr + 8 * h] =
+                acc[mi][ni][2 * h + e];
         }
-      } else if (!p.no_mma) {
-        mld_compute_stage<MODE, DT, 0, NF>(cur, acc, nv, np);
       }
-      rd = rd + 1 == STAGES ? 0 : rd + 1;
-      wr = wr + 1 == STAGES ? 0 : wr + 1;
-    }
-    ml_cp_async_wait<0>();
-    __syncthreads();
-
-    /* The next column block's first weight stages, into the slots before the
-     * epilogue tile, while this block's epilogue runs (its own commit groups
-     * start with the next prologue). */
-    issued = 0;
-    if (mb + 1 < mb_end) {
-      mld_weight_ptrs<MODE, ES>(wbase, r0, col0 + COLS, p.n, p.k, wp, &wvalid);
-#pragma unroll
-      for (int s = 0; s < PRE; ++s)
-        if (s < nkt)
-          mld_load_w<ES>(base + (uint32_t)(s * SB) + swz, wp, wvalid,
-                         (kt0 + s) * KT + c * (16 / ES), p.k);
-      issued = PRE;
-    }
-
-    /* ---- accumulators -> shared [token][tile row] ---- */
-    const bool fused = MODE == MLD_SWIGLU && p.splits == 1;
-#pragma unroll
-    for (int ni = 0; ni < NF; ++ni) {
-      if (ni >= nv)
-        continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = ni * 8 + ft + e;
-          if (fused) {
-            cs[tok * MLD_CS_LD + warp * 16 + fr + 8 * h] =
-                mld_swiglu(acc[0][ni][2 * h + e], acc[1][ni][2 * h + e]);
-          } else {
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi)
-              cs[tok * MLD_CS_LD + mld_acc_row<MODE, FP8>(warp, mi) + fr + 8 * h] =
-                  acc[mi][ni][2 * h + e];
-          }
-        }
-    }
-    __syncthreads();
-    mld_block_out<DT, MODE, OUT_F32>(p, cs, pass, split, mb, row0, rows);
-    /* every thread is done with the epilogue tile before the next prologue
-     * (whose slots may hold part of it) */
-    __syncthreads();
   }
+  __syncthreads();
+
+  /* ---- one split: the output ---- */
+  constexpr int OCH = COLS / 8; /* 8-column chunks of a row */
+  if (p.splits == 1) {
+    for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
+      const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
+      if (col >= p.n) continue;
+      const float4 *src = (const float4 *)(cs + tok * MLD_CS_LD + 8 * q);
+      const float4 lo = src[0], hi = src[1];
+      float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      if (MODE == MLD_SCALED) {
+        const float s = mld_row_scale(p, row0 + tok);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] *= s;
+      }
+      mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
+    }
+    if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL) mld_quantize_out(p, pass, mb, row0, rows);
+    return;
+  }
+
+  /* ---- several splits: partial block, ticket, fixed-order sum ---- */
+  const size_t ncols = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
+  constexpr int PCH = MLD_BM / 4; /* float4 chunks of a tile row */
+  for (int i = tid; i < rows * PCH; i += MLD_THREADS) {
+    const int tok = i / PCH, q = i % PCH;
+    int col, wrow;
+    if (!mld_weight_row<MODE>(4 * q, col0, p.n, &col, &wrow)) continue;
+    const float4 v = *(const float4 *)(cs + tok * MLD_CS_LD + 4 * q);
+    __stcg((float4 *)(p.partials + ((size_t)split * (size_t)p.rows + (size_t)(row0 + tok)) * ncols +
+                      (size_t)wrow),
+           v);
+  }
+  /* this CTA's partials visible device-wide before its ticket (an
+   * acquire-release add by thread 0 after the barrier; the last CTA also
+   * acquires the others') */
+  __syncthreads();
+  if (tid == 0) {
+    uint32_t *ticket = p.tickets + (size_t)pass * (size_t)p.mblocks + (size_t)mb;
+    const uint32_t before = ml_atom_add_acq_rel_gpu(ticket, 1u);
+    s_last = before == (uint32_t)(p.splits - 1);
+    /* all splits have arrived: leave the ticket zero for the next launch */
+    if (s_last) *ticket = 0u;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  const size_t split_stride = (size_t)p.rows * ncols;
+  for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
+    const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;
+    if (col >= p.n) continue;
+    const float *src = p.partials + (size_t)(row0 + tok) * ncols + (size_t)col;
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (MODE == MLD_SWIGLU) {
+      float u[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < p.splits; ++s) {
+        mld_add8(v, src + (size_t)s * split_stride);
+        mld_add8(u, src + (size_t)s * split_stride + (size_t)p.n);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = mld_swiglu(v[j], u[j]);
+    } else {
+      for (int s = 0; s < p.splits; ++s) mld_add8(v, src + (size_t)s * split_stride);
+      const float sc = mld_row_scale(p, row0 + tok);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] *= sc;
+    }
+    mld_store_out<DT, OUT_F32>(p, row0 + tok, col, v);
+  }
+  if (MODE == MLD_SWIGLU && OUT_F32 && p.q != NULL) mld_quantize_out(p, pass, mb, row0, rows);
 }
 
 #endif
