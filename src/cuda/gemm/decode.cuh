@@ -42,12 +42,11 @@
  * an fp32 block sum, which is added to the running total times the block's
  * weight scale (one per 64-row half: its rows sit in one 128-row scale
  * block) and each token's activation scale (BN fp32 values copied with the
- * stage's token rows). On sm_90a the block sum comes from wgmma (m64nNk32
- * e4m3, N = 8..BN tokens, the warpgroup's two 64-row halves; the ring's
- * chunk swizzle is wgmma's 128-byte swizzle once the stages are 1024-byte
- * aligned): sm_90 has no 8-bit mma.sync, which it emulates by unpacking to
- * f16 at a cost that halved the weight stream. Elsewhere (the compute_90
- * PTX) the m16n8k32 mma.sync path stays as the portable fallback.
+ * stage's token rows, and the two weight scales with them). On sm_90a the block sum comes from
+ * wgmma (m64nNk32 e4m3, N = 8..BN tokens, the warpgroup's two 64-row halves; the ring's chunk
+ * swizzle is wgmma's 128-byte swizzle once the stages are 1024-byte aligned): sm_90 has no 8-bit
+ * mma.sync, which it emulates by unpacking to f16 at a cost that halved the weight stream.
+ * Elsewhere (the compute_90 PTX) the m16n8k32 mma.sync path stays as the portable fallback.
  *
  * Programmatic dependent launch: a kernel reads nothing a previous kernel of
  * the stream may still be writing before griddepcontrol.wait, and writes
@@ -92,7 +91,8 @@ template <int BN> struct mld_cfg {
   static constexpr int STAGES = BN == MLD_BN ? 4 : 6;
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
   static constexpr int SCALE_BYTES = BN * 4;
-  static constexpr int FP8_SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES) + 1024;
+  static constexpr int WSCALE_BYTES = 16; /* the stage's two weight scales, padded */
+  static constexpr int FP8_SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES + WSCALE_BYTES) + 1024;
 };
 
 static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass of the wide kernel");
@@ -222,6 +222,14 @@ static __device__ __forceinline__ void mld_load_scales(uint32_t dst, int r0, con
   for (int i = 0; i < XL; ++i)
     if ((issue >> i) & 1)
       ml_cp_async4(dst + (uint32_t)((r0 + 16 * i) * 4), sp[i] + kb, ((valid >> i) & 1) ? 4 : 0);
+}
+
+/* FP8: the weight scales of k block kb for the two m16 fragments' row blocks
+ * (swp[0], swp[1]) into the stage's pair at dst. */
+static __device__ __forceinline__ void mld_load_wscales(uint32_t dst, const float *const *swp,
+                                                        int kb) {
+  ml_cp_async4(dst, swp[0] + kb, 4);
+  ml_cp_async4(dst + 4, swp[1] + kb, 4);
 }
 
 /* One stage: four k16 steps (FP8: k32 steps of e4m3, the same 32 bytes of a
@@ -537,6 +545,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them */
   const uint32_t base = FP8 ? (raw + 1023u) & ~1023u : raw;
   const uint32_t scl = base + (uint32_t)(STAGES * SB);
+  const uint32_t wsc = scl + (uint32_t)(STAGES * C::SCALE_BYTES); /* FP8: weight scales */
 
   const size_t wrows = (size_t)(MODE == MLD_SWIGLU ? 2 * p.n : p.n);
   const char *wbase = p.b + (size_t)expert * wrows * (size_t)p.k * ES;
@@ -578,8 +587,19 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
     xissue |= (uint32_t)(t < rows16) << i;
   }
   /* FP8: thread c == 0 of each row group also copies its rows' scales of the
-   * stage's k block, in the same commit group as the rows */
+   * stage's k block, in the same commit group as the rows; thread 1 the
+   * stage's weight scales */
   const bool scale_copier = FP8 && c == 0;
+  const bool wscale_copier = FP8 && tid == 1;
+  /* FP8: weight scale blocks of the two m16 fragments (SwiGLU: the gate
+   * rows' and the up rows'; plain: one block holds all 128 rows) */
+  const float *swp[2] = {NULL, NULL};
+  if (FP8) {
+    const int blk0 = col0 / MLD_FP8_BLOCK;
+    const int blk1 = MODE == MLD_SWIGLU ? (p.n + col0) / MLD_FP8_BLOCK : blk0;
+    swp[0] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk0) * (size_t)p.kblocks;
+    swp[1] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
+  }
 
   /* Prologue: stages 0..STAGES-2 in flight, one commit group each; the
    * weights issued above all sit in group 0, older than any stage's tokens,
@@ -592,6 +612,8 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
                          (kt0 + s) * KT + c * (16 / ES), p.k);
       if (scale_copier)
         mld_load_scales<XL>(scl + (uint32_t)(s * C::SCALE_BYTES), r0, sp, xvalid, xissue, kt0 + s);
+      if (wscale_copier)
+        mld_load_wscales(wsc + (uint32_t)(s * C::WSCALE_BYTES), swp, kt0 + s);
     }
     ml_cp_async_commit();
   }
@@ -604,24 +626,6 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.0f;
   const int nv = (rows + 7) >> 3, np = (rows + 15) >> 4;
-  /* FP8: weight scale blocks of the two m16 fragments (SwiGLU: the gate
-   * rows' and the up rows'; plain: one block holds all 128 rows) */
-  const float *swp[2] = {NULL, NULL};
-  if (FP8) {
-    const int blk0 = col0 / MLD_FP8_BLOCK;
-    const int blk1 = MODE == MLD_SWIGLU ? (p.n + col0) / MLD_FP8_BLOCK : blk0;
-    swp[0] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk0) * (size_t)p.kblocks;
-    swp[1] = p.b_scale + ((size_t)expert * (size_t)p.b_rblocks + (size_t)blk1) * (size_t)p.kblocks;
-  }
-
-  /* FP8: the weight scales of a stage are loaded a stage ahead (a load
-   * issued just before the promotion that needs it would stall every stage
-   * for a round trip to L2) */
-  float sw_next[2] = {0.0f, 0.0f};
-  if (FP8 && nkt > 0) {
-    sw_next[0] = __ldg(swp[0] + kt0);
-    sw_next[1] = __ldg(swp[1] + kt0);
-  }
 
   int rd = 0, wr = STAGES - 1;
   for (int kt = 0; kt < nkt; ++kt) {
@@ -640,15 +644,17 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
       if (scale_copier)
         mld_load_scales<XL>(scl + (uint32_t)(wr * C::SCALE_BYTES), r0, sp, xvalid, xissue,
                             kt0 + next);
+      if (wscale_copier)
+        mld_load_wscales(wsc + (uint32_t)(wr * C::WSCALE_BYTES), swp, kt0 + next);
     }
     ml_cp_async_commit();
     const uint32_t cur = base + (uint32_t)(rd * SB);
     if (FP8) {
-      const float sw[2] = {sw_next[0], sw_next[1]};
-      if (kt + 1 < nkt) {
-        sw_next[0] = __ldg(swp[0] + kt0 + kt + 1);
-        sw_next[1] = __ldg(swp[1] + kt0 + kt + 1);
-      }
+      /* the stage's weight scales came with it through the ring (a load a
+       * stage ahead waited for its L2 round trip at every stage) */
+      const float2 swv =
+          *(const float2 *)(mld_smem + (wsc - raw) + (uint32_t)(rd * C::WSCALE_BYTES));
+      const float sw[2] = {swv.x, swv.y};
       if (!p.no_mma) {
         const float *sx = (const float *)(mld_smem + (scl - raw) + (uint32_t)(rd * C::SCALE_BYTES));
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
