@@ -81,9 +81,8 @@ enum { MLD_SWIGLU = 0, MLD_SCALED = 1 };
 
 /* The ring of a kernel whose passes have up to BN token rows: stages of 128
  * weight rows and BN token rows, as many as keep two CTAs on an SM (the FP8
- * kernel: the stages' token and weight scales after them, and 1 KiB of slack
- * to align the stages to 1024 bytes, wgmma's swizzle unit; with 16-row
- * passes four stages, which keep three CTAs on an SM). */
+ * kernel: the stages' token scales after them, and 1 KiB of slack to align
+ * the stages to 1024 bytes, wgmma's swizzle unit). */
 template <int BN> struct mld_cfg {
   static constexpr int NF = BN / 8;       /* n8 token fragments */
   static constexpr int X_LOADS = BN / 16; /* token rows one thread copies a stage */
@@ -93,29 +92,16 @@ template <int BN> struct mld_cfg {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
   static constexpr int SCALE_BYTES = BN * 4;
   static constexpr int WSCALE_BYTES = 16; /* the stage's two weight scales, padded */
-  static constexpr int FP8_STAGES = BN == MLD_BN ? STAGES : 4;
-  static constexpr int FP8_CTAS = BN == MLD_BN ? 2 : 3; /* an SM */
-  static constexpr int FP8_SMEM_BYTES =
-      FP8_STAGES * (STAGE_BYTES + SCALE_BYTES + WSCALE_BYTES) + 1024;
+  static constexpr int FP8_SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES + WSCALE_BYTES) + 1024;
 };
 
 static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass of the wide kernel");
 static_assert(MLD_BN * MLD_CS_LD * 4 <= mld_cfg<MLD_BN>::SMEM_BYTES &&
                   MLD_BN_SMALL * MLD_CS_LD * 4 <= mld_cfg<MLD_BN_SMALL>::SMEM_BYTES,
               "epilogue tile overlays the ring");
-static_assert(MLD_BN * MLD_CS_LD * 4 <=
-                      mld_cfg<MLD_BN>::FP8_STAGES * mld_cfg<MLD_BN>::STAGE_BYTES &&
-                  MLD_BN_SMALL * MLD_CS_LD * 4 <=
-                      mld_cfg<MLD_BN_SMALL>::FP8_STAGES * mld_cfg<MLD_BN_SMALL>::STAGE_BYTES,
-              "epilogue tile overlays the FP8 ring");
-static_assert(2 * (mld_cfg<MLD_BN_SMALL>::SMEM_BYTES + 1024) <= 228 * 1024 &&
-                  2 * (mld_cfg<MLD_BN>::SMEM_BYTES + 1024) <= 228 * 1024,
+static_assert(2 * (mld_cfg<MLD_BN_SMALL>::FP8_SMEM_BYTES + 1024) <= 228 * 1024 &&
+                  2 * (mld_cfg<MLD_BN>::FP8_SMEM_BYTES + 1024) <= 228 * 1024,
               "two CTAs an SM");
-static_assert(mld_cfg<MLD_BN_SMALL>::FP8_CTAS * (mld_cfg<MLD_BN_SMALL>::FP8_SMEM_BYTES + 1024) <=
-                      228 * 1024 &&
-                  mld_cfg<MLD_BN>::FP8_CTAS * (mld_cfg<MLD_BN>::FP8_SMEM_BYTES + 1024) <=
-                      228 * 1024,
-              "the FP8 kernels' CTAs an SM");
 static_assert(mld_cfg<MLD_BN_SMALL>::STAGE_BYTES % 1024 == 0 &&
                   mld_cfg<MLD_BN>::STAGE_BYTES % 1024 == 0,
               "FP8 stages stay 1024-byte aligned");
@@ -504,8 +490,7 @@ static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int
  * (operands e4m3). BN: token rows a pass (mld_cfg): 64, or 16 where no tile
  * has more rows or tiles are cut into passes (p.sub > 1). */
 template <int DT, int MODE, int OUT_F32, int FP8, int BN>
-static __global__ void __launch_bounds__(MLD_THREADS, FP8 ? mld_cfg<BN>::FP8_CTAS : 2)
-    mld_kernel(const mld_args p) {
+static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
   extern __shared__ __align__(128) char mld_smem[];
   __shared__ int s_last;
   typedef mld_cfg<BN> C;
@@ -513,7 +498,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, FP8 ? mld_cfg<BN>::FP8_CTA
   constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
   constexpr int KT = MLD_ROW_BYTES / ES;            /* k of a stage */
   constexpr int SB = C::STAGE_BYTES;
-  constexpr int STAGES = FP8 ? C::FP8_STAGES : C::STAGES, NF = C::NF, XL = C::X_LOADS;
+  constexpr int STAGES = C::STAGES, NF = C::NF, XL = C::X_LOADS;
   const int tid = (int)threadIdx.x;
   int item = (int)blockIdx.x;
   const int pass = item % p.passes;
