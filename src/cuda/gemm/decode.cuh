@@ -42,11 +42,13 @@
  * an fp32 block sum, which is added to the running total times the block's
  * weight scale (one per 64-row half: its rows sit in one 128-row scale
  * block) and each token's activation scale (BN fp32 values copied with the
- * stage's token rows, and the two weight scales with them). On sm_90a the block sum comes from
- * wgmma (m64nNk32 e4m3, N = 8..BN tokens, the warpgroup's two 64-row halves; the ring's chunk
- * swizzle is wgmma's 128-byte swizzle once the stages are 1024-byte aligned): sm_90 has no 8-bit
- * mma.sync, which it emulates by unpacking to f16 at a cost that halved the weight stream.
- * Elsewhere (the compute_90 PTX) the m16n8k32 mma.sync path stays as the portable fallback.
+ * stage's token rows, and the two weight scales with them). On sm_90a the
+ * block sum comes from wgmma (m64nNk32 e4m3, N = 8..BN tokens, the
+ * warpgroup's two 64-row halves; the ring's chunk swizzle is wgmma's 128-byte
+ * swizzle once the stages are 1024-byte aligned): sm_90 has no 8-bit
+ * mma.sync, which it emulates by unpacking to f16 at a cost that halved the
+ * weight stream. Elsewhere (the compute_90 PTX) the m16n8k32 mma.sync path
+ * stays as the portable fallback.
  *
  * Programmatic dependent launch: a kernel reads nothing a previous kernel of
  * the stream may still be writing before griddepcontrol.wait, and writes
@@ -81,8 +83,8 @@ enum { MLD_SWIGLU = 0, MLD_SCALED = 1 };
 
 /* The ring of a kernel whose passes have up to BN token rows: stages of 128
  * weight rows and BN token rows, as many as keep two CTAs on an SM (the FP8
- * kernel: the stages' token scales after them, and 1 KiB of slack to align
- * the stages to 1024 bytes, wgmma's swizzle unit). */
+ * kernel: the stages' token and weight scales after them, and 1 KiB of slack
+ * to align the stages to 1024 bytes, wgmma's swizzle unit). */
 template <int BN> struct mld_cfg {
   static constexpr int NF = BN / 8;       /* n8 token fragments */
   static constexpr int X_LOADS = BN / 16; /* token rows one thread copies a stage */
@@ -542,7 +544,8 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   const int c = tid & 7, r0 = tid >> 3;
   const uint32_t swz = (uint32_t)(r0 * MLD_ROW_BYTES + ((c ^ (r0 & 7)) << 4));
   const uint32_t raw = ml_smem_u32(mld_smem);
-  /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them */
+  /* FP8: stages 1024-byte aligned (wgmma's swizzle), token scales after them,
+   * then the weight scales */
   const uint32_t base = FP8 ? (raw + 1023u) & ~1023u : raw;
   const uint32_t scl = base + (uint32_t)(STAGES * SB);
   const uint32_t wsc = scl + (uint32_t)(STAGES * C::SCALE_BYTES); /* FP8: weight scales */
