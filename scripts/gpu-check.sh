@@ -16,8 +16,9 @@
 # layer at 512-8192 tokens with PREFILL_AB variants, ncu of the sm_90a GEMMs; not in all),
 # fp8probe (the FP8 GEMMs with parts left out, moelink_probeN; not in all), mgpu1 (the EP mgpu
 # tests with one rank on one GPU; not in all), profile (nsys + ncu kernel times at decode
-# sizes; not in all), trace (bench/trace_layer.py: the kernels of back-to-back calls at 8192
-# tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and fp8,
+# sizes; not in all), ncudecode (Nsight Compute's sections and per-instruction stall samples of
+# the decode GEMMs; not in all), trace (bench/trace_layer.py: the kernels of back-to-back calls
+# at 8192 tokens with the clocks; not in all), decode (graph replays at decode sizes, bf16 and fp8,
 # AB_ENV variants after each default run, DECODE_REPS rounds, DECODE_DTYPES (bf16 fp8); not
 # in all); test = gpu mgpu;
 # TP_AB: extra `bench tp` runs, one per VAR=value[,VAR=value] word (default MOELINK_TP_GEMM=1);
@@ -434,6 +435,35 @@ if case "$PARTS" in *" profile "*) true;; *) false;; esac; then
       log "profiled $tag"
     done
   done
+fi
+# Where the decode GEMMs' warps wait, instruction by instruction: Nsight Compute's sections
+# (speed of light, warp states, memory, schedulers, occupancy, source counters) of the first
+# NCU_DECODE_COUNT (2: gate/up, down) launches matching NCU_DECODE_KERNELS (mld_kernel) of one
+# eager layer call per preset (NCU_DECODE_PRESETS, qwen3-30b-a3b) and dtype (fp8 bf16) at
+# NCU_DECODE_TOKENS (16). Each report (.ncu-rep), its details page and its SASS source page
+# (per-instruction stall samples, CSV) go into json/ncudecode/. Not in all.
+if case "$PARTS" in *" ncudecode "*) true;; *) false;; esac; then
+  if [ -z "$NCU" ]; then
+    log "ncudecode: no ncu on this machine"; rc=1
+  else
+    mkdir -p "$OUT/json/ncudecode"
+    for p in ${NCU_DECODE_PRESETS:-qwen3-30b-a3b}; do
+      for q in fp8 bf16; do
+        f=""; [ $q = fp8 ] && f=--fp8-experts
+        rep="$OUT/json/ncudecode/${p}_$q"
+        "$NCU" --clock-control none -k "regex:${NCU_DECODE_KERNELS:-mld_kernel}" \
+          --launch-count "${NCU_DECODE_COUNT:-2}" --section SpeedOfLight --section WarpStateStats \
+          --section MemoryWorkloadAnalysis --section SchedulerStats --section Occupancy \
+          --section LaunchStats --section SourceCounters -f -o "$rep" \
+          ./"$BUILD"/moelink bench --backend cuda --preset "$p" $f --iters 1 --warmup 0 \
+          --tokens "${NCU_DECODE_TOKENS:-16}" >>"$OUT/ncudecode.log" 2>&1 || rc=1
+        "$NCU" --import "$rep.ncu-rep" --page details >"$rep.txt" 2>>"$OUT/ncudecode.log" || rc=1
+        "$NCU" --import "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.sass.csv" \
+          2>>"$OUT/ncudecode.log" || rc=1
+        log "ncudecode $p $q: $(grep -c . "$rep.sass.csv" 2>/dev/null || echo 0) SASS lines"
+      done
+    done
+  fi
 fi
 # The layer's kernels as they run back to back (bench/trace_layer.py: the PyTorch profiler's
 # CUPTI trace of flush + call pairs, nvidia-smi clocks beside it). Not in all. TRACE_PRESETS,
