@@ -75,9 +75,11 @@ log "build ok"
 rc=0
 
 # AB_PATCH: one more build (moelink_cli only) per patch, each from a patched copy of the tree
+# (only for the decode part, the one that runs them)
 ABBINS=() ABNAMES=()
 i=0
-for abp in ${AB_PATCH:-}; do
+case "$PARTS" in *" decode "*) AB_LIST=${AB_PATCH:-};; *) AB_LIST="";; esac
+for abp in $AB_LIST; do
   i=$((i + 1))
   WIP=/tmp/mlwip$i ABP=$(realpath "$abp")
   log "A/B build $i: $abp${AB_PATCH_R:+ reversed} in $WIP"

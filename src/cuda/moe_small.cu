@@ -1096,9 +1096,10 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   L->ready = ml_cuda_take(&cur, (size_t)m.P * 4);
   L->sync = ml_cuda_take(&cur, 2 * 4);
   L->zero_bytes = (cur + 255) & ~(size_t)255;
-  /* (lsplit keeps T E lsplit within the grid's warps, or is 1) */
-  L->logits =
-      ml_cuda_take(&cur, ((size_t)Tm * c->num_experts + (size_t)sm_count * (MLS_THREADS / 32)) * 4);
+  /* T E lsplit floats: lsplit is 1, or keeps T E lsplit within the grid's
+   * warps (at most sm_count of them a warp each) */
+  const size_t dots = (size_t)Tm * c->num_experts, warps = (size_t)sm_count * (MLS_THREADS / 32);
+  L->logits = ml_cuda_take(&cur, (dots > warps ? dots : warps) * 4);
   L->h = ml_cuda_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
   L->y = ml_cuda_take(&cur, (size_t)m.P * c->hidden * 2);
   L->part_a = ml_cuda_take(&cur, L->part_a_floats * 4);
