@@ -110,8 +110,9 @@ MOELINK_PARAM(SHARED_FIRST, 1)
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
  * one-kernel layer's chain", commit 13e38b2), one kernel / pipeline at T = 1:
  * qwen3-30b-a3b 34.6-35.1 / 47.7-48.0 us, FP8 27.5-27.6 / 41.6-41.9;
- * mixtral-8x7b 184.2-184.6 / 189.4-189.9, FP8 107.6 / 115.6; at 2 and 4
- * tokens slower (88bcd14's kernel). */
+ * mixtral-8x7b 184.2-184.6 / 189.4-189.9, FP8 107.6 / 115.6; at 4 tokens
+ * slower, at 2 slower for qwen3-30b-a3b, not for mixtral-8x7b (bf16 the same,
+ * FP8 193.4 / 199.3; 88bcd14's kernel). */
 MOELINK_PARAM(SMALL_LAYER_TOKENS, 1)
 
 static moelink_status_t ml_cu_step(cudaStream_t st, const char *step) {
