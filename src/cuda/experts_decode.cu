@@ -53,6 +53,13 @@ MOELINK_PARAM(DECODE_WAVES, 1)
  * left opts.splits at 0 (0: the policy); the layers size their split scratch
  * for it (ml_cuda_decode_scratch). */
 MOELINK_PARAM(DECODE_SPLITS, 0)
+/* FP8 launches of 16-row passes whose CTAs stream at most this many 128-wide
+ * k tiles take the kernel of the short-k ring (four stages, three CTAs an SM;
+ * mld_cfg); 0: never. Measured on an H200 with that ring for every FP8 launch
+ * of 16-row passes (graph replays, docs/PERF.md): qwen3-30b-a3b (16 and 6 k
+ * tiles a CTA) T = 16 / 128 2% / 6% faster, mixtral-8x7b T = 16 3.5% and
+ * deepseek-v3 T = 1 7% slower. */
+MOELINK_PARAM(DECODE_FP8_SHORT_K, 0)
 /* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
 MOELINK_PARAM(DECODE_SMALL, 1)
 /* ml_cuda_decode_narrow: rows an expert on average up to which a layer's
@@ -238,19 +245,21 @@ enum { MLD_K_SWIGLU_BF16, MLD_K_SWIGLU_F16, MLD_K_SCALED_BF16, MLD_K_SCALED_BF16
        MLD_K_FP8_SWIGLU_BF16, MLD_K_FP8_SWIGLU_F16, MLD_K_FP8_SCALED_BF16, MLD_K_FP8_SCALED_F16,
        MLD_K_FP8_SCALED_F32, MLD_K_FP8_SWIGLU_F32, MLD_K_COUNT };
 /* [device][kernel of 64-row passes, then of 16-row ones] */
-static unsigned char mld_smem_ready[ML_CUDA_MAX_DEVICES * 2 * MLD_K_COUNT];
+/* [device][kernel of 64-row passes, of 16-row ones, of the short-k FP8 ring] */
+static unsigned char mld_smem_ready[ML_CUDA_MAX_DEVICES * 3 * MLD_K_COUNT];
 
 /* The ring is past the 48 KiB default: the kernel's limit raised once per device. */
 static moelink_status_t mld_allow_smem(const void *kernel, int which, int bytes) {
-  return ml_cuda_allow_smem(kernel, mld_smem_ready, 2 * MLD_K_COUNT, which, bytes);
+  return ml_cuda_allow_smem(kernel, mld_smem_ready, 3 * MLD_K_COUNT, which, bytes);
 }
 
-template <int DT, int MODE, int OUT_F32, int FP8, int BN>
+template <int DT, int MODE, int OUT_F32, int FP8, int BN, int SHORT = 0>
 static moelink_status_t mld_launch_bn(const mld_args *p, unsigned grid, int which, int pdl,
                                       const char *name, cudaStream_t stream) {
-  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8, BN>;
-  const int smem = FP8 ? mld_cfg<BN>::FP8_SMEM_BYTES : mld_cfg<BN>::SMEM_BYTES;
-  ML_TRY(mld_allow_smem((const void *)kernel, which + (BN == MLD_BN ? 0 : MLD_K_COUNT), smem));
+  void (*kernel)(const mld_args) = mld_kernel<DT, MODE, OUT_F32, FP8, BN, SHORT>;
+  const int smem = FP8 ? mld_cfg<BN>::fp8_smem_bytes(SHORT) : mld_cfg<BN>::SMEM_BYTES;
+  const int slot = SHORT ? 2 : BN == MLD_BN ? 0 : 1;
+  ML_TRY(mld_allow_smem((const void *)kernel, which + slot * MLD_K_COUNT, smem));
   void *args[] = {(void *)p};
   const cudaError_t e = ml_launch_kernel((const void *)kernel, dim3(grid, 1, 1),
                                          dim3(MLD_THREADS, 1, 1), (size_t)smem, pdl, stream, args);
@@ -264,10 +273,14 @@ static moelink_status_t mld_launch_bn(const mld_args *p, unsigned grid, int whic
   return MOELINK_SUCCESS;
 }
 
-/* The kernel of p->small's pass rows (mld_prepare). */
+/* The kernel of p->small's pass rows and, FP8, p->short_k's ring
+ * (mld_prepare). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t mld_launch(const mld_args *p, unsigned grid, int which, int pdl,
                                    const char *name, cudaStream_t stream) {
+  if (FP8 && p->small && p->short_k)
+    return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN_SMALL, FP8>(p, grid, which, pdl, name,
+                                                                    stream);
   if (p->small)
     return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN_SMALL>(p, grid, which, pdl, name, stream);
   return mld_launch_bn<DT, MODE, OUT_F32, FP8, MLD_BN>(p, grid, which, pdl, name, stream);
@@ -331,6 +344,9 @@ static moelink_status_t mld_prepare(const char *what, int swiglu, int fp8, moeli
         (bound < ML_CUDA_TILE_ROWS ? bound + MLD_BN_SMALL - 1 : ML_CUDA_TILE_ROWS) / MLD_BN_SMALL;
     passes *= p->sub;
   }
+  /* FP8, 16-row passes: the short-k ring where a CTA's k range is short */
+  const int64_t short_k = ml_param_DECODE_FP8_SHORT_K();
+  p->short_k = fp8 && p->small && short_k > 0 && (int64_t)kt_per <= short_k;
   const int64_t ctas = (int64_t)passes * mb * splits;
   if (ctas > INT_MAX)
     return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: %d passes x %d column blocks x %d splits is "

@@ -84,7 +84,10 @@ enum { MLD_SWIGLU = 0, MLD_SCALED = 1 };
 /* The ring of a kernel whose passes have up to BN token rows: stages of 128
  * weight rows and BN token rows, as many as keep two CTAs on an SM (the FP8
  * kernel: the stages' token and weight scales after them, and 1 KiB of slack
- * to align the stages to 1024 bytes, wgmma's swizzle unit). */
+ * to align the stages to 1024 bytes, wgmma's swizzle unit). SHORT (FP8 with
+ * 16-row passes only): the ring of the kernel for short k ranges, four
+ * stages, which keep three CTAs on an SM: a CTA's start and end then overlap
+ * the streams of two others, at the cost of a shallower ring. */
 template <int BN> struct mld_cfg {
   static constexpr int NF = BN / 8;       /* n8 token fragments */
   static constexpr int X_LOADS = BN / 16; /* token rows one thread copies a stage */
@@ -94,7 +97,12 @@ template <int BN> struct mld_cfg {
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES;
   static constexpr int SCALE_BYTES = BN * 4;
   static constexpr int WSCALE_BYTES = 16; /* the stage's two weight scales, padded */
-  static constexpr int FP8_SMEM_BYTES = STAGES * (STAGE_BYTES + SCALE_BYTES + WSCALE_BYTES) + 1024;
+  static constexpr int fp8_stages(int short_k) { return short_k ? 4 : STAGES; }
+  static constexpr int fp8_ctas(int short_k) { return short_k ? 3 : 2; } /* an SM */
+  static constexpr int fp8_smem_bytes(int short_k) {
+    return fp8_stages(short_k) * (STAGE_BYTES + SCALE_BYTES + WSCALE_BYTES) + 1024;
+  }
+  static constexpr int FP8_SMEM_BYTES = fp8_smem_bytes(0);
 };
 
 static_assert(MLD_BN >= ML_CUDA_TILE_ROWS, "a plan tile must fit one pass of the wide kernel");
@@ -104,6 +112,9 @@ static_assert(MLD_BN * MLD_CS_LD * 4 <= mld_cfg<MLD_BN>::SMEM_BYTES &&
 static_assert(2 * (mld_cfg<MLD_BN_SMALL>::FP8_SMEM_BYTES + 1024) <= 228 * 1024 &&
                   2 * (mld_cfg<MLD_BN>::FP8_SMEM_BYTES + 1024) <= 228 * 1024,
               "two CTAs an SM");
+static_assert(3 * (mld_cfg<MLD_BN_SMALL>::fp8_smem_bytes(1) + 1024) <= 228 * 1024 &&
+                  MLD_BN_SMALL * MLD_CS_LD * 4 <= 4 * mld_cfg<MLD_BN_SMALL>::STAGE_BYTES,
+              "the short-k FP8 kernel: three CTAs an SM, the epilogue tile over its ring");
 static_assert(mld_cfg<MLD_BN_SMALL>::STAGE_BYTES % 1024 == 0 &&
                   mld_cfg<MLD_BN>::STAGE_BYTES % 1024 == 0,
               "FP8 stages stay 1024-byte aligned");
@@ -140,6 +151,7 @@ typedef struct mld_args {
   int sub;                   /* passes a tile (passes = tiles x sub): row block j of
                               * BN rows of tile t is pass t x sub + j */
   int small;                 /* host only: the kernel of MLD_BN_SMALL-row passes */
+  int short_k;               /* host only: with small, FP8: the short-k ring (mld_cfg) */
   /* FP8 only: a_scale[g * as_ld + kb] for A row g, b_scale[(e * b_rblocks
    * + weight row / 128) * kblocks + kb] */
   const float *a_scale;
@@ -490,9 +502,12 @@ static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int
 
 /* DT: the operands' dtype and the output's, or with FP8 = 1 the output's
  * (operands e4m3). BN: token rows a pass (mld_cfg): 64, or 16 where no tile
- * has more rows or tiles are cut into passes (p.sub > 1). */
-template <int DT, int MODE, int OUT_F32, int FP8, int BN>
-static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_args p) {
+ * has more rows or tiles are cut into passes (p.sub > 1). SHORT: the FP8
+ * ring for short k ranges (mld_cfg). */
+template <int DT, int MODE, int OUT_F32, int FP8, int BN, int SHORT = 0>
+static __global__ void __launch_bounds__(MLD_THREADS, mld_cfg<BN>::fp8_ctas(FP8 &&SHORT))
+    mld_kernel(const mld_args p) {
+  static_assert(!SHORT || (FP8 && BN == MLD_BN_SMALL), "the short-k ring: FP8, 16-row passes");
   extern __shared__ __align__(128) char mld_smem[];
   __shared__ int s_last;
   typedef mld_cfg<BN> C;
@@ -500,7 +515,7 @@ static __global__ void __launch_bounds__(MLD_THREADS, 2) mld_kernel(const mld_ar
   constexpr int ES = FP8 ? 1 : 2;                   /* operand bytes */
   constexpr int KT = MLD_ROW_BYTES / ES;            /* k of a stage */
   constexpr int SB = C::STAGE_BYTES;
-  constexpr int STAGES = C::STAGES, NF = C::NF, XL = C::X_LOADS;
+  constexpr int STAGES = FP8 ? C::fp8_stages(SHORT) : C::STAGES, NF = C::NF, XL = C::X_LOADS;
   const int tid = (int)threadIdx.x;
   int item = (int)blockIdx.x;
   const int pass = item % p.passes;
