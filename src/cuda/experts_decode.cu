@@ -55,11 +55,13 @@ MOELINK_PARAM(DECODE_WAVES, 1)
 MOELINK_PARAM(DECODE_SPLITS, 0)
 /* FP8 launches of 16-row passes whose CTAs stream at most this many 128-wide
  * k tiles take the kernel of the short-k ring (four stages, three CTAs an SM;
- * mld_cfg); 0: never. Measured on an H200 with that ring for every FP8 launch
- * of 16-row passes (graph replays, docs/PERF.md): qwen3-30b-a3b (16 and 6 k
- * tiles a CTA) T = 16 / 128 2% / 6% faster, mixtral-8x7b T = 16 3.5% and
- * deepseek-v3 T = 1 7% slower. */
-MOELINK_PARAM(DECODE_FP8_SHORT_K, 0)
+ * mld_cfg); 0: never. Measured on an H200 (graph replays, same call, docs/PERF.md
+ * "The short-k FP8 ring"): at 6 only qwen3-30b-a3b's down GEMM (6 k tiles a
+ * CTA) takes it, T = 16 / 128 3% / 6% faster; at 16 its gate/up and
+ * deepseek-v3's down too, T = 128 another 1% and 0.4% but deepseek-v3 T = 1
+ * 3% slower; at every k range mixtral-8x7b T = 16 and deepseek-v3 T = 1 lose
+ * 3% and 7%. */
+MOELINK_PARAM(DECODE_FP8_SHORT_K, 6)
 /* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
 MOELINK_PARAM(DECODE_SMALL, 1)
 /* ml_cuda_decode_narrow: rows an expert on average up to which a layer's
