@@ -101,9 +101,8 @@ int ml_cuda_pdl_allowed(cudaStream_t stream);
  * Problems are described by a tile list in the plan layout: tiles[3*i] =
  * expert, tiles[3*i+1] = first row, tiles[3*i+2] = rows (1..ML_CUDA_TILE_ROWS),
  * for i < *num_tiles (device memory, read on the device: no host sync).
- * The grid is sized for max_tiles (known on the host), and the list must
- * have room for max_tiles entries: a CTA reads its entry together with
- * *num_tiles (one round trip), and tiles past *num_tiles exit at once. With tiles == NULL the problem is dense: rows [0, dense_rows)
+ * The grid is sized for max_tiles (known on the host); tiles past *num_tiles
+ * exit at once. With tiles == NULL the problem is dense: rows [0, dense_rows)
  * all belong to expert 0. Operands are bf16 or f16 (dt); accumulation fp32.
  * B is [E, n_rows_of_B, k] row-major (a linear layer's weight): out = A B^T.
  * opts: NULL (defaults), or how the sm_90a kernel schedules its work

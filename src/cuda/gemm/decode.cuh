@@ -529,19 +529,13 @@ static __global__ void __launch_bounds__(MLD_THREADS, mld_cfg<BN>::fp8_ctas(FP8 
     /* row block j of tile t (p.sub blocks a tile, adjacent: their CTAs read
      * the same weights side by side) */
     const int t = pass / p.sub, j = pass - t * p.sub;
-    /* the count and the tile in one round trip, before the CTA's first
-     * weight byte: t is below the grid's tile count, which the list has room
-     * for (cuda.h), so the entry is readable, and unused, past the count */
-    const int count = __ldcg(p.num_tiles);
-    const int te = __ldcg(p.tiles + 3 * t), t0 = __ldcg(p.tiles + 3 * t + 1),
-              tn = __ldcg(p.tiles + 3 * t + 2);
-    if (t >= count) {
+    if (t >= __ldcg(p.num_tiles)) {
       if (p.early) mld_grid_wait();
       return;
     }
-    expert = te;
-    row0 = t0 + j * BN;
-    rows = tn - j * BN;
+    expert = __ldcg(p.tiles + 3 * t);
+    row0 = __ldcg(p.tiles + 3 * t + 1) + j * BN;
+    rows = __ldcg(p.tiles + 3 * t + 2) - j * BN;
   } else {
     row0 = pass * BN;
     rows = p.rows - row0;

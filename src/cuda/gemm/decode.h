@@ -109,7 +109,7 @@ void ml_cuda_decode_scratch(int max_tokens, int top_k, int num_experts, int hidd
 /* h = swiglu(A Wg^T, A Wu^T). A row r of the problem reads row
  * a_index[r] / a_div of a (a_index NULL: row r). b = [E, 2n, k] (gate rows
  * first). Tile list as in cuda.h with at most max_passes real tiles
- * (ml_cuda_decode_passes) and room for max_passes entries, or tiles == NULL: rows [0, rows) of expert 0.
+ * (ml_cuda_decode_passes), or tiles == NULL: rows [0, rows) of expert 0.
  * rows is the problem's row count either way (the partials are laid out by
  * it). out [rows, n], dtype dt. */
 moelink_status_t ml_cuda_decode_swiglu(moelink_dtype_t dt, const void *a, int lda,

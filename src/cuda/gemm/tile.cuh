@@ -88,15 +88,10 @@ static __device__ __forceinline__ int ml_gemm_tile_of(const int32_t *tiles,
   int t = (int)blockIdx.x;
   int r;
   if (tiles != NULL) {
-    /* the count and the entry in one round trip: the list has room for the
-     * grid's tiles (cuda.h), so the entry is readable, and unused, past the
-     * count */
-    const int count = __ldg(num_tiles);
-    const int te = __ldg(tiles + 3 * t), t0 = __ldg(tiles + 3 * t + 1);
+    if (t >= __ldg(num_tiles)) return 0;
+    *expert = __ldg(tiles + 3 * t);
+    *row0 = __ldg(tiles + 3 * t + 1);
     r = __ldg(tiles + 3 * t + 2);
-    if (t >= count) return 0;
-    *expert = te;
-    *row0 = t0;
   } else {
     *expert = 0;
     *row0 = t * BM;
