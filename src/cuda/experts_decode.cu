@@ -19,16 +19,14 @@ MOELINK_PARAM(DECODE_MAX_PAIRS, 256)
  * hidden and the down GEMM's inter; 0: no such rule) take the decode path up
  * to DECODE_LONG_K_PAIRS rows only: past a few experts the tile engine's
  * persistent CTAs stream those long rows faster. Measured on an H200 (graph
- * replays, two rounds, docs/PERF.md "The short-k FP8 ring; the decode path
- * to 64 rows of long k"), the decode GEMMs against the tile engine:
- * mixtral-8x7b (k 4096 / 14336) T = 8 / 16 / 24 / 32 (16-64 rows) 2.1 / 2.0
- * / 0.7 / 0.5% faster, T = 64 (128 rows) 12% slower; deepseek-v3 (7168 /
- * 2048) T = 2 / 4 / 8 2.5 / 1.1 / 1.4% faster, T = 16 (128 rows) 2% slower.
- * (At 7c10c2a, before the 16-row passes, the tile engine won from 9 rows.)
- * qwen3-30b-a3b (2048 / 768) is not such a layer: the tile engine was 9-28%
- * slower for it at every T from 1 to 32. */
+ * replays, two alternations, docs/PERF.md): the tile engine instead of the
+ * decode GEMMs made deepseek-v3 (k 7168 / 2048) T = 4 / 8 / 16 / 32 1.4 /
+ * 2.1 / 2.0 / 2.9% faster, T = 2 the same, T = 1 3% slower; mixtral-8x7b
+ * (4096 / 14336) T = 8 / 16 / 32 / 64 / 128 1.3 / 1.5 / 2.7 / 5.5 / 7.5%
+ * faster, T = 2 and 4 the same within the spread, T = 1 21-24% slower;
+ * qwen3-30b-a3b (2048 / 768) 9-28% slower at every T from 1 to 32. */
 MOELINK_PARAM(DECODE_LONG_K, 2048)
-MOELINK_PARAM(DECODE_LONG_K_PAIRS, 64)
+MOELINK_PARAM(DECODE_LONG_K_PAIRS, 8)
 /* FP8 routed GEMMs: the decode path also runs while the experts average at
  * most this many rows (0: the bf16 rule alone). Measured on an H200 (graph
  * replays, 8 against 32, docs/PERF.md): mixtral-8x7b T = 64 / 128 (16 / 32

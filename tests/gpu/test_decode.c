@@ -1114,13 +1114,11 @@ static void check_policy(void) {
   if (getenv("MOELINK_DECODE_MAX_PAIRS") == NULL && getenv("MOELINK_DECODE_LONG_K") == NULL &&
       getenv("MOELINK_DECODE_LONG_K_PAIRS") == NULL &&
       getenv("MOELINK_DECODE_FP8_ROWS_PER_EXPERT") == NULL) {
-    CHECK(ml_cuda_decode_wanted(64, 8, 4096) && !ml_cuda_decode_wanted(65, 8, 4096) &&
-              ml_cuda_decode_wanted(64, 256, 2048) && !ml_cuda_decode_wanted(128, 256, 2048) &&
-              ml_cuda_decode_wanted(128, 256, 2047) && ml_cuda_decode_wanted(64, 1, 8192) &&
-              ml_cuda_decode_wanted_fp8(64, 8, 4096) && !ml_cuda_decode_wanted_fp8(65, 8, 4096) &&
-              ml_cuda_decode_wanted_fp8(128, 256, 2048) && ml_cuda_decode_wanted_fp8(8, 8, 4096),
-          "routed GEMMs of k >= 2048 on the decode path up to 64 rows (FP8: also to 8 an "
-          "expert)");
+    CHECK(ml_cuda_decode_wanted(8, 8, 4096) && !ml_cuda_decode_wanted(9, 8, 4096) &&
+              !ml_cuda_decode_wanted(16, 256, 2048) && ml_cuda_decode_wanted(16, 256, 2047) &&
+              ml_cuda_decode_wanted(64, 1, 8192) && ml_cuda_decode_wanted_fp8(64, 8, 4096) &&
+              !ml_cuda_decode_wanted_fp8(65, 8, 4096) && ml_cuda_decode_wanted_fp8(8, 8, 4096),
+          "routed GEMMs of k >= 2048 on the decode path up to 8 rows (FP8: 8 an expert)");
   }
   size_t pf = 0, tk = 0;
   ml_cuda_decode_scratch(16, 8, 256, 7168, 2048, 2048, 132, &pf, &tk);

@@ -89,7 +89,7 @@ int ml_cuda_decode_passes(int rows, int experts);
  * two GEMMs' k are at least min_k (min(hidden, inter)): up to
  * MOELINK_DECODE_MAX_PAIRS rows (default 256, measured; 0 = never), routed
  * GEMMs with min_k >= MOELINK_DECODE_LONG_K up to MOELINK_DECODE_LONG_K_PAIRS
- * (2048 and 64, measured), and for a dense problem (experts == 1) one pass of
+ * (2048 and 8, measured), and for a dense problem (experts == 1) one pass of
  * ML_CUDA_TILE_ROWS at most. Monotone in rows. */
 int ml_cuda_decode_wanted(int rows, int experts, int min_k);
 
