@@ -7,6 +7,7 @@
  * told apart from the floor (a grid-stride read of the whole buffer):
  *   - run: contiguous bytes of one row a step (128 .. 2048); a step is 16 KiB
  *     of the block either way (128 rows x 128 B, 32 x 512 B, 8 x 2048 B);
+ *     runs that do not divide a row are skipped;
  *   - depth: steps in flight per CTA (loads issued before the oldest is used);
  *   - CTAs per SM (occupancy) and a persistent grid (one CTA per SM looping
  *     over blocks) against one CTA per block.
@@ -15,6 +16,8 @@
  * Before each timed run the L2 is flushed by a 256 MiB memset (as the
  * benchmarks do; it leaves the L2 full of dirty lines that the timed kernel
  * then writes back), by a 256 MiB read, or not at all (argv[3] = 0, 1, 2).
+ * Usage: stream_probe [rows (multiple of 128)] [k (bf16 elements a row, multiple of 64)]
+ * [flush]; an FP8 row of K bytes is k = K / 2.
  * Output: one line per variant, GB/s = bytes / median time of 20 runs. */
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -136,6 +139,10 @@ template <typename F> static double time_us(F launch) {
 template <int RUN, int DEPTH>
 static void variant(const char *buf, size_t row_bytes, int nblocks, int per_sm, int persistent,
                     int sms, unsigned *sink, double bytes) {
+  if (row_bytes % RUN != 0) { /* a step's runs would cross into the next row */
+    printf("run %5d B  depth %d: skipped (rows of %zu bytes)\n", RUN, DEPTH, row_bytes);
+    return;
+  }
   auto kern = k_blocks<RUN, DEPTH>;
   int smem = 0;
   if (per_sm > 0) {
@@ -156,6 +163,10 @@ int main(int argc, char **argv) {
   const size_t rows = argc > 1 ? strtoull(argv[1], NULL, 10) : 57344;
   const size_t k = argc > 2 ? strtoull(argv[2], NULL, 10) : 4096;
   const size_t row_bytes = k * 2, bytes = rows * row_bytes;
+  if (rows % 128 != 0 || row_bytes * 128 % STEP_BYTES != 0) {
+    fprintf(stderr, "rows (%zu) must be a multiple of 128 and k (%zu) of 64\n", rows, k);
+    return 2;
+  }
   const int nblocks = (int)(rows / 128);
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
