@@ -59,8 +59,8 @@ MOELINK_PARAM(DECODE_SPLITS, 0)
  * "The short-k FP8 ring"): at 6 only qwen3-30b-a3b's down GEMM (6 k tiles a
  * CTA) takes it, T = 16 / 128 3% / 6% faster; at 16 its gate/up and
  * deepseek-v3's down too, T = 128 another 1% and 0.4% but deepseek-v3 T = 1
- * 3% slower; at every k range mixtral-8x7b T = 16 and deepseek-v3 T = 1 lose
- * 3% and 7%. */
+ * 3% slower; with no limit mixtral-8x7b T = 16 and deepseek-v3 T = 1 lose
+ * 3% and 7%. A second H200: 6 against 0, qwen3 T = 16 / 128 2% / 6% faster. */
 MOELINK_PARAM(DECODE_FP8_SHORT_K, 6)
 /* 0: never the kernel of 16-row passes (see ml_decode_opts.max_rows) */
 MOELINK_PARAM(DECODE_SMALL, 1)
