@@ -78,8 +78,11 @@ def main():
     a = ap.parse_args()
 
     lmap = line_map(a.dis, a.kernel) if a.dis else None
+    found = kernels(a.csv)
+    if not found:
+        sys.exit(f"{a.csv}: no kernel's source page in it")
     seen = set()
-    for name, hdr, rows in kernels(a.csv):
+    for name, hdr, rows in found:
         if (name, len(rows)) in seen:
             continue
         seen.add((name, len(rows)))

@@ -443,7 +443,8 @@ fi
 # NCU_DECODE_COUNT (2: gate/up, down) launches matching NCU_DECODE_KERNELS (mld_kernel) of one
 # eager layer call per preset (NCU_DECODE_PRESETS, qwen3-30b-a3b) and dtype (fp8 bf16) at
 # NCU_DECODE_TOKENS (16). Each report (.ncu-rep), its details page and its SASS source page
-# (per-instruction stall samples, CSV) go into json/ncudecode/. Not in all.
+# (per-instruction stall samples, CSV, and their summary by bench/ncu_stalls.py) go into
+# json/ncudecode/. Not in all.
 if case "$PARTS" in *" ncudecode "*) true;; *) false;; esac; then
   if [ -z "$NCU" ]; then
     log "ncudecode: no ncu on this machine"; rc=1
@@ -461,6 +462,9 @@ if case "$PARTS" in *" ncudecode "*) true;; *) false;; esac; then
           --tokens "${NCU_DECODE_TOKENS:-16}" >>"$OUT/ncudecode.log" 2>&1 || rc=1
         "$NCU" --import "$rep.ncu-rep" --page details >"$rep.txt" 2>>"$OUT/ncudecode.log" || rc=1
         "$NCU" --import "$rep.ncu-rep" --page source --print-source sass --csv >"$rep.sass.csv" \
+          2>>"$OUT/ncudecode.log" || rc=1
+        # the stall samples by reason and instruction (bench/ncu_stalls.py), readable at once
+        python3 bench/ncu_stalls.py "$rep.sass.csv" --top 30 >"$rep.stalls.txt" \
           2>>"$OUT/ncudecode.log" || rc=1
         log "ncudecode $p $q: $(grep -c . "$rep.sass.csv" 2>/dev/null || echo 0) SASS lines"
       done
