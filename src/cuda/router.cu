@@ -456,20 +456,9 @@ static __device__ void ml_r_sum_partials(const float4 *part, int splits, int str
   }
 }
 
-/* Whether this CTA is the last of count to get here (after its global
- * writes are visible); the last one resets the ticket for the next launch.
- * One acquire-release add by thread 0 after the CTA barrier publishes the
- * CTA's writes and, for the last, acquires the others' (no sequentially
- * consistent fence by every thread). Every thread of the CTA must call it;
- * flag is shared scratch. */
+/* Whether this CTA is the last of count to get here (ml_cta_ticket). */
 static __device__ __forceinline__ bool ml_r_ticket(int32_t *ticket, int count, int *flag) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *flag = ml_atom_add_acq_rel_gpu((uint32_t *)ticket, 1u) == (uint32_t)(count - 1);
-    if (*flag) *ticket = 0;
-  }
-  __syncthreads();
-  return *flag != 0;
+  return ml_cta_ticket((uint32_t *)ticket, (uint32_t)(count - 1), flag);
 }
 
 /* Ranges per group of the two-level sum: all of them (one level) while the

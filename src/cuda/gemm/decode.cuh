@@ -468,17 +468,11 @@ static __device__ __forceinline__ void mld_add8(float *acc, const float *src) {
 static __device__ void mld_quantize_out(const mld_args &p, int pass, int mb, int row0,
                                         int rows) {
   __shared__ int s_second;
-  /* this CTA's output visible device-wide before its ticket (an
-   * acquire-release add by thread 0 after the barrier; the second CTA also
-   * acquires the first's) */
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t *t = p.q_tickets + (size_t)pass * (size_t)(p.mblocks / 2) + (size_t)(mb / 2);
-    s_second = ml_atom_add_acq_rel_gpu(t, 1u) == 1u;
-    if (s_second) *t = 0u; /* both blocks are in: zero for the next launch */
-  }
-  __syncthreads();
-  if (!s_second) return;
+  /* this CTA's output published with its ticket; the second CTA of the pair
+   * also sees the first's */
+  if (!ml_cta_ticket(p.q_tickets + (size_t)pass * (size_t)(p.mblocks / 2) + (size_t)(mb / 2), 1u,
+                     &s_second))
+    return;
   const int lane = (int)threadIdx.x & 31, warp = (int)threadIdx.x >> 5;
   const int col = (mb / 2) * MLD_FP8_BLOCK + (lane & 15) * 8;
   const float *out = (const float *)p.out;
@@ -767,19 +761,11 @@ static __global__ void __launch_bounds__(MLD_THREADS, mld_cfg<BN>::fp8_ctas(FP8 
                       (size_t)wrow),
            v);
   }
-  /* this CTA's partials visible device-wide before its ticket (an
-   * acquire-release add by thread 0 after the barrier; the last CTA also
-   * acquires the others') */
-  __syncthreads();
-  if (tid == 0) {
-    uint32_t *ticket = p.tickets + (size_t)pass * (size_t)p.mblocks + (size_t)mb;
-    const uint32_t before = ml_atom_add_acq_rel_gpu(ticket, 1u);
-    s_last = before == (uint32_t)(p.splits - 1);
-    /* all splits have arrived: leave the ticket zero for the next launch */
-    if (s_last) *ticket = 0u;
-  }
-  __syncthreads();
-  if (!s_last) return;
+  /* this CTA's partials published with its ticket; the last split's CTA
+   * also sees the others' */
+  if (!ml_cta_ticket(p.tickets + (size_t)pass * (size_t)p.mblocks + (size_t)mb,
+                     (uint32_t)(p.splits - 1), &s_last))
+    return;
   const size_t split_stride = (size_t)p.rows * ncols;
   for (int i = tid; i < rows * OCH; i += MLD_THREADS) {
     const int tok = i / OCH, q = i % OCH, col = col0 + 8 * q;

@@ -63,6 +63,23 @@ static __device__ __forceinline__ uint32_t ml_atom_add_acq_rel_gpu(uint32_t *p, 
   return old;
 }
 
+/* One CTA's arrival on ticket t, counted across the grid: whether it is the
+ * one that makes the count last + 1. The CTA's stores so far are published
+ * first (the barrier, then one acquire-release add by thread 0); the last
+ * one also sees what the others published and puts the ticket back to zero
+ * for the next launch. Every thread of the CTA calls it; flag: a shared
+ * word. */
+static __device__ __forceinline__ bool ml_cta_ticket(uint32_t *t, uint32_t last, int *flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *flag = ml_atom_add_acq_rel_gpu(t, 1u) == last;
+    if (*flag)
+      *t = 0u;
+  }
+  __syncthreads();
+  return *flag != 0;
+}
+
 /* The GPU's global nanosecond timer (%globaltimer): measurement stamps and
  * wait deadlines. */
 static __device__ __forceinline__ uint64_t ml_globaltimer(void) {
