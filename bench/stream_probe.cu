@@ -153,9 +153,11 @@ static void variant(const char *buf, size_t row_bytes, int nblocks, int per_sm, 
   CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, THREADS, smem));
   const int grid = persistent ? sms * occ : nblocks;
   const double us = time_us([&] { kern<<<grid, THREADS, smem>>>(buf, row_bytes, nblocks, persistent, sink); });
-  printf("run %5d B  depth %d (%3d KiB in flight/CTA)  %d CTA/SM  %-10s  %8.1f us  %7.0f GB/s\n",
-         RUN, DEPTH, DEPTH * STEP_BYTES / 1024, occ, persistent ? "persistent" : "per-block",
-         us, bytes / us / 1e3);
+  /* smem: sized for per_sm CTAs an SM (the L1 keeps the rest); occ: how many fit */
+  printf("run %5d B  depth %d (%3d KiB in flight/CTA)  %d CTA/SM (smem for %d)  %-10s  %8.1f us  "
+         "%7.0f GB/s\n",
+         RUN, DEPTH, DEPTH * STEP_BYTES / 1024, occ, per_sm,
+         persistent ? "persistent" : "per-block", us, bytes / us / 1e3);
 }
 
 int main(int argc, char **argv) {
