@@ -47,9 +47,12 @@
  * 128 output rows) are cut into k steps of a box (64; FP8 128), and CTA b takes the steps
  * [b W / G, (b + 1) W / G) of the W of the phase, so every SM streams the
  * same number of bytes whatever the shapes. A unit cut between CTAs leaves
- * fp32 partial sums in global memory, one slot per part, and the CTA that
- * takes the unit's last ticket adds them in part order (the sum does not
- * depend on who came last: results are bitwise reproducible). A down unit
+ * fp32 partial sums in global memory, one slot per part, added in part order
+ * (results are bitwise reproducible) by the CTA of part 0, whose range ends
+ * in the unit: the other parts' CTAs reach theirs sooner (a range that starts
+ * in the unit) or as late; they store their sums and count themselves in
+ * without waiting (MOELINK_SMALL_LAYER_PART0; 0: every part takes a ticket
+ * and waits for it, and the last one adds the sums). A down unit
  * needs its pair's SwiGLU row complete: a counter per pair says how many of
  * its column units are stored, and the consumers wait on it before the first
  * box of such a unit (the producer never waits on those: the down weights
@@ -134,6 +137,7 @@ typedef struct mls_params {
   int lsplit;               /* parts of H a router dot product is cut into */
   int row_once;             /* 1: one token's row into the vector region once, at the barrier */
   int epi_warp;             /* 1: runs' sums finished by the epilogue warp, 0: by the consumers */
+  int part0;                /* 1: part 0 of a cut unit finishes it, the others publish and go on */
   long long w_a, w_b;       /* k steps of each phase */
   int maxp_a, maxp_b;       /* partial slots a unit */
   int stages;               /* ring stages (the vector region follows the ring and its barriers) */
@@ -560,9 +564,9 @@ static __device__ __forceinline__ const float *mls_scale_at(const float *w0, con
   return q >= nk ? w1 + kk0 + q - nk : w0 + kk0 + q;
 }
 
-/* p0[q MLS_ROWS] for q < n added in q order, four loads in flight at a time. */
-static __device__ __forceinline__ float mls_sum_parts(const float *p0, int n) {
-  float sum = 0.0f;
+/* sum + p0[q MLS_ROWS] for q < n added in q order, four loads in flight at a
+ * time. */
+static __device__ __forceinline__ float mls_sum_parts(float sum, const float *p0, int n) {
 #pragma unroll 1
   for (int q = 0; q < n; q += 4) {
     float x[4];
@@ -577,14 +581,40 @@ static __device__ __forceinline__ float mls_sum_parts(const float *p0, int n) {
   return sum;
 }
 
+/* Unit R.u's partial slots (slot q at q MLS_ROWS). */
+static __device__ __forceinline__ float *mls_part_slots(const mls_params &p, const mls_run &R) {
+  return (R.pa ? p.part_a : p.part_b) +
+         (size_t)R.u * (size_t)(R.pa ? p.maxp_a : p.maxp_b) * MLS_ROWS;
+}
+
+/* This part's sums into its slot (the holders' four each). */
+static __device__ __forceinline__ void mls_part_store(const mls_run &R, float *part,
+                                                      const int trow[2][2], const float v[2][2],
+                                                      bool holder) {
+  if (holder)
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+        __stcg(part + (size_t)R.pidx * MLS_ROWS + trow[mi][hh], v[mi][hh]);
+}
+
+/* With p.part0, a part of a cut unit other than part 0 only stores its sums
+ * and counts itself in: nothing for it to wait on. */
+static __device__ __forceinline__ bool mls_publishes_only(const mls_params &p, const mls_run &R) {
+  return p.part0 && R.parts > 1 && R.pidx > 0;
+}
+
 /* Run R's 128 sums to where they go. The thread holds (when holder) the
  * sums v[mi][hh] of the unit's tile rows trow[mi][hh]; at gate/up mi 0 holds
  * gate rows and mi 1 their up rows. With more parts than one they go through
  * the unit's partial slots and ticket and the last part's CTA goes on with
  * the whole sums: gate/up: h = SwiGLU, then the pair's ready count; down: the
  * weighted rows y and, by the last of the token's k units of this row block,
- * the token's output rows. The group: the consumer warps (128 threads, flag a
- * shared word) or with WARP the epilogue warp. */
+ * the token's output rows. With p.part0, part 0's CTA goes on (once the
+ * others counted themselves in) and the others return after their count.
+ * The group: the consumer warps (128 threads, flag a shared word) or with
+ * WARP the epilogue warp. */
 template <int DT, int FP8, bool WARP>
 static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls_run &R,
                                                   const int trow[2][2], float v[2][2], bool holder,
@@ -592,22 +622,45 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
   const int me = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;
   const int nth = WARP ? 32 : MLS_CONSUMERS * 32;
   if (R.parts > 1) {
-    float *part = R.pa ? p.part_a : p.part_b;
-    const size_t base = (size_t)R.u * (size_t)(R.pa ? p.maxp_a : p.maxp_b) * MLS_ROWS;
-    if (holder)
+    float *part = mls_part_slots(p, R);
+    uint32_t *tick = (R.pa ? p.tick_a : p.tick_b) + R.u;
+    if (p.part0) {
+      /* part 0 (the end of its CTA's range, the last to be reached) waits
+       * for the others' counts and adds their sums after its own */
+      if (R.pidx > 0) {
+        mls_part_store(R, part, trow, v, holder);
+        if (WARP)
+          __syncwarp();
+        else
+          mls_consumers_sync();
+        if (me == 0)
+          ml_red_add_release_gpu(tick, 1u);
+        return;
+      }
+      if (me == 0) {
+        mls_wait_count(tick, (uint32_t)(R.parts - 1));
+        *tick = 0u; /* (every count of this launch is in) */
+      }
+      if (WARP)
+        __syncwarp();
+      else
+        mls_consumers_sync();
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          __stcg(part + base + (size_t)R.pidx * MLS_ROWS + trow[mi][hh], v[mi][hh]);
-    if (!mls_ticket<WARP>((R.pa ? p.tick_a : p.tick_b) + R.u, (uint32_t)(R.parts - 1), flag))
-      return;
+          v[mi][hh] =
+              holder ? mls_sum_parts(v[mi][hh], part + MLS_ROWS + trow[mi][hh], R.parts - 1) : 0.0f;
+    } else {
+      mls_part_store(R, part, trow, v, holder);
+      if (!mls_ticket<WARP>(tick, (uint32_t)(R.parts - 1), flag))
+        return;
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        v[mi][hh] = holder ? mls_sum_parts(part + base + trow[mi][hh], R.parts) : 0.0f;
-      }
+        for (int hh = 0; hh < 2; ++hh)
+          v[mi][hh] = holder ? mls_sum_parts(0.0f, part + trow[mi][hh], R.parts) : 0.0f;
+    }
   }
   if (R.pa) {
     /* h = silu(gate) * up, rounded to the dtype as the pipeline stores it
@@ -820,7 +873,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     const uint32_t *vec32 = (const uint32_t *)vec;
     const int fr = lane >> 2;            /* accumulator row within a fragment's 8 */
     const bool holder = (lane & 3) == 0; /* lanes holding the live column */
-    int i = 0, s = 0, run = 0;
+    int i = 0, s = 0, run = 0, pub = 0;
     uint32_t ph = 0;    /* parity of slot s's current round */
     float w_next = 0.f; /* FP8: this thread's first scale of the next run, on its way */
     bool have_next = false;
@@ -922,7 +975,17 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
         for (int hh = 0; hh < 2; ++hh)
           trow[mi][hh] = row0[mi] + fr + 8 * hh;
       float v[2][2] = {{acc[0][0], acc[0][2]}, {acc[1][0], acc[1][2]}};
-      if (p.epi_warp && i < n) {
+      if (!p.epi_warp && i < n && mls_publishes_only(p, R)) {
+        /* a part that only publishes, before the CTA's last run: its sums
+         * stored, its count released by the epilogue warp once every
+         * consumer thread arrived on stage slot pub & 1 (no data there) */
+        mls_part_store(R, mls_part_slots(p, R), trow, v, holder);
+        const int slot = pub & 1, use = pub >> 1;
+        if (use > 0)
+          ml_mbar_wait(efree + 8u * (uint32_t)slot, (uint32_t)((use - 1) & 1));
+        ml_mbar_arrive(efull + 8u * (uint32_t)slot);
+        ++pub;
+      } else if (p.epi_warp && i < n) {
         /* to the epilogue warp through stage slot run & 1 (free again once
          * it took what the run two before left there); the CTA's last run
          * the consumers finish themselves, four times the threads with
@@ -967,6 +1030,29 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       mls_finish<DT, FP8, true>(p, R, trow, v, true, s_wts, NULL);
       i += R.kk1 - R.kk0;
       ++run;
+    }
+  } else if (p.part0) {
+    /* ---- epilogue warp, the consumers finishing: it releases the counts of
+     * the parts that only publish (but in the CTA's last run), so that the
+     * consumers do not wait for their stores ---- */
+    int i = 0, pub = 0;
+    while (i < n) {
+      const mls_run R = mls_run_at(p, i, na, a0, a1, b0, b1);
+      const int len = R.kk1 - R.kk0;
+      if (i + len >= n)
+        break;
+      if (mls_publishes_only(p, R)) {
+        const int slot = pub & 1, use = pub >> 1;
+        ml_mbar_wait(efull + 8u * (uint32_t)slot, (uint32_t)(use & 1));
+        if (lane == 0) {
+          /* the consumers' stores, acquired through the stage barrier,
+           * released with the count */
+          ml_red_add_release_gpu((R.pa ? p.tick_a : p.tick_b) + R.u, 1u);
+          ml_mbar_arrive(efree + 8u * (uint32_t)slot);
+        }
+        ++pub;
+      }
+      i += len;
     }
   }
 
@@ -1026,6 +1112,13 @@ MOELINK_PARAM(SMALL_LAYER_ROW_ONCE, 1)
  * took 1.9 us off qwen3-30b-a3b's FP8 layer and put 1-2.5 us on its bf16 one
  * (docs/PERF.md). */
 MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
+
+/* 1: a unit cut between CTAs is finished by the CTA of its part 0 (whose
+ * range ends in it), which waits for the other parts' counts; the others
+ * store their sums and count themselves in without waiting (consumers that
+ * finish their own runs hand that count to the epilogue warp); 0: every part
+ * takes a ticket and waits for it, the last one finishes. */
+MOELINK_PARAM(SMALL_LAYER_PART0, 1)
 
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
@@ -1308,6 +1401,7 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
     const int64_t ew = ml_param_SMALL_LAYER_EPILOGUE_WARP();
     p.epi_warp = ew >= 2 || (ew == 1 && c->fp8_experts);
   }
+  p.part0 = ml_param_SMALL_LAYER_PART0() != 0;
   p.whole_b =
       ml_param_SMALL_LAYER_WHOLE_DOWN() != 0 && units_b <= ctas && units_b * 10 >= 9LL * ctas;
   if ((size_t)s.P * s.ncb * p.maxp_a * MLS_ROWS > L.part_a_floats ||
