@@ -191,47 +191,17 @@ static __device__ __forceinline__ uint32_t mls_ld_relaxed(const uint32_t *p) {
   return v;
 }
 
-/* Waits for the n logit words of p this thread takes (j = tid + q
- * MLS_THREADS), all of them in flight at once each round (a round trip a
- * round, not one a word), and with raw puts their values at raw[j]. Traps
- * past MLS_WAIT_NS. */
-#define MLS_LOGITS_A_THREAD 8
-static __device__ __forceinline__ void mls_logits_wait(const float *p, int n, float *raw) {
+/* Logit j once stored (spins; traps past MLS_WAIT_NS). */
+static __device__ __forceinline__ float mls_logit_wait(const float *p) {
   const uint32_t *w = (const uint32_t *)p;
-  const int tid = (int)threadIdx.x;
-#pragma unroll 1
-  for (int j0 = tid; j0 < n; j0 += MLS_THREADS * MLS_LOGITS_A_THREAD) {
-    uint32_t v[MLS_LOGITS_A_THREAD];
-    bool miss = false;
-#pragma unroll
-    for (int q = 0; q < MLS_LOGITS_A_THREAD; ++q) {
-      const int j = j0 + q * MLS_THREADS;
-      v[q] = j < n ? mls_ld_relaxed(w + j) : 1u;
-    }
-#pragma unroll
-    for (int q = 0; q < MLS_LOGITS_A_THREAD; ++q)
-      miss |= v[q] == 0u;
-    if (miss) {
-      const uint64_t t0 = ml_globaltimer();
-      while (miss) {
-#pragma unroll
-        for (int q = 0; q < MLS_LOGITS_A_THREAD; ++q)
-          if (v[q] == 0u)
-            v[q] = mls_ld_relaxed(w + j0 + q * MLS_THREADS);
-        miss = false;
-#pragma unroll
-        for (int q = 0; q < MLS_LOGITS_A_THREAD; ++q)
-          miss |= v[q] == 0u;
-        if (miss && ml_globaltimer() - t0 > MLS_WAIT_NS)
-          __trap();
-      }
-    }
-    if (raw != NULL)
-#pragma unroll
-      for (int q = 0; q < MLS_LOGITS_A_THREAD; ++q)
-        if (j0 + q * MLS_THREADS < n)
-          raw[j0 + q * MLS_THREADS] = __uint_as_float(~v[q]);
+  uint32_t v = mls_ld_relaxed(w);
+  if (v == 0u) {
+    const uint64_t t0 = ml_globaltimer();
+    while ((v = mls_ld_relaxed(w)) == 0u)
+      if (ml_globaltimer() - t0 > MLS_WAIT_NS)
+        __trap();
   }
+  return __uint_as_float(~v);
 }
 
 /* The consumer warps meet (named barrier 1 of one warpgroup's 128 threads,
@@ -856,9 +826,17 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   const bool x_once = p.row_once && p.T == 1;
   if (x_once && tid < MLS_CONSUMERS * 32)
     mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
-  /* the grid meets: every logit stored (one token: straight into
-   * mls_select's room; more: each token's read again by its selection) */
-  mls_logits_wait(p.logits, p.T * p.E * p.lsplit, p.T == 1 ? (float *)ring_p + 512 : NULL);
+  /* the grid meets: every logit stored (one token: straight into the
+   * selection's room; more: each token's read again by its selection) */
+  {
+    const int nl = p.T * p.E * p.lsplit;
+    float *raw = (float *)ring_p + 512; /* mls_select's */
+    for (int j = tid; j < nl; j += MLS_THREADS) {
+      const float v = mls_logit_wait(p.logits + j);
+      if (p.T == 1)
+        raw[j] = v;
+    }
+  }
   __syncthreads();
   if (tid == 0)
     mls_stamp(p, ML_SMALL_PH_BARRIER);
