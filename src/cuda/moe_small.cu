@@ -12,8 +12,7 @@
  *            products (each cut into lsplit parts of H, so that the grid's
  *            warps all have one: the barrier waits for the slowest warp)
  *            of the router, x . w_e in fp32, into a small global array;
- *   barrier  every CTA waits for the logits themselves (words that say
- *            whether they were stored: mls_logit_store), not for a count;
+ *   barrier  one grid-wide arrival counter;
  *   select   every CTA selects each token's experts and weights itself, from
  *            the same logits with the same code (so all CTAs agree), as the
  *            CPU backend's router does: scores, correction bias, group limit,
@@ -173,37 +172,6 @@ static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_
       __trap();
 }
 
-/* The router's logits travel between CTAs as words that say themselves
- * whether they were stored: ~bits of the fp32 value, 0 until then (the
- * scratch's zero region; put back by the last CTA out). No fp32 result has
- * the bits 0xffffffff (the GPU's NaN is 0x7fffffff), and one that did would
- * be stored as that NaN. So a CTA waits for the logits themselves, not for a
- * count released after them: one round trip from the last store. */
-static __device__ __forceinline__ void mls_logit_store(float *p, float v) {
-  const uint32_t w = ~__float_as_uint(v);
-  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(w != 0u ? w : 0x80000000u)
-               : "memory");
-}
-
-static __device__ __forceinline__ uint32_t mls_ld_relaxed(const uint32_t *p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-/* Logit j once stored (spins; traps past MLS_WAIT_NS). */
-static __device__ __forceinline__ float mls_logit_wait(const float *p) {
-  const uint32_t *w = (const uint32_t *)p;
-  uint32_t v = mls_ld_relaxed(w);
-  if (v == 0u) {
-    const uint64_t t0 = ml_globaltimer();
-    while ((v = mls_ld_relaxed(w)) == 0u)
-      if (ml_globaltimer() - t0 > MLS_WAIT_NS)
-        __trap();
-  }
-  return __uint_as_float(~v);
-}
-
 /* The consumer warps meet (named barrier 1 of one warpgroup's 128 threads,
  * sm90.cuh's; the producer warp never joins). */
 static_assert(MLS_CONSUMERS * 32 == 128, "the consumers are one warpgroup");
@@ -315,7 +283,7 @@ static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, flo
  * [1552, 1560). The groups' scores and every rank are the router kernel's
  * (route.cuh); the rest of the loops are rolled (once a launch). */
 static __device__ __forceinline__ void mls_select(const mls_params &p, int t, float *scratch,
-                                                  int *ids, float *wts, bool have_raw) {
+                                                  int *ids, float *wts) {
   /* the arguments in registers once (a callee reading them through a
    * reference would reload them from local memory after every shared store) */
   const int tid = (int)threadIdx.x, E = p.E, k = p.k, router = p.router;
@@ -327,17 +295,14 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   const int ls = p.lsplit;
   const float *lg = p.logits + (size_t)t * E * ls;
   float mx = -INFINITY;
-  {
+  if (ls > 1) {
     /* the parts, all in flight at once, into the (not yet used) selection
-     * values' and group scores' room (the host keeps E ls <= 1024), unless
-     * the wait for them put them there (have_raw) */
+     * values' and group scores' room (the host keeps E ls <= 1024) */
     float *raw = scratch + 512;
-    if (!have_raw) {
 #pragma unroll 4
-      for (int j = tid; j < E * ls; j += MLS_THREADS)
-        raw[j] = __uint_as_float(~mls_ld_relaxed((const uint32_t *)(lg + j)));
-      __syncthreads();
-    }
+    for (int j = tid; j < E * ls; j += MLS_THREADS)
+      raw[j] = __ldcg(lg + j);
+    __syncthreads();
 #pragma unroll 1
     for (int e = tid; e < E; e += MLS_THREADS) {
       /* a logit's parts in order */
@@ -349,6 +314,13 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
       mx = fmaxf(mx, v);
     }
     __syncthreads(); /* (raw is the selection values' room) */
+  } else {
+#pragma unroll 1
+    for (int e = tid; e < E; e += MLS_THREADS) {
+      const float v = __ldcg(lg + e);
+      sc[e] = v;
+      mx = fmaxf(mx, v);
+    }
   }
   if (t == 0 && tid == 0)
     mls_stamp(p, ML_SMALL_PH_SEL_LOADED);
@@ -816,30 +788,24 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
       }
       acc = ml_r_warp_sum(acc);
       if (lane == 0)
-        mls_logit_store(p.logits + d, acc);
+        p.logits[d] = acc;
     }
   }
-  if (tid == 0)
+  __syncthreads();
+  if (tid == 0) {
     mls_stamp(p, ML_SMALL_PH_LOGITS);
+    ml_red_add_release_gpu(p.sync, 1u);
+  }
   /* one token: its whole row into the vector region while the grid meets,
    * once for every gate/up run (the down runs overwrite it after) */
   const bool x_once = p.row_once && p.T == 1;
   if (x_once && tid < MLS_CONSUMERS * 32)
     mls_vec_load<DT, FP8>(p.x, true, 0, p.ks_a, p.H, vec_p, vsc);
-  /* the grid meets: every logit stored (one token: straight into the
-   * selection's room; more: each token's read again by its selection) */
-  {
-    const int nl = p.T * p.E * p.lsplit;
-    float *raw = (float *)ring_p + 512; /* mls_select's */
-    for (int j = tid; j < nl; j += MLS_THREADS) {
-      const float v = mls_logit_wait(p.logits + j);
-      if (p.T == 1)
-        raw[j] = v;
-    }
+  if (tid == 0) {
+    mls_wait_count(p.sync, (uint32_t)G);
+    mls_stamp(p, ML_SMALL_PH_BARRIER);
   }
   __syncthreads();
-  if (tid == 0)
-    mls_stamp(p, ML_SMALL_PH_BARRIER);
 
   /* (the host keeps every step count below 2^31) */
   const int a0 = (int)mls_start(b, p.w_a, G), a1 = (int)mls_start(b + 1, p.w_a, G);
@@ -853,7 +819,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
 
   /* ---- selection: every CTA for itself (scratch in the idle ring) ---- */
   for (int t = 0; t < p.T; ++t)
-    mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k, p.T == 1);
+    mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
   /* the scratch's generic writes before the boxes' async-proxy ones */
   ml_fence_proxy_async();
   __syncthreads();
@@ -1090,7 +1056,7 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     }
   }
 
-  /* ---- leave: the last CTA out puts the counters and logits back to zero ---- */
+  /* ---- leave: the last CTA out puts the counters back to zero ---- */
   if (tid == 0)
     mls_stamp(p, ML_SMALL_PH_CONSUMED);
   __syncthreads();
@@ -1099,16 +1065,12 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
     /* the CTA's uses of the counters (behind the barrier above) released, the
      * other CTAs' acquired by the last one out; its zeros need no fence of
      * their own: the launch's end publishes them to the next one */
-    s_flag = ml_atom_add_acq_rel_gpu(p.sync + 1, 1u) == (uint32_t)(G - 1);
-  }
-  __syncthreads();
-  if (s_flag) {
-    for (int q = tid; q < p.T * p.E * p.lsplit; q += MLS_THREADS)
-      ((uint32_t *)p.logits)[q] = 0u;
-    for (int q = tid; q < p.T * p.k; q += MLS_THREADS)
-      p.ready[q] = 0u;
-    if (tid == 0)
+    if (ml_atom_add_acq_rel_gpu(p.sync + 1, 1u) == (uint32_t)(G - 1)) {
+      for (int q = 0; q < p.T * p.k; ++q)
+        p.ready[q] = 0u;
+      p.sync[0] = 0u;
       p.sync[1] = 0u;
+    }
   }
 }
 #endif /* __CUDA_ARCH_FEAT_SM90_ALL */
@@ -1226,11 +1188,11 @@ static void mls_layout_of(const moelink_moe_config_t *c, int sm_count, mls_layou
   L->tick_g = ml_cuda_take(&cur, (size_t)Tm * m.nob * 4);
   L->ready = ml_cuda_take(&cur, (size_t)m.P * 4);
   L->sync = ml_cuda_take(&cur, 2 * 4);
-  /* T E lsplit logit words (zero until stored): lsplit is 1, or keeps T E
-   * lsplit within the grid's warps (at most sm_count of them a warp each) */
+  L->zero_bytes = (cur + 255) & ~(size_t)255;
+  /* T E lsplit floats: lsplit is 1, or keeps T E lsplit within the grid's
+   * warps (at most sm_count of them a warp each) */
   const size_t dots = (size_t)Tm * c->num_experts, warps = (size_t)sm_count * (MLS_THREADS / 32);
   L->logits = ml_cuda_take(&cur, (dots > warps ? dots : warps) * 4);
-  L->zero_bytes = (cur + 255) & ~(size_t)255;
   L->h = ml_cuda_take(&cur, (size_t)m.P * c->inter * (c->fp8_experts ? 4 : 2));
   L->y = ml_cuda_take(&cur, (size_t)m.P * c->hidden * 2);
   L->part_a = ml_cuda_take(&cur, L->part_a_floats * 4);

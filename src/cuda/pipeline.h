@@ -207,8 +207,8 @@ typedef struct ml_cuda_moe_small_args {
 
 enum ml_cuda_small_phase {
   ML_SMALL_PH_START,          /* the CTA began */
-  ML_SMALL_PH_LOGITS,         /* its warp 0's share of the router's logits stored */
-  ML_SMALL_PH_BARRIER,        /* every logit of the launch seen */
+  ML_SMALL_PH_LOGITS,         /* its share of the router's logits stored */
+  ML_SMALL_PH_BARRIER,        /* every CTA's logits stored */
   ML_SMALL_PH_SEL_LOADED,     /* token 0's logits read back */
   ML_SMALL_PH_SEL_SCORED,     /* its scores and selection values stored */
   ML_SMALL_PH_SEL_RANKED,     /* its groups and winners ranked */
