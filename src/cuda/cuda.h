@@ -193,6 +193,9 @@ moelink_status_t ml_cuda_gemm_splitk(moelink_dtype_t dt, const void *a, int lda,
  * item an SM of its own, each part 4 or more steps, dividing ceil(k / 64);
  * 1 where the sm_90a engine does not run or MOELINK_GEMM_SPLITK=0. */
 int ml_cuda_gemm_splitk_parts(int rows, int n, int k, int max_parts);
+/* 1: a dense GEMM of k x n weights with fp32 out (ml_cuda_gemm_splitk) runs
+ * on the sm_90a engine on this device, 0: on the tile engine. */
+int ml_cuda_gemm_dense_on_sm90(int k, int n);
 
 /* Gate+up with SwiGLU in the epilogue. A row r of the problem reads row
  * a_index[r] / a_div of a (a_index == NULL: row r), lda elements apart.

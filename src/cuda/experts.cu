@@ -761,6 +761,15 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
 
 /* ---- k split into slices (dense, fp32 out) ----------------------------------- */
 
+extern "C" int ml_cuda_gemm_dense_on_sm90(int k, int n) {
+  int sm90 = 0, sms = 0;
+  if (ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms) != MOELINK_SUCCESS) {
+    ml_clear_error(); /* (the GEMM itself reports it) */
+    return 0;
+  }
+  return sm90 && sms > 0;
+}
+
 MOELINK_PARAM(GEMM_SPLITK, 1)
 enum { ML_SPLITK_MIN_STEPS = 4 };
 

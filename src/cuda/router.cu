@@ -776,9 +776,21 @@ extern "C" int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count) {
  * engine and lets the router kernel select only (0: never). */
 MOELINK_PARAM(ROUTER_GEMM_MIN_TOKENS, 2048)
 
+/* The same from fewer tokens where the sm_90a engine takes the logits GEMM
+ * (E >= 256: k in parts, ml_cuda_gemm_splitk); 0: no such rule. At 128, 256
+ * and 512 tokens of deepseek-v3 the layer measured 7, 14 and 33 us faster;
+ * qwen3-30b-a3b's and mixtral-8x7b's logits (E 128, 8) go to the tile engine,
+ * where the same change cost 9-53 us (docs/PERF.md). */
+MOELINK_PARAM(ROUTER_GEMM_MIN_TOKENS_SM90, 128)
+
 extern "C" int ml_cuda_router_gemm_wanted(int num_tokens, int num_experts, int hidden) {
   const int64_t min_t = ml_param_ROUTER_GEMM_MIN_TOKENS();
-  return min_t > 0 && num_tokens >= min_t && num_experts % 8 == 0 && hidden % 8 == 0;
+  if (min_t <= 0 || num_experts % 8 != 0 || hidden % 8 != 0)
+    return 0;
+  if (num_tokens >= min_t)
+    return 1;
+  const int64_t min_90 = ml_param_ROUTER_GEMM_MIN_TOKENS_SM90();
+  return min_90 > 0 && num_tokens >= min_90 && ml_cuda_gemm_dense_on_sm90(hidden, num_experts);
 }
 
 extern "C" size_t ml_cuda_router_logits_floats(int max_tokens, int num_experts, int hidden) {
