@@ -34,6 +34,7 @@ typedef struct ml_cu_layout {
   size_t shq, shs;       /* fp8_shared: the shared expert's SwiGLU rows likewise */
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
+  size_t sched_side;            /* the same for the shared expert on its own stream */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
   size_t small;                 /* the one-kernel layer of a few tokens (moe_small.cu) */
   size_t small_bytes, small_zero;
@@ -54,6 +55,9 @@ typedef struct ml_cu_moe {
   float *dec_part;       /* decode GEMMs' split-K partials */
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
+  int32_t *sched_side;   /* the shared expert's on the side stream (MOELINK_SHARED_SIDE_SMS) */
+  cudaStream_t side;     /* the side stream, or NULL (the parameter was 0 at create) */
+  cudaEvent_t side_fork, side_join;
   float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
   void *small;           /* ml_cuda_moe_small's scratch, or NULL where the layer never takes it */
   int small_tokens;      /* with it: the most tokens a forward gives it (the rest: none) */
@@ -105,6 +109,18 @@ MOELINK_PARAM(ROUTER_PLAN, 1)
 /* 0: a small batch's shared expert runs after the routed experts instead of
  * beside the router (an A/B switch for the benchmarks). */
 MOELINK_PARAM(SHARED_FIRST, 1)
+/* A batch whose shared expert takes the grouped GEMMs (past the decode
+ * sizes) and has at most MOELINK_SHARED_SIDE_MAX_TOKENS tokens: the shared
+ * expert's two GEMMs run on a stream of the layer's own, forked from the
+ * caller's at the start of the forward and joined before the combine, on at
+ * most this many SMs (even: its GEMMs may run in clusters of two), while
+ * the routed GEMMs' persistent grids keep the other SMs: the routed weights'
+ * stream is memory-bound there and the shared expert compute-bound. 0: the
+ * shared expert after the routed experts on the caller's stream. Read when
+ * a layer is created (the stream and its events are made then). Not yet
+ * measured on a GPU: off. */
+MOELINK_PARAM(SHARED_SIDE_SMS, 0)
+MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 1024)
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
@@ -226,6 +242,7 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->dec_part = ml_cuda_take(&cur, L->dec_part_floats * sizeof(float));
   L->dec_tickets = ml_cuda_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
   L->sched = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  L->sched_side = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
   L->logits = ml_cuda_take(&cur, L->logits_floats * sizeof(float));
   /* only where asked for (sm_90a machine code: compute capability 9.0) */
@@ -264,6 +281,14 @@ static moelink_status_t ml_cu_workspace_size_impl(moelink_context_t ctx,
 static moelink_status_t ml_cu_workspace_size(moelink_context_t ctx,
                                              const moelink_moe_config_t *cfg, size_t *bytes) {
   ML_CU_GUARDED(ctx, ml_cu_workspace_size_impl(ctx, cfg, bytes));
+}
+
+static void ml_cu_side_destroy(ml_cu_moe *m) {
+  if (m->side_join) (void)cudaEventDestroy(m->side_join);
+  if (m->side_fork) (void)cudaEventDestroy(m->side_fork);
+  if (m->side) (void)cudaStreamDestroy(m->side);
+  m->side = NULL;
+  m->side_fork = m->side_join = NULL;
 }
 
 static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
@@ -308,6 +333,7 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_part = (float *)(m->base + L->dec_part);
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
+  m->sched_side = (int32_t *)(m->base + L->sched_side);
   m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
   m->small = L->small_bytes > 0 ? m->base + L->small : NULL;
   /* (its token bound is the only part of ml_cuda_moe_small_fits a forward's
@@ -334,8 +360,10 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   e = cudaMemset(m->tickets, 0, L->tickets_bytes);
   if (e == cudaSuccess && L->dec_ticket_count > 0) /* the decode GEMMs' tickets, likewise */
     e = cudaMemset(m->dec_tickets, 0, L->dec_ticket_count * sizeof(uint32_t));
-  if (e == cudaSuccess) /* and the grouped GEMMs' counter (one stream: one counter) */
+  if (e == cudaSuccess) /* and the grouped GEMMs' counters (one a stream) */
     e = cudaMemset(m->sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  if (e == cudaSuccess)
+    e = cudaMemset(m->sched_side, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   if (e == cudaSuccess && m->small != NULL) /* and the one-kernel layer's counters */
     e = cudaMemset(m->small, 0, L->small_zero);
   if (e == cudaSuccess) e = cudaStreamSynchronize(0);
@@ -344,6 +372,23 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
     cudaFree(base);
     free(m);
     return ml_fail(MOELINK_ERR_CUDA, "clearing the router tickets: %s", cudaGetErrorString(e));
+  }
+  if (cfg->shared_inter > 0 && ml_param_SHARED_SIDE_SMS() > 0) {
+    /* the shared expert's stream of its own and the events that fork it
+     * from the caller's stream and join it back */
+    e = cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+      e = cudaEventCreateWithFlags(&m->side_fork, cudaEventDisableTiming);
+    if (e == cudaSuccess)
+      e = cudaEventCreateWithFlags(&m->side_join, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ml_cu_side_destroy(m);
+      cudaFree(base);
+      free(m);
+      return ml_fail(MOELINK_ERR_CUDA, "the shared expert's stream and events: %s",
+                     cudaGetErrorString(e));
+    }
   }
   moe->impl = m;
   moe->tile_rows = ML_CUDA_TILE_ROWS;
@@ -359,6 +404,7 @@ static void ml_cu_moe_fini(moelink_moe_t moe) {
   if (!m) return;
   int prev = 0;
   if (ml_cuda_enter(moe->ctx, &prev) == MOELINK_SUCCESS) {
+    ml_cu_side_destroy(m);
     (void)cudaFree(m->base);
     (void)ml_cuda_leave(moe->ctx, prev, MOELINK_SUCCESS);
   }
@@ -494,7 +540,8 @@ static int ml_cu_least_k(const moelink_moe_config_t *cfg) {
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
                                          void *const *out_rows, const int32_t *down_index,
-                                         int x_ready, int max_rows, cudaStream_t st) {
+                                         int x_ready, int max_rows, int max_ctas,
+                                         cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
@@ -504,8 +551,8 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
   const int min_k = ml_cu_least_k(cfg);
   if (!ml_cuda_decode_wanted_fp8(pairs, cfg->num_experts, min_k)) {
-    const ml_cuda_gemm_opts go =
-        ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 1);
+    ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 1);
+    go.max_ctas = max_ctas;
     /* h quantized in the gate/up GEMM's epilogue when asked for and the
      * engine can (the same bytes and scales as quantizing its fp32 output),
      * else after it */
@@ -522,6 +569,7 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                               m->hs, sms, st));
     ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->inter, 1);
     dgo.out_rows = out_rows;
+    dgo.max_ctas = max_ctas;
     ML_TRY(ml_cuda_gemm_scaled_fp8(cfg->dtype, m->hq, m->hs, cfg->inter,
                                    (const uint8_t *)moe->w.down, moe->w.down_scale, cfg->hidden,
                                    cfg->inter, plan->tiles, plan->num_tiles, plan->max_tiles, pairs,
@@ -568,17 +616,19 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
  * NULL: pair p's output row goes to out_rows[p] instead of y (see
  * ml_cuda_moe_experts_to). max_rows: a bound on an expert's rows (the token
  * count where each token's experts are distinct), 0 where none is known
- * (ml_decode_opts.max_rows). */
+ * (ml_decode_opts.max_rows). max_ctas: 0, or the most SMs the sm_90a
+ * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, void *const *out_rows,
-                                     int x_ready, int max_rows, cudaStream_t st) {
+                                     int x_ready, int max_rows, int max_ctas, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
   /* the down GEMM's row scales and output rows are by pair */
   const int32_t *down_index = weights || out_rows ? plan->sorted_pairs : NULL;
   if (cfg->fp8_experts)
-    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, max_rows, st);
+    return ml_cu_routed_fp8(moe, x, plan, weights, y, out_rows, down_index, x_ready, max_rows,
+                            max_ctas, st);
   if (ml_cuda_decode_wanted(pairs, cfg->num_experts, ml_cu_least_k(cfg))) {
     /* A small batch: the weight-streaming GEMMs (gemm/decode.h; the row
      * threshold is measured there). The down GEMM may read the tiles before
@@ -597,14 +647,15 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
                                  y, 0, &o, st));
     return ml_cu_step(st, "routed down GEMM (decode)");
   }
-  const ml_cuda_gemm_opts go =
-      ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 0);
+  ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 0);
+  go.max_ctas = max_ctas;
   ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
                              moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
                              plan->max_tiles, 0, m->h, &go, st));
   ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
   ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->inter, 0);
   dgo.out_rows = out_rows;
+  dgo.max_ctas = max_ctas;
   ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
                              plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights, down_index,
                              y, 0, &dgo, st));
@@ -622,7 +673,7 @@ static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
                    (const void *)weights);
   /* (a caller's ids may name an expert twice in a token: no bound but the pairs) */
-  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, 0, st);
+  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, 0, 0, st);
 }
 
 static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
@@ -687,16 +738,17 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
 }
 
 /* The shared expert of a large batch on the grouped GEMMs (dense rows), as
- * above; fp8_shared: the token rows in m->xq already. */
+ * above; fp8_shared: the token rows in m->xq already. sched: the work
+ * counter of stream st; max_ctas as ml_cu_routed's. */
 static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int T,
-                                           cudaStream_t st) {
+                                           int32_t *sched, int max_ctas, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   const moelink_moe_weights_t *w = &moe->w;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   /* gate/up (k = hidden) and down (k = shared_inter) */
-  const ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->hidden, cfg->fp8_shared);
-  const ml_cuda_gemm_opts dgo =
-      ml_cuda_gemm_opts_for(m->sched, T, 1, cfg->shared_inter, cfg->fp8_shared);
+  ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(sched, T, 1, cfg->hidden, cfg->fp8_shared);
+  ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(sched, T, 1, cfg->shared_inter, cfg->fp8_shared);
+  go.max_ctas = dgo.max_ctas = max_ctas;
   if (cfg->fp8_shared) {
     ML_TRY(ml_cuda_gemm_swiglu_fp8(m->xq, m->xs, cfg->hidden, NULL, 1,
                                    (const uint8_t *)w->shared_gate_up, w->shared_gate_up_scale,
@@ -758,33 +810,64 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   const int x_first =
       cfg->fp8_experts && fused_plan && ml_param_FP8_X_FIRST() != 0 && ml_cuda_pdl_allowed(st) &&
       ml_cuda_decode_wanted_fp8(T * cfg->top_k, cfg->num_experts, ml_cu_least_k(cfg));
-  if (x_first || (shared_first && cfg->fp8_shared)) {
+  /* the shared expert on its own stream beside everything up to the
+   * combine (MOELINK_SHARED_SIDE_SMS), its SMs left out of the routed GEMMs' grids */
+  const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
+  const int side_sms = (int)(ml_param_SHARED_SIDE_SMS() & ~1LL);
+  const int side = m->side != NULL && cfg->shared_inter > 0 && !shared_decode && side_sms > 0 &&
+                   side_sms < sms && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
+  if (x_first || (shared_first && cfg->fp8_shared) || (side && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;
   }
+  if (side) {
+    /* fork; the join comes before the combine, also when a step between fails
+     * (a capture then ends with both streams joined) */
+    ML_CUDA_TRY(cudaEventRecord(m->side_fork, st));
+    ML_CUDA_TRY(cudaStreamWaitEvent(m->side, m->side_fork, 0));
+    moelink_status_t ss = ml_cu_shared_gemms(moe, x, T, m->sched_side, side_sms, m->side);
+    if (ss == MOELINK_SUCCESS) ss = ml_cu_step(m->side, "shared expert GEMMs (side stream)");
+    const cudaError_t e = cudaEventRecord(m->side_join, m->side);
+    if (ss == MOELINK_SUCCESS && e != cudaSuccess)
+      ss = ml_fail(MOELINK_ERR_CUDA, "the shared expert's join event: %s", cudaGetErrorString(e));
+    if (ss != MOELINK_SUCCESS) {
+      (void)cudaStreamWaitEvent(st, m->side_join, 0);
+      return ss;
+    }
+  }
+  /* (shared_first and side never both: decode sizes or not) */
   if (shared_first) {
     ML_TRY(ml_cu_shared_gate_up_decode(moe, x, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert gate/up GEMM (decode)"));
   }
-  ML_TRY(ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL,
-                          shared_first || x_first, st));
-  if (shared_first) {
+  moelink_status_t s = ml_cu_route_impl(moe, x, T, m->ids, m->wts, fused_plan ? &plan : NULL,
+                                        shared_first || x_first, st);
+  if (s == MOELINK_SUCCESS && shared_first) {
     ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
     ML_TRY(ml_cu_step(st, "shared expert down GEMM (decode)"));
     /* a decode GEMM launched after the router: it lets the routed GEMMs
      * start only after its own wait, when the plan is complete */
     if (x_ready) x_ready = 2;
   }
-  if (!fused_plan) {
-    ML_TRY(ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st));
-    ML_TRY(ml_cu_step(st, "plan"));
+  if (s == MOELINK_SUCCESS && !fused_plan) {
+    s = ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st);
+    if (s == MOELINK_SUCCESS) s = ml_cu_step(st, "plan");
   }
   /* the router picks k distinct experts a token: no expert has more than T rows */
-  ML_TRY(ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T, st));
+  if (s == MOELINK_SUCCESS)
+    s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T, side ? sms - side_sms : 0, st);
+  if (side) {
+    /* the join, whatever happened since the fork */
+    const cudaError_t e = cudaStreamWaitEvent(st, m->side_join, 0);
+    if (s == MOELINK_SUCCESS && e != cudaSuccess)
+      s = ml_fail(MOELINK_ERR_CUDA, "waiting for the shared expert's stream: %s",
+                  cudaGetErrorString(e));
+  }
+  ML_TRY(s);
   /* (the routed FP8 GEMMs quantize the token rows when they have not been) */
   x_ready |= cfg->fp8_experts;
   const float *sh = cfg->shared_inter > 0 ? m->sh_out : NULL;
-  if (cfg->shared_inter > 0 && !shared_first) {
+  if (cfg->shared_inter > 0 && !shared_first && !side) {
     if (cfg->fp8_shared && !x_ready)
       ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     if (shared_decode) {
@@ -792,7 +875,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
       ML_TRY(ml_cu_shared_down_decode(moe, T, &so, st));
       ML_TRY(ml_cu_step(st, "shared expert GEMMs (decode)"));
     } else {
-      ML_TRY(ml_cu_shared_gemms(moe, x, T, st));
+      ML_TRY(ml_cu_shared_gemms(moe, x, T, m->sched, 0, st));
       ML_TRY(ml_cu_step(st, "shared expert GEMMs"));
     }
   }

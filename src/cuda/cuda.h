@@ -165,6 +165,10 @@ typedef struct ml_cuda_gemm_opts {
    * sm_90a and tile engines, bf16/f16 and FP8 on sm_90a; the FP8 GEMMs'
    * decode-kernel fallback refuses it). */
   const ml_cuda_gemm_wait *wait;
+  /* 0, or the most CTAs (SMs) the sm_90a engine's persistent grid takes, so
+   * that a GEMM on another stream keeps the rest (clusters: an even count;
+   * the tile engine ignores it). */
+  int max_ctas;
 } ml_cuda_gemm_opts;
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over

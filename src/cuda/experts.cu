@@ -338,11 +338,14 @@ moelink_status_t ml_sm90_map_b_box(CUtensorMap *map, moelink_dtype_t dt, const v
   return MOELINK_SUCCESS;
 }
 
-/* Persistent grid: one CTA per SM, fewer when there are fewer work items
- * than SMs. A unit holds at least one tile, so there are at most max_tiles
- * units (dense: the row blocks). */
+/* Persistent grid: one CTA per SM (at most opts->max_ctas where it asks for
+ * fewer), fewer when there are fewer work items than that. A unit holds at
+ * least one tile, so there are at most max_tiles units (dense: the row
+ * blocks). */
 static unsigned ml_sm90_grid(const int32_t *tiles, int max_tiles, int dense_rows, int nblocks,
-                             int sms) {
+                             int sms, const ml_cuda_gemm_opts *opts) {
+  if (opts != NULL && opts->max_ctas > 0 && opts->max_ctas < sms)
+    sms = opts->max_ctas;
   long long units = tiles != NULL ? (long long)max_tiles : ((long long)dense_rows + 63) / 64;
   long long items = units * (long long)nblocks;
   return (unsigned)(items < sms ? items : sms);
@@ -517,6 +520,7 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   o.fp8_tile = 0;
   o.out_rows = NULL;
   o.wait = NULL;
+  o.max_ctas = 0;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts &&
@@ -636,7 +640,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
                       max_tiles, dense_rows, opts);
     q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
-        dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms), cl, stream);
+        dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms, opts), cl, stream);
   }
 
   ml_swiglu_args p;
@@ -716,7 +720,7 @@ ml_gemm_scaled_run(const char *what, moelink_dtype_t dt, const void *a, int lda,
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
     q.ksplit = ksplit;
-    unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks * ksplit, sms);
+    unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks * ksplit, sms, opts);
     if (!out_f32 && out_rows == NULL)
       q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, stream)
@@ -940,7 +944,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
   CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
   ML_TRY(ml_sm90_map_b_box(map, MOELINK_DTYPE_F32, b, k, n, 2,
                            tiles != NULL ? ML_SM90_MAX_EXPERTS : 1, cols, cl > 1 ? 1 : 2, what));
-  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms, opts);
   if (out_scale != NULL)
     return wide ? ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 4>(map, &q, grid, stream)
                 : ml_sm90_launch<MOELINK_DTYPE_BF16, ML_SM90_SWIGLU, 0, 2>(map, &q, grid, stream);
@@ -998,7 +1002,7 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   CUtensorMap map[2] = {}; /* B, and the output (zeros unless TMA stores) */
   ML_TRY(ml_sm90_map_b(map, MOELINK_DTYPE_F32, b, k, n, 1, tiles != NULL ? ML_SM90_MAX_EXPERTS : 1,
                        cl > 1 ? cols / 2 : cols, what));
-  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms);
+  const unsigned grid = ml_sm90_grid(tiles, max_tiles, q.dense_rows, q.nblocks, sms, opts);
   /* a 16-bit output into out: the TMA-store epilogue's kernel (a stage
    * fewer) */
   if (wide && !out_f32 && out_rows == NULL && ml_sm90_map_out(&map[1], out_dt, out, n)) {

@@ -429,7 +429,7 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   char *d_out = gu_dev(out_bytes);
   unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL};
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0};
     gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
@@ -488,7 +488,7 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   for (int rep = 0; rep < 4; ++rep) {
     /* 0 static, 1 dynamic in clusters, 2 no rows ever (limit 2 ms), 3 the
      * same control block again */
-    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w};
+    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0};
     if (rep < 3) {
       gu_feed_reset(&f);
       GU_CUDA(cudaMemset(d_a, 0xFF, a_rows * row_bytes));
@@ -568,13 +568,16 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   /* The sm_90a kernel's schedules: run 0 of each GEMM the static one (no
-   * options), run 1 the dynamic one (a work counter), run 2 and the graph the
+   * options), run 1 the dynamic one (a work counter) on at most 5 CTAs
+   * (ml_cuda_gemm_opts.max_ctas), run 2 and the graph the
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {
-      {NULL, 1, 0, NULL, NULL}, {d_sched, 1, 0, NULL, NULL}, {d_sched, 2, 0, NULL, NULL}};
-  static const char *const run_name[3] = {"static", "dynamic", "dynamic, clusters of 2"};
+  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0, NULL, NULL, 0},
+                                         {d_sched, 1, 0, NULL, NULL, 5},
+                                         {d_sched, 2, 0, NULL, NULL, 0}};
+  static const char *const run_name[3] = {"static", "dynamic on at most 5 CTAs",
+                                          "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
   const float *rs = c->scale_mode ? d_scale : NULL;
   const int32_t *si = c->scale_mode == 2 ? d_index : NULL;
@@ -754,7 +757,7 @@ static void check_rejections(void) {
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
   {
     /* output rows by pointer: the scaled GEMMs with a dtype output only */
-    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL};
+    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL, 0};
     CHECK_STATUS(
         ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, &ro, 0),
         MOELINK_ERR_UNSUPPORTED, "scaled f32 out with out_rows");
@@ -777,7 +780,7 @@ static void check_rejections(void) {
     const ml_cuda_gemm_wait *bad[3] = {&bad_rows, &bad_value, &bad_comm};
     static const char *const why[3] = {"rows 0", "no value word", "no control block"};
     for (int i = 0; i < 3; ++i) {
-      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i]};
+      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i], 0};
       char what[80];
       snprintf(what, sizeof what, "swiglu with a row wait of %s", why[i]);
       CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &wo, 0),
