@@ -284,9 +284,12 @@ static moelink_status_t ml_cu_workspace_size(moelink_context_t ctx,
 }
 
 static void ml_cu_side_destroy(ml_cu_moe *m) {
-  if (m->side_join) (void)cudaEventDestroy(m->side_join);
-  if (m->side_fork) (void)cudaEventDestroy(m->side_fork);
-  if (m->side) (void)cudaStreamDestroy(m->side);
+  if (m->side_join)
+    (void)cudaEventDestroy(m->side_join);
+  if (m->side_fork)
+    (void)cudaEventDestroy(m->side_fork);
+  if (m->side)
+    (void)cudaStreamDestroy(m->side);
   m->side = NULL;
   m->side_fork = m->side_join = NULL;
 }
@@ -540,8 +543,7 @@ static int ml_cu_least_k(const moelink_moe_config_t *cfg) {
 static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
                                          const moelink_plan_t *plan, const float *weights, void *y,
                                          void *const *out_rows, const int32_t *down_index,
-                                         int x_ready, int max_rows, int max_ctas,
-                                         cudaStream_t st) {
+                                         int x_ready, int max_rows, int max_ctas, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int T = plan->num_tokens, pairs = T * plan->top_k;
@@ -740,8 +742,8 @@ static moelink_status_t ml_cu_shared_down_decode(moelink_moe_t moe, int T,
 /* The shared expert of a large batch on the grouped GEMMs (dense rows), as
  * above; fp8_shared: the token rows in m->xq already. sched: the work
  * counter of stream st; max_ctas as ml_cu_routed's. */
-static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int T,
-                                           int32_t *sched, int max_ctas, cudaStream_t st) {
+static moelink_status_t ml_cu_shared_gemms(moelink_moe_t moe, const void *x, int T, int32_t *sched,
+                                           int max_ctas, cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   const moelink_moe_weights_t *w = &moe->w;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
@@ -826,7 +828,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_CUDA_TRY(cudaEventRecord(m->side_fork, st));
     ML_CUDA_TRY(cudaStreamWaitEvent(m->side, m->side_fork, 0));
     moelink_status_t ss = ml_cu_shared_gemms(moe, x, T, m->sched_side, side_sms, m->side);
-    if (ss == MOELINK_SUCCESS) ss = ml_cu_step(m->side, "shared expert GEMMs (side stream)");
+    if (ss == MOELINK_SUCCESS)
+      ss = ml_cu_step(m->side, "shared expert GEMMs (side stream)");
     const cudaError_t e = cudaEventRecord(m->side_join, m->side);
     if (ss == MOELINK_SUCCESS && e != cudaSuccess)
       ss = ml_fail(MOELINK_ERR_CUDA, "the shared expert's join event: %s", cudaGetErrorString(e));
@@ -851,7 +854,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   }
   if (s == MOELINK_SUCCESS && !fused_plan) {
     s = ml_cuda_plan(m->ids, T, cfg->top_k, cfg->num_experts, &m->plan_ws, &plan, st);
-    if (s == MOELINK_SUCCESS) s = ml_cu_step(st, "plan");
+    if (s == MOELINK_SUCCESS)
+      s = ml_cu_step(st, "plan");
   }
   /* the router picks k distinct experts a token: no expert has more than T rows */
   if (s == MOELINK_SUCCESS)

@@ -573,9 +573,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0, NULL, NULL, 0},
-                                         {d_sched, 1, 0, NULL, NULL, 5},
-                                         {d_sched, 2, 0, NULL, NULL, 0}};
+  const ml_cuda_gemm_opts run_opts[3] = {
+      {NULL, 1, 0, NULL, NULL, 0}, {d_sched, 1, 0, NULL, NULL, 5}, {d_sched, 2, 0, NULL, NULL, 0}};
   static const char *const run_name[3] = {"static", "dynamic on at most 5 CTAs",
                                           "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
