@@ -71,6 +71,16 @@ static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx-
 
 /* ---- device guard ------------------------------------------------------------ */
 
+moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,
+                                      const char *what) {
+  cudaError_t e = cudaEventRecord(ev, from);
+  if (e == cudaSuccess)
+    e = cudaStreamWaitEvent(to, ev, 0);
+  if (e != cudaSuccess)
+    return ml_fail(MOELINK_ERR_CUDA, "%s: ordering two streams: %s", what, cudaGetErrorString(e));
+  return MOELINK_SUCCESS;
+}
+
 moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev) {
   /* A failed call made earlier on this thread (by anyone) leaves its error
    * behind; drop it so that the launch checks below report our own. Sticky
@@ -822,19 +832,16 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;
   }
+  static const char *side_what = "the shared expert's stream";
   if (side) {
     /* fork; the join comes before the combine, also when a step between fails
      * (a capture then ends with both streams joined) */
-    ML_CUDA_TRY(cudaEventRecord(m->side_fork, st));
-    ML_CUDA_TRY(cudaStreamWaitEvent(m->side, m->side_fork, 0));
+    ML_TRY(ml_cuda_stream_after(m->side_fork, st, m->side, side_what));
     moelink_status_t ss = ml_cu_shared_gemms(moe, x, T, m->sched_side, side_sms, m->side);
     if (ss == MOELINK_SUCCESS)
       ss = ml_cu_step(m->side, "shared expert GEMMs (side stream)");
-    const cudaError_t e = cudaEventRecord(m->side_join, m->side);
-    if (ss == MOELINK_SUCCESS && e != cudaSuccess)
-      ss = ml_fail(MOELINK_ERR_CUDA, "the shared expert's join event: %s", cudaGetErrorString(e));
     if (ss != MOELINK_SUCCESS) {
-      (void)cudaStreamWaitEvent(st, m->side_join, 0);
+      (void)ml_cuda_stream_after(m->side_join, m->side, st, side_what);
       return ss;
     }
   }
@@ -862,10 +869,9 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T, side ? sms - side_sms : 0, st);
   if (side) {
     /* the join, whatever happened since the fork */
-    const cudaError_t e = cudaStreamWaitEvent(st, m->side_join, 0);
-    if (s == MOELINK_SUCCESS && e != cudaSuccess)
-      s = ml_fail(MOELINK_ERR_CUDA, "waiting for the shared expert's stream: %s",
-                  cudaGetErrorString(e));
+    const moelink_status_t j = ml_cuda_stream_after(m->side_join, m->side, st, side_what);
+    if (s == MOELINK_SUCCESS)
+      s = j;
   }
   ML_TRY(s);
   /* (the routed FP8 GEMMs quantize the token rows when they have not been) */

@@ -38,6 +38,11 @@ extern "C" {
 moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev);
 moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s);
 
+/* Makes stream `to` wait for what `from` has enqueued so far (through event
+ * ev); what: the caller, for the error message. */
+moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,
+                                      const char *what);
+
 /* moelink_moe_experts of a CUDA layer (arguments as checked by the front
  * end), except that the down GEMM stores pair p's output row (p = token * k
  * + slot, times its weight, rounded to the dtype: y's row for p) into the

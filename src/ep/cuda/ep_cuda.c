@@ -588,17 +588,6 @@ static moelink_status_t ml_epc_route(moelink_ep_t ep, ml_epc *w, const void *x, 
   return ml_cuda_route(&r, w->logits, w->sched, st);
 }
 
-/* Makes stream `to` wait for what `from` has enqueued so far. */
-static moelink_status_t ml_epc_event(cudaEvent_t ev, cudaStream_t from, cudaStream_t to) {
-  cudaError_t e = cudaEventRecord(ev, from);
-  if (e == cudaSuccess)
-    e = cudaStreamWaitEvent(to, ev, 0);
-  if (e != cudaSuccess)
-    return ml_fail(MOELINK_ERR_CUDA, "ep (cuda): ordering the round pipes' streams: %s",
-                   cudaGetErrorString(e));
-  return MOELINK_SUCCESS;
-}
-
 /* Step 4 of one exchange (a: the layer's arguments, or a round's copy) whose
  * rows are in: plan and the local experts (fused: the down GEMM stores each
  * output row into its source's ret); *pair_rows: where y holds each pair. */
@@ -643,7 +632,7 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
   ML_TRY(ml_epc_plan_rounds(ep, w, &w->pipe[0], w->ids, x, T, st, &rounds));
   const int used = w->pipes < rounds ? w->pipes : rounds; /* rounds >= 1 */
   for (int p = 1; p < used; ++p)
-    ML_TRY(ml_epc_event(w->fork, st, w->ps[p]));
+    ML_TRY(ml_cuda_stream_after(w->fork, st, w->ps[p], "ep (cuda), the round pipes"));
   for (int r = 0; r < rounds; ++r) {
     const int p = r % used;
     const cudaStream_t sp = p ? w->ps[p] : st;
@@ -655,7 +644,7 @@ static moelink_status_t ml_epc_forward_inner(moelink_ep_t ep, ml_epc *w, const v
     ML_TRY(ml_epc_return(&ra, ml_epc_y_of(w, p), pair_rows, fused, NULL, 0, sp));
   }
   for (int p = 1; p < used; ++p)
-    ML_TRY(ml_epc_event(w->pjoin[p], w->ps[p], st));
+    ML_TRY(ml_cuda_stream_after(w->pjoin[p], w->ps[p], st, "ep (cuda), the round pipes"));
   return ml_epc_sum(ep, w, x && ep->cfg.moe.shared_inter > 0, x, T, out, st);
 }
 
