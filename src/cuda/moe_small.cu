@@ -177,6 +177,14 @@ static __device__ __forceinline__ void mls_wait_count(const uint32_t *p, uint32_
 static_assert(MLS_CONSUMERS * 32 == 128, "the consumers are one warpgroup");
 static __device__ __forceinline__ void mls_consumers_sync(void) { ml_wg_sync(1); }
 
+/* The group's barrier: the consumer warps', or with WARP the epilogue warp's. */
+template <bool WARP> static __device__ __forceinline__ void mls_group_sync(void) {
+  if (WARP)
+    __syncwarp();
+  else
+    mls_consumers_sync();
+}
+
 /* The group's stores so far are published, then one arrival on ticket t:
  * whether it was the one that made the count `last` + 1 (which then puts it
  * back to zero and may read what the others published). One acquire-release
@@ -186,15 +194,10 @@ static __device__ __forceinline__ void mls_consumers_sync(void) { ml_wg_sync(1);
  * Every thread of the group calls it. */
 template <bool WARP>
 static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, int *flag) {
-  if (WARP)
-    __syncwarp();
-  else
-    mls_consumers_sync();
+  mls_group_sync<WARP>();
   int mine = 0;
   if ((threadIdx.x & (WARP ? 31 : ~0u)) == 0) {
-    mine = ml_atom_add_acq_rel_gpu(t, 1u) == last;
-    if (mine)
-      *t = 0u; /* (for the next launch: one ticket a launch) */
+    mine = ml_ticket_take(t, last);
     if (!WARP)
       *flag = mine;
   }
@@ -202,6 +205,15 @@ static __device__ __forceinline__ bool mls_ticket(uint32_t *t, uint32_t last, in
     return __shfl_sync(0xffffffffu, mine, 0) != 0;
   mls_consumers_sync();
   return *flag != 0;
+}
+
+/* The group's stores so far published with one release add to *count (by
+ * its thread me == 0). Every thread of the group calls it. */
+template <bool WARP>
+static __device__ __forceinline__ void mls_group_release(uint32_t *count, int me) {
+  mls_group_sync<WARP>();
+  if (me == 0)
+    ml_red_add_release_gpu(count, 1u);
 }
 
 /* ---- the schedule --------------------------------------------------------------- */
@@ -629,22 +641,14 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
        * for the others' counts and adds their sums after its own */
       if (R.pidx > 0) {
         mls_part_store(R, part, trow, v, holder);
-        if (WARP)
-          __syncwarp();
-        else
-          mls_consumers_sync();
-        if (me == 0)
-          ml_red_add_release_gpu(tick, 1u);
+        mls_group_release<WARP>(tick, me);
         return;
       }
       if (me == 0) {
         mls_wait_count(tick, (uint32_t)(R.parts - 1));
         *tick = 0u; /* (every count of this launch is in) */
       }
-      if (WARP)
-        __syncwarp();
-      else
-        mls_consumers_sync();
+      mls_group_sync<WARP>();
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
@@ -675,12 +679,7 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
         else if (col < p.I)
           ((uint16_t *)p.h)[(size_t)R.pair * p.I + col] = mls_round<DT>(hv);
       }
-    if (WARP)
-      __syncwarp();
-    else
-      mls_consumers_sync();
-    if (me == 0)
-      ml_red_add_release_gpu(p.ready + R.pair, 1u);
+    mls_group_release<WARP>(p.ready + R.pair, me);
   } else {
     /* y = w * rows, rounded as the pipeline's y rows; the token's row block
      * is summed by the last of its k units */

@@ -63,6 +63,16 @@ static __device__ __forceinline__ uint32_t ml_atom_add_acq_rel_gpu(uint32_t *p, 
   return old;
 }
 
+/* The one thread's part of a ticket: an acquire-release arrival on t,
+ * whether it made the count last + 1; that one puts t back to zero for the
+ * next launch. */
+static __device__ __forceinline__ bool ml_ticket_take(uint32_t *t, uint32_t last) {
+  const bool mine = ml_atom_add_acq_rel_gpu(t, 1u) == last;
+  if (mine)
+    *t = 0u;
+  return mine;
+}
+
 /* One CTA's arrival on ticket t, counted across the grid: whether it is the
  * one that makes the count last + 1. The CTA's stores so far are published
  * first (the barrier, then one acquire-release add by thread 0); the last
@@ -71,11 +81,8 @@ static __device__ __forceinline__ uint32_t ml_atom_add_acq_rel_gpu(uint32_t *p, 
  * word. */
 static __device__ __forceinline__ bool ml_cta_ticket(uint32_t *t, uint32_t last, int *flag) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    *flag = ml_atom_add_acq_rel_gpu(t, 1u) == last;
-    if (*flag)
-      *t = 0u;
-  }
+  if (threadIdx.x == 0)
+    *flag = ml_ticket_take(t, last);
   __syncthreads();
   return *flag != 0;
 }
