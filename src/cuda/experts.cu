@@ -765,14 +765,19 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
 
 /* ---- k split into slices (dense, fp32 out) ----------------------------------- */
 
-extern "C" int ml_cuda_gemm_dense_on_sm90(int k, int n) {
+/* The SMs the sm_90a engine runs a dense k x n GEMM with fp32 output on, 0
+ * where the tile engine takes it (an error asking the device is cleared: the
+ * GEMM itself reports it). */
+static int ml_sm90_dense_sms(int k, int n) {
   int sm90 = 0, sms = 0;
   if (ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms) != MOELINK_SUCCESS) {
-    ml_clear_error(); /* (the GEMM itself reports it) */
+    ml_clear_error();
     return 0;
   }
-  return sm90 && sms > 0;
+  return sm90 && sms > 0 ? sms : 0;
 }
+
+extern "C" int ml_cuda_gemm_dense_on_sm90(int k, int n) { return ml_sm90_dense_sms(k, n) > 0; }
 
 MOELINK_PARAM(GEMM_SPLITK, 1)
 enum { ML_SPLITK_MIN_STEPS = 4 };
@@ -780,12 +785,8 @@ enum { ML_SPLITK_MIN_STEPS = 4 };
 extern "C" int ml_cuda_gemm_splitk_parts(int rows, int n, int k, int max_parts) {
   if (ml_param_GEMM_SPLITK() == 0 || rows <= 0 || n <= 0 || k <= 0)
     return 1;
-  int sm90 = 0, sms = 0;
-  if (ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms) != MOELINK_SUCCESS) {
-    ml_clear_error(); /* (the GEMM itself reports it) */
-    return 1;
-  }
-  if (!sm90 || sms <= 0)
+  const int sms = ml_sm90_dense_sms(k, n);
+  if (sms <= 0)
     return 1;
   const long long items =
       (((long long)rows + 127) / 128) * ((n + ML_SM90_SCALED_COLS - 1) / ML_SM90_SCALED_COLS);
