@@ -71,6 +71,10 @@ static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx-
 
 /* ---- device guard ------------------------------------------------------------ */
 
+static __thread int ml_cu_side_forwards;
+
+int ml_cuda_layer_side_forwards(void) { return ml_cu_side_forwards; }
+
 moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,
                                       const char *what) {
   cudaError_t e = cudaEventRecord(ev, from);
@@ -837,6 +841,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
     /* fork; the join comes before the combine, also when a step between fails
      * (a capture then ends with both streams joined) */
     ML_TRY(ml_cuda_stream_after(m->side_fork, st, m->side, side_what));
+    ++ml_cu_side_forwards;
     moelink_status_t ss = ml_cu_shared_gemms(moe, x, T, m->sched_side, side_sms, m->side);
     if (ss == MOELINK_SUCCESS)
       ss = ml_cu_step(m->side, "shared expert GEMMs (side stream)");

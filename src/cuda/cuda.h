@@ -38,6 +38,10 @@ extern "C" {
 moelink_status_t ml_cuda_enter(moelink_context_t ctx, int *prev);
 moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t s);
 
+/* Forwards of CUDA layers on the calling thread that ran their shared expert
+ * on the layer's side stream (MOELINK_SHARED_SIDE_SMS): for tests. */
+int ml_cuda_layer_side_forwards(void);
+
 /* Makes stream `to` wait for what `from` has enqueued so far (through event
  * ev); what: the caller, for the error message. */
 moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,

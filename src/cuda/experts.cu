@@ -207,6 +207,10 @@ static __thread int ml_sm90_last_tile = 0;
 
 extern "C" int ml_cuda_gemm_last_sm90_tile(void) { return ml_sm90_last_tile; }
 
+static __thread int ml_sm90_last_grid = 0;
+
+extern "C" int ml_cuda_gemm_last_sm90_grid(void) { return ml_sm90_last_grid; }
+
 /* Per device: 0 not yet asked, else 1 + (SM count << 1 | compute capability is 9.0). */
 static int ml_sm90_device_info[ML_CUDA_MAX_DEVICES];
 
@@ -470,10 +474,12 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
       return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u clusters) failed: %s", name, clusters,
                      cudaGetErrorString(e));
     }
+    ml_sm90_last_grid = (int)(2 * clusters);
   } else {
     ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>
         <<<grid, ML_SM90_THREADS, smem, stream>>>(map[0], map[1], *p);
     ML_CUDA_LAUNCHED(name);
+    ml_sm90_last_grid = (int)grid;
   }
   ml_engine_last = ML_GEMM_ENGINE_SM90;
   ml_tma_store_last = p->tma_out;

@@ -5,6 +5,7 @@
  * buffer, and compared bitwise with eager runs; eager runs bitwise equal to
  * each other; a forward queued behind a sleeping host callback returns at
  * once (it does not wait for the stream). */
+#include "cuda/cuda.h"
 #include "gpu_util.h"
 
 #include <time.h>
@@ -287,8 +288,18 @@ int main(void) {
   gu_contexts(&g_gpu, &g_cpu);
   /* Three chunks; the first two sort 8192 pairs (cub's multi-pass path), the
    * last fewer (its single-tile path). */
+  const int side_before = ml_cuda_layer_side_forwards();
   graph_case("deepseek-v3 reduced", reduced("deepseek-v3", MOELINK_DTYPE_BF16, 1024), 0.0, 2500,
              5, 31, 0);
+  /* its chunks of up to 1024 tokens take the shared expert's side stream
+   * exactly when MOELINK_SHARED_SIDE_SMS asks for it
+   * (gpu_test_cuda_graph_shared_side) */
+  const char *side_env = getenv("MOELINK_SHARED_SIDE_SMS");
+  const int side_on = side_env != NULL && atoi(side_env) >= 2;
+  const int side_runs = ml_cuda_layer_side_forwards() - side_before;
+  CHECK(side_on ? side_runs > 0 : side_runs == 0,
+        "deepseek-v3 reduced: %d forwards on the shared expert's side stream (asked: %s)",
+        side_runs, side_on ? "yes" : "no");
   /* Decode size: the router splits the hidden dimension over CTAs and uses
    * tickets that every run must leave at zero: 50 replays. */
   graph_case("qwen2-57b-a14b reduced", reduced("qwen2-57b-a14b", MOELINK_DTYPE_F16, 64), 0.0, 7,

@@ -606,7 +606,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
   }
 
   /* swiglu: three runs, bitwise equal */
-  int tma0 = 0; /* run 0 sent its full tiles out with TMA stores */
+  int tma0 = 0;  /* run 0 sent its full tiles out with TMA stores */
+  int grid0 = 0; /* and on this many CTAs (sm_90a) */
   for (int rep = 0; rep < 3; ++rep) {
     CUDA_CHECK(cudaMemsetAsync(d_out1, 0xFF, out1_bytes, stream));
     snprintf(label, sizeof label, "%s [%s] swiglu run %d (%s)", c->name, en, rep, run_name[rep]);
@@ -617,6 +618,13 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
       CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu ran on the %s engine (%s)",
             c->name, en, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
       tma0 = ml_cuda_gemm_last_tma_store();
+      grid0 = ml_cuda_gemm_last_sm90_grid();
+    }
+    if (rep == 1 && want1 == ML_GEMM_ENGINE_SM90) {
+      /* max_ctas 5: the static run's grid, but no more than 5 CTAs */
+      const int g = ml_cuda_gemm_last_sm90_grid(), want = grid0 < 5 ? grid0 : 5;
+      CHECK(g == want, "%s [%s] swiglu on at most 5 CTAs: %d CTAs (want %d; the static run %d)",
+            c->name, en, g, want, grid0);
     }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out1, out1_bytes, cudaMemcpyDeviceToHost));

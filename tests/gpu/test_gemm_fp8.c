@@ -483,6 +483,11 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
     CHECK(ml_cuda_gemm_last_engine() == want1, "%s [%s] swiglu run %d on the %s engine (%s)",
           c->name, en, rep, engine_name(want1), engine_name(ml_cuda_gemm_last_engine()));
     check_tile(label, rep ? &run_opts[rep] : NULL, want1, 0);
+    if (want1 == ML_GEMM_ENGINE_SM90 && run_opts[rep].max_ctas > 0) {
+      const int g = ml_cuda_gemm_last_sm90_grid();
+      CHECK(g >= 1 && g <= run_opts[rep].max_ctas, "%s: %d CTAs (at most %d asked)", label, g,
+            run_opts[rep].max_ctas);
+    }
     CUDA_CHECK(cudaStreamSynchronize(stream));
     CUDA_CHECK(cudaMemcpy(rep ? got : first, d_out, out1_bytes, cudaMemcpyDeviceToHost));
     if (rep == 0) {

@@ -29,6 +29,10 @@ int ml_cuda_gemm_last_engine(void);
  * (ml_cuda_gemm_opts.fp8_tile). */
 int ml_cuda_gemm_last_sm90_tile(void);
 
+/* CTAs of the calling thread's last sm_90a launch (clusters: both CTAs of
+ * each), 0 if it has launched none: what ml_cuda_gemm_opts.max_ctas left. */
+int ml_cuda_gemm_last_sm90_grid(void);
+
 /* Process-wide choice of the sm_90a kernel's output path for the launches
  * that follow: -1 (the default: MOELINK_GEMM_SM90_TMA_STORE decides), 0
  * (every row by the consumer threads' stores) or 1 (full tiles through
