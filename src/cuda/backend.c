@@ -127,14 +127,18 @@ MOELINK_PARAM(SHARED_FIRST, 1)
  * sizes) and has at most MOELINK_SHARED_SIDE_MAX_TOKENS tokens: the shared
  * expert's two GEMMs run on a stream of the layer's own, forked from the
  * caller's at the start of the forward and joined before the combine, on at
- * most this many SMs (even: its GEMMs may run in clusters of two), while
- * the routed GEMMs' persistent grids keep the other SMs: the routed weights'
- * stream is memory-bound there and the shared expert compute-bound. 0: the
- * shared expert after the routed experts on the caller's stream. Read when
- * a layer is created (the stream and its events are made then). Not yet
- * measured on a GPU: off. */
-MOELINK_PARAM(SHARED_SIDE_SMS, 0)
-MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 1024)
+ * most this many SMs (even: its GEMMs may run in clusters of two; at most an
+ * eighth of the device's), while the routed GEMMs' persistent grids keep the
+ * other SMs: the routed weights' stream is memory-bound there and the shared
+ * expert compute-bound. 0: the shared expert after the routed experts on the
+ * caller's stream. Read when a layer is created (the stream and its events
+ * are made then). Measured on an H200 (deepseek-v3 graph replays, 2 to 32
+ * SMs, 64 to 1024 tokens; docs/PERF.md, "The shared expert on a stream of
+ * its own, measured"): 8 SMs take 38-71 us off at 128 and 256 tokens, 18-26
+ * at 512, 7-10 at 768, and cost 13-28 us at 1024 (the routed GEMMs slower
+ * by more than the shared expert took), hence 768. */
+MOELINK_PARAM(SHARED_SIDE_SMS, 8)
+MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 768)
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
@@ -831,7 +835,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
   const int side_sms = (int)(ml_param_SHARED_SIDE_SMS() & ~1LL);
   const int side = m->side != NULL && cfg->shared_inter > 0 && !shared_decode && side_sms > 0 &&
-                   side_sms < sms && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
+                   side_sms <= sms / 8 && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
   if (x_first || (shared_first && cfg->fp8_shared) || (side && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;
