@@ -139,6 +139,13 @@ MOELINK_PARAM(SHARED_FIRST, 1)
  * by more than the shared expert took), hence 768. */
 MOELINK_PARAM(SHARED_SIDE_SMS, 8)
 MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 768)
+/* 0: the routed sm_90a GEMMs' grids keep every SM while the shared expert
+ * runs on its side stream (made with the greatest priority, so that its
+ * CTAs take SMs as they free up): the routed grids' last CTAs then start on
+ * the SMs the shared expert leaves (their items come from the dynamic
+ * schedule's counter). 1: the routed grids are short of its SMs. An A/B
+ * switch; read when a layer is created. */
+MOELINK_PARAM(SHARED_SIDE_CAP, 1)
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
@@ -397,7 +404,11 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   if (cfg->shared_inter > 0 && ml_param_SHARED_SIDE_SMS() > 0) {
     /* the shared expert's stream of its own and the events that fork it
      * from the caller's stream and join it back */
-    e = cudaStreamCreateWithFlags(&m->side, cudaStreamNonBlocking);
+    int least = 0, greatest = 0;
+    e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (e == cudaSuccess)
+      e = cudaStreamCreateWithPriority(&m->side, cudaStreamNonBlocking,
+                                       ml_param_SHARED_SIDE_CAP() != 0 ? least : greatest);
     if (e == cudaSuccess)
       e = cudaEventCreateWithFlags(&m->side_fork, cudaEventDisableTiming);
     if (e == cudaSuccess)
@@ -875,7 +886,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   }
   /* the router picks k distinct experts a token: no expert has more than T rows */
   if (s == MOELINK_SUCCESS)
-    s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T, side ? sms - side_sms : 0, st);
+    s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T,
+                     side && ml_param_SHARED_SIDE_CAP() != 0 ? sms - side_sms : 0, st);
   if (side) {
     /* the join, whatever happened since the fork */
     const moelink_status_t j = ml_cuda_stream_after(m->side_join, m->side, st, side_what);
