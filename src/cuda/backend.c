@@ -126,26 +126,27 @@ MOELINK_PARAM(SHARED_FIRST, 1)
 /* A batch whose shared expert takes the grouped GEMMs (past the decode
  * sizes) and has at most MOELINK_SHARED_SIDE_MAX_TOKENS tokens: the shared
  * expert's two GEMMs run on a stream of the layer's own, forked from the
- * caller's at the start of the forward and joined before the combine, on at
- * most this many SMs (even: its GEMMs may run in clusters of two; at most an
- * eighth of the device's), while the routed GEMMs' persistent grids keep the
- * other SMs: the routed weights' stream is memory-bound there and the shared
- * expert compute-bound. 0: the shared expert after the routed experts on the
+ * caller's at the start of the forward and joined before the combine, in
+ * grids of this many CTAs (even: its GEMMs may run in clusters of two; at
+ * most a quarter of the device's SMs), beside the routed GEMMs: the routed
+ * weights' stream is memory-bound there and the shared expert
+ * compute-bound. 0: the shared expert after the routed experts on the
  * caller's stream. Read when a layer is created (the stream and its events
  * are made then). Measured on an H200 (deepseek-v3 graph replays, 2 to 32
  * SMs, 64 to 1024 tokens; docs/PERF.md, "The shared expert on a stream of
- * its own, measured"): 8 SMs take 38-71 us off at 128 and 256 tokens, 18-26
- * at 512, 7-10 at 768, and cost 13-28 us at 1024 (the routed GEMMs slower
- * by more than the shared expert took), hence 768. */
-MOELINK_PARAM(SHARED_SIDE_SMS, 8)
-MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 768)
+ * its own, measured"): with 16 and MOELINK_SHARED_SIDE_CAP 0, 70-77 us off
+ * at 128 and 256 tokens, 42-44 at 512, 32-38 at 768, 10-15 at 1024. */
+MOELINK_PARAM(SHARED_SIDE_SMS, 16)
+MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 1024)
 /* 0: the routed sm_90a GEMMs' grids keep every SM while the shared expert
  * runs on its side stream (made with the greatest priority, so that its
- * CTAs take SMs as they free up): the routed grids' last CTAs then start on
- * the SMs the shared expert leaves (their items come from the dynamic
- * schedule's counter). 1: the routed grids are short of its SMs. An A/B
- * switch; read when a layer is created. */
-MOELINK_PARAM(SHARED_SIDE_CAP, 1)
+ * CTAs take SMs as they free up, where the launch honours it): the routed
+ * grids' last CTAs start on the SMs the shared expert leaves (their items
+ * come from the dynamic schedule's counter). 1: the routed grids are short
+ * of MOELINK_SHARED_SIDE_SMS SMs (kernels alone at 512 tokens, 8 SMs short:
+ * 56 us slower in bf16; the layer with 8 side SMs 21-28 us slower than the
+ * default at 512-1024 tokens). Read when a layer is created. */
+MOELINK_PARAM(SHARED_SIDE_CAP, 0)
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
@@ -846,7 +847,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
   const int side_sms = (int)(ml_param_SHARED_SIDE_SMS() & ~1LL);
   const int side = m->side != NULL && cfg->shared_inter > 0 && !shared_decode && side_sms > 0 &&
-                   side_sms <= sms / 8 && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
+                   side_sms <= sms / 4 && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
   if (x_first || (shared_first && cfg->fp8_shared) || (side && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;
