@@ -144,7 +144,7 @@ MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 1024)
  * grids' last CTAs start on the SMs the shared expert leaves (their items
  * come from the dynamic schedule's counter). 1: the routed grids are short
  * of MOELINK_SHARED_SIDE_SMS SMs (kernels alone at 512 tokens, 8 SMs short:
- * 56 us slower in bf16; the layer with 8 side SMs 21-28 us slower than the
+ * ~52 us slower in bf16; the layer with 8 side SMs 21-28 us slower than the
  * default at 512-1024 tokens). Read when a layer is created. */
 MOELINK_PARAM(SHARED_SIDE_CAP, 0)
 /* Batches of up to this many tokens of a layer without a shared expert
