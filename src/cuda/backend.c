@@ -147,6 +147,14 @@ MOELINK_PARAM(SHARED_SIDE_MAX_TOKENS, 1024)
  * ~52 us slower in bf16; the layer with 8 side SMs 21-28 us slower than the
  * default at 512-1024 tokens). Read when a layer is created. */
 MOELINK_PARAM(SHARED_SIDE_CAP, 0)
+
+/* The SMs of the shared expert's side stream on a device of sms SMs:
+ * MOELINK_SHARED_SIDE_SMS rounded down to even, 0 (no side stream) where
+ * that is 0 or more than a quarter of the SMs. */
+static int ml_cu_side_sms(int sms) {
+  const long long n = ml_param_SHARED_SIDE_SMS() & ~1LL;
+  return n > 0 && n <= sms / 4 ? (int)n : 0;
+}
 /* Batches of up to this many tokens of a layer without a shared expert
  * (experts in the dtype or FP8) run as one kernel (ml_cuda_moe_small; at
  * most 8; 0: never). Measured on an H200 (graph replays, docs/PERF.md, "The
@@ -402,7 +410,7 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
     free(m);
     return ml_fail(MOELINK_ERR_CUDA, "clearing the router tickets: %s", cudaGetErrorString(e));
   }
-  if (cfg->shared_inter > 0 && ml_param_SHARED_SIDE_SMS() > 0) {
+  if (cfg->shared_inter > 0 && ml_cu_side_sms(c->sm_count) > 0) {
     /* the shared expert's stream of its own and the events that fork it
      * from the caller's stream and join it back */
     int least = 0, greatest = 0;
@@ -845,9 +853,9 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   /* the shared expert on its own stream beside everything up to the
    * combine (MOELINK_SHARED_SIDE_SMS), its SMs left out of the routed GEMMs' grids */
   const int sms = ml_cu_ctx_of(moe->ctx)->sm_count;
-  const int side_sms = (int)(ml_param_SHARED_SIDE_SMS() & ~1LL);
-  const int side = m->side != NULL && cfg->shared_inter > 0 && !shared_decode && side_sms > 0 &&
-                   side_sms <= sms / 4 && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
+  const int side_sms = ml_cu_side_sms(sms);
+  /* (m->side: the layer has a shared expert and side_sms > 0) */
+  const int side = m->side != NULL && !shared_decode && T <= ml_param_SHARED_SIDE_MAX_TOKENS();
   if (x_first || (shared_first && cfg->fp8_shared) || (side && cfg->fp8_shared)) {
     ML_TRY(ml_cu_quantize_x(moe, x, T, st));
     x_ready = 1;

@@ -639,7 +639,7 @@ static __device__ __forceinline__ void mls_finish(const mls_params &p, const mls
     if (p.part0) {
       /* part 0 (the end of its CTA's range, the last to be reached) waits
        * for the others' counts and adds their sums after its own */
-      if (R.pidx > 0) {
+      if (mls_publishes_only(p, R)) {
         mls_part_store(R, part, trow, v, holder);
         mls_group_release<WARP>(tick, me);
         return;
