@@ -5,8 +5,10 @@ Nsight Compute times each kernel alone (its own clock, nothing before it);
 the benchmark times whole calls after an L2 flush. This script records the
 kernels of moelink.MoE.forward calls as they run in the benchmark's pattern
 (flush, call, flush, call, ...) with the PyTorch profiler (CUPTI), and
-prints, per kernel of a call in launch order, the median duration and the
-median idle time before it, the sum of the kernels, the span of the call
+prints, per kernel of a call in start order, the median duration, the
+median idle time before it (negative: it overlaps the kernel before, on
+another stream or as a programmatic dependent) and its median start after
+the call's first kernel, the sum of the kernels, the span of the call
 (first kernel's start to last kernel's end) and the CUDA-event time around
 it. Beside it, nvidia-smi samples the SM clock and the power every 20 ms
 (from the warm-up on; the number of samples is printed: few samples say little).
@@ -151,19 +153,23 @@ def main(argv=None):
                 durs = [c[i]["dur"] for c in calls]
                 gaps = [c[i]["ts"] - (c[i - 1]["ts"] + c[i - 1]["dur"]) if i else 0.0
                         for c in calls]
+                starts = [c[i]["ts"] - c[0]["ts"] for c in calls]
                 rows.append({"kernel": short(calls[0][i]["name"]),
                              "grid": calls[0][i].get("args", {}).get("grid"),
+                             "stream": calls[0][i].get("args", {}).get("stream"),
                              "us": statistics.median(durs), "gap_before_us":
-                             statistics.median(gaps)})
+                             statistics.median(gaps), "start_us": statistics.median(starts)})
             span = statistics.median(c[-1]["ts"] + c[-1]["dur"] - c[0]["ts"] for c in calls) \
                 if calls else 0.0
             ksum = statistics.median(sum(k["dur"] for k in c) for c in calls) if calls else 0.0
             print("\n## %s, T = %d: %d calls traced, %d kernels a call%s" %
                   (label, T, len(calls), n, "" if same else " (calls differ: no table)"))
-            print("%3s %-44s %-14s %10s %10s" % ("#", "kernel", "grid", "us", "idle us"))
+            print("%3s %-44s %-14s %6s %10s %10s %10s" % ("#", "kernel", "grid", "stream", "us",
+                                                         "idle us", "start us"))
             for i, r in enumerate(rows):
-                print("%3d %-44s %-14s %10.1f %10.1f" % (i, r["kernel"][:44], str(r["grid"]),
-                                                         r["us"], r["gap_before_us"]))
+                print("%3d %-44s %-14s %6s %10.1f %10.1f %10.1f" % (
+                    i, r["kernel"][:44], str(r["grid"]), str(r["stream"]), r["us"],
+                    r["gap_before_us"], r["start_us"]))
             print("kernels %.1f us, span %.1f us, CUDA events %.1f us" % (ksum, span,
                                                                        ev_ms * 1e3))
             if clocks:

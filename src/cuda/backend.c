@@ -35,6 +35,7 @@ typedef struct ml_cu_layout {
   size_t dec_part, dec_tickets; /* decode GEMMs' split-K scratch (gemm/decode.h) */
   size_t sched;                 /* the grouped GEMMs' work counter (ML_CUDA_GEMM_SCHED_INTS) */
   size_t sched_side;            /* the same for the shared expert on its own stream */
+  size_t sched_down, ready;     /* the overlapped routed down GEMM's counter; ready words */
   size_t logits;                /* router logits by the GEMM engine (large batches only) */
   size_t small;                 /* the one-kernel layer of a few tokens (moe_small.cu) */
   size_t small_bytes, small_zero;
@@ -56,6 +57,8 @@ typedef struct ml_cu_moe {
   uint32_t *dec_tickets; /* and their tickets (zero between launches) */
   int32_t *sched;        /* the sm_90a GEMMs' work counter (zero between launches) */
   int32_t *sched_side;   /* the shared expert's on the side stream (MOELINK_SHARED_SIDE_SMS) */
+  int32_t *sched_down;   /* the routed down GEMM's, overlapped with the gate/up GEMM */
+  uint32_t *ready;       /* [E] the routed gate/up GEMM's stored pieces (zero between launches) */
   cudaStream_t side;     /* the side stream, or NULL (the parameter was 0 at create) */
   cudaEvent_t side_fork, side_join;
   float *logits;         /* [max_tokens, E] router logits, or NULL (ml_cuda_router_gemm_wanted) */
@@ -278,6 +281,8 @@ static moelink_status_t ml_cu_layout_for(const ml_cu_ctx *c, const moelink_moe_c
   L->dec_tickets = ml_cuda_take(&cur, L->dec_ticket_count * sizeof(uint32_t));
   L->sched = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   L->sched_side = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  L->sched_down = ml_cuda_take(&cur, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  L->ready = ml_cuda_take(&cur, (size_t)cfg->num_experts * sizeof(uint32_t));
   L->logits_floats = ml_cuda_router_logits_floats(cfg->max_tokens, cfg->num_experts, cfg->hidden);
   L->logits = ml_cuda_take(&cur, L->logits_floats * sizeof(float));
   /* only where asked for (sm_90a machine code: compute capability 9.0) */
@@ -372,6 +377,8 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
   m->dec_tickets = (uint32_t *)(m->base + L->dec_tickets);
   m->sched = (int32_t *)(m->base + L->sched);
   m->sched_side = (int32_t *)(m->base + L->sched_side);
+  m->sched_down = (int32_t *)(m->base + L->sched_down);
+  m->ready = (uint32_t *)(m->base + L->ready);
   m->logits = L->logits_floats > 0 ? (float *)(m->base + L->logits) : NULL;
   m->small = L->small_bytes > 0 ? m->base + L->small : NULL;
   /* (its token bound is the only part of ml_cuda_moe_small_fits a forward's
@@ -402,6 +409,10 @@ static moelink_status_t ml_cu_moe_init_impl(moelink_moe_t moe) {
     e = cudaMemset(m->sched, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
   if (e == cudaSuccess)
     e = cudaMemset(m->sched_side, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  if (e == cudaSuccess)
+    e = cudaMemset(m->sched_down, 0, ML_CUDA_GEMM_SCHED_INTS * sizeof(int32_t));
+  if (e == cudaSuccess)
+    e = cudaMemset(m->ready, 0, (size_t)cfg->num_experts * sizeof(uint32_t));
   if (e == cudaSuccess && m->small != NULL) /* and the one-kernel layer's counters */
     e = cudaMemset(m->small, 0, L->small_zero);
   if (e == cudaSuccess) e = cudaStreamSynchronize(0);
@@ -652,6 +663,11 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   return ml_cu_step(st, "routed down GEMM (fp8)");
 }
 
+/* 0: the routed sm_90a bf16/f16 down GEMM waits for the whole gate/up GEMM
+ * instead of starting on the SMs its last items leave, expert by expert
+ * (ml_cuda_gemm_opts.ready; for A/B measurements). */
+MOELINK_PARAM(GEMM_OVERLAP, 1)
+
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h
  * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. out_rows not
  * NULL: pair p's output row goes to out_rows[p] instead of y (see
@@ -690,16 +706,36 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   }
   ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->hidden, 0);
   go.max_ctas = max_ctas;
-  ML_TRY(ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k,
-                             moe->w.gate_up, cfg->inter, cfg->hidden, plan->tiles, plan->num_tiles,
-                             plan->max_tiles, 0, m->h, &go, st));
-  ML_TRY(ml_cu_step(st, "routed gate/up GEMM"));
   ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(m->sched, pairs, cfg->num_experts, cfg->inter, 0);
   dgo.out_rows = out_rows;
   dgo.max_ctas = max_ctas;
-  ML_TRY(ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
-                             plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights, down_index,
-                             y, 0, &dgo, st));
+  /* the down GEMM starts on the SMs the gate/up GEMM's last items leave,
+   * expert by expert as their rows are stored (MOELINK_GEMM_OVERLAP) */
+  const int overlap = ml_param_GEMM_OVERLAP() != 0 && out_rows == NULL &&
+                      ml_cuda_gemm_overlap_ok(cfg->dtype, cfg->inter, cfg->hidden, cfg->hidden,
+                                              cfg->inter);
+  if (overlap) {
+    go.ready = m->ready;
+    dgo.counter = m->sched_down;
+    dgo.ready = m->ready;
+    dgo.ready_n = cfg->inter;
+    dgo.ready_words = cfg->num_experts;
+  }
+  moelink_status_t s = ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs,
+                                           cfg->top_k, moe->w.gate_up, cfg->inter, cfg->hidden,
+                                           plan->tiles, plan->num_tiles, plan->max_tiles, 0, m->h,
+                                           &go, st);
+  if (s == MOELINK_SUCCESS)
+    s = ml_cu_step(st, "routed gate/up GEMM");
+  if (s == MOELINK_SUCCESS)
+    s = ml_cuda_gemm_scaled(cfg->dtype, m->h, cfg->inter, moe->w.down, cfg->hidden, cfg->inter,
+                            plan->tiles, plan->num_tiles, plan->max_tiles, 0, weights, down_index,
+                            y, 0, &dgo, st);
+  if (s != MOELINK_SUCCESS && overlap)
+    /* without the down GEMM that zeroes them, the words the gate/up GEMM
+     * may have counted in go back to zero for the next pair */
+    (void)cudaMemsetAsync(m->ready, 0, (size_t)cfg->num_experts * sizeof(uint32_t), st);
+  ML_TRY(s);
   return ml_cu_step(st, "routed down GEMM");
 }
 

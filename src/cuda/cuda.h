@@ -178,7 +178,23 @@ typedef struct ml_cuda_gemm_opts {
    * that a GEMM on another stream keeps the rest (clusters: an even count;
    * the tile engine ignores it). */
   int max_ctas;
+  /* The routed gate/up GEMM and the down GEMM after it, overlapped (sm_90a
+   * engine, bf16/f16, tile lists, dynamic schedule: ml_cuda_gemm_overlap_ok;
+   * gemm/sm90.cuh, "Overlap"). ready: NULL, or one zeroed device word per
+   * expert. ml_cuda_gemm_swiglu with ready counts its stored output in it
+   * and lets the next kernel of the stream start early. ml_cuda_gemm_scaled
+   * with ready and ready_n > 0 (the gate/up GEMM's n), launched right after
+   * it on the same stream with the same tile list and a counter of its own,
+   * reads an expert's A rows only once they are stored, and leaves the
+   * ready_words words zeroed. */
+  uint32_t *ready;
+  int ready_n, ready_words;
 } ml_cuda_gemm_opts;
+
+/* Whether a gate/up GEMM (n, k) and a down GEMM (n_down, k_down) of dtype
+ * dt both take the sm_90a engine with a dynamic schedule, so that they can
+ * overlap (ml_cuda_gemm_opts.ready). */
+int ml_cuda_gemm_overlap_ok(moelink_dtype_t dt, int n, int k, int n_down, int k_down);
 
 /* The options a layer passes for a grouped GEMM of `rows` rows over
  * `experts` experts (dense: 1) and inner dimension k: the counter, and

@@ -436,10 +436,11 @@ static moelink_status_t ml_sm90_cl_dt(moelink_dtype_t dt, const ml_cuda_gemm_opt
 }
 
 /* map: the kernel's two maps, B's then the output's (zeros unless
- * p->tma_out). */
+ * p->tma_out). pdl: a programmatic dependent of the stream's previous
+ * kernel (the overlapped down GEMM, which waits by itself). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0, int CL = 1>
 static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_args *p, unsigned grid,
-                                       cudaStream_t stream) {
+                                       cudaStream_t stream, int pdl = 0) {
   const int smem = ml_sm90_cfg<FP8>::SMEM_BYTES;
   const char *name = MODE == ML_SM90_SWIGLU
                          ? (FP8 == 2        ? "ml_sm90_kernel (fp8, swiglu, fp8 out)"
@@ -468,13 +469,24 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     void *args[] = {(void *)map, (void *)(map + 1), (void *)p};
     const cudaError_t e = ml_launch_kernel_ex(
         (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(2 * clusters, 1, 1),
-        dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 0, 2, stream, args);
+        dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, pdl, 2, stream, args);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u clusters) failed: %s", name, clusters,
                      cudaGetErrorString(e));
     }
     ml_sm90_last_grid = (int)(2 * clusters);
+  } else if (pdl) {
+    void *args[] = {(void *)map, (void *)(map + 1), (void *)p};
+    const cudaError_t e =
+        ml_launch_kernel((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(grid, 1, 1),
+                         dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 1, stream, args);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs) failed: %s", name, grid,
+                     cudaGetErrorString(e));
+    }
+    ml_sm90_last_grid = (int)grid;
   } else {
     ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>
         <<<grid, ML_SM90_THREADS, smem, stream>>>(map[0], map[1], *p);
@@ -490,19 +502,19 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
 /* ml_sm90_launch in one CTA (cl 1) or clusters of two (cl 2). */
 template <int DT, int MODE, int OUT_F32, int FP8 = 0>
 static moelink_status_t ml_sm90_launch_cl(int cl, const CUtensorMap *map, const ml_sm90_args *p,
-                                          unsigned grid, cudaStream_t stream) {
-  return cl > 1 ? ml_sm90_launch<DT, MODE, OUT_F32, FP8, 2>(map, p, grid, stream)
-                : ml_sm90_launch<DT, MODE, OUT_F32, FP8>(map, p, grid, stream);
+                                          unsigned grid, cudaStream_t stream, int pdl = 0) {
+  return cl > 1 ? ml_sm90_launch<DT, MODE, OUT_F32, FP8, 2>(map, p, grid, stream, pdl)
+                : ml_sm90_launch<DT, MODE, OUT_F32, FP8>(map, p, grid, stream, pdl);
 }
 
 /* The bf16 or f16 instantiation of an epilogue, one CTA or clusters of two. */
 template <int MODE, int OUT_F32>
 static moelink_status_t ml_sm90_dispatch(moelink_dtype_t dt, const CUtensorMap *map,
-                                         const ml_sm90_args *p, unsigned grid, int cl,
+                                         const ml_sm90_args *p, unsigned grid, int cl, int pdl,
                                          cudaStream_t stream) {
   if (dt == MOELINK_DTYPE_BF16)
-    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, MODE, OUT_F32>(cl, map, p, grid, stream);
-  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, MODE, OUT_F32>(cl, map, p, grid, stream);
+    return ml_sm90_launch_cl<MOELINK_DTYPE_BF16, MODE, OUT_F32>(cl, map, p, grid, stream, pdl);
+  return ml_sm90_launch_cl<MOELINK_DTYPE_F16, MODE, OUT_F32>(cl, map, p, grid, stream, pdl);
 }
 
 /* See cuda.h. */
@@ -527,6 +539,9 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   o.out_rows = NULL;
   o.wait = NULL;
   o.max_ctas = 0;
+  o.ready = NULL;
+  o.ready_n = 0;
+  o.ready_words = 0;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts &&
@@ -547,6 +562,45 @@ static moelink_status_t ml_out_rows_of(const char *what, const ml_cuda_gemm_opts
                    "output)",
                    what, n, out_f32 ? "fp32" : "dtype");
   return MOELINK_SUCCESS;
+}
+
+/* The FP8 GEMMs do not overlap (ml_cuda_gemm_opts.ready). */
+static moelink_status_t ml_no_ready(const char *what, const ml_cuda_gemm_opts *opts) {
+  if (opts != NULL && opts->ready != NULL)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: ready (overlapped GEMMs) is for the bf16/f16 "
+                   "GEMMs only", what);
+  return MOELINK_SUCCESS;
+}
+
+/* opts->ready of a bf16/f16 GEMM, checked: only where the sm_90a engine runs
+ * it (sm90) over a tile list with a dynamic schedule (the scaled GEMM's
+ * waits end by zeroing the words: its counter's last CTA), and not with a
+ * row wait. */
+static moelink_status_t ml_ready_of(const char *what, const ml_cuda_gemm_opts *opts, int sm90,
+                                    const int32_t *tiles, const ml_sm90_args *q) {
+  if (opts == NULL || opts->ready == NULL)
+    return MOELINK_SUCCESS;
+  if (!sm90 || tiles == NULL || q->wait.signal != NULL || q->ksplit != 1 ||
+      ((uintptr_t)opts->ready & 3u) || (opts->ready_n > 0 && (q->sched == NULL ||
+                                                              opts->ready_words < 1)))
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: ready (overlapped GEMMs) needs the sm_90a engine, a tile list, a dynamic "
+                   "schedule, no row wait, 4-byte aligned words (ready %p, %d words) "
+                   "(ml_cuda_gemm_overlap_ok)",
+                   what, (void *)opts->ready, opts->ready_words);
+  return MOELINK_SUCCESS;
+}
+
+extern "C" int ml_cuda_gemm_overlap_ok(moelink_dtype_t dt, int n, int k, int n_down, int k_down) {
+  if ((dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) || ml_param_GEMM_SM90_DYNAMIC() == 0)
+    return 0;
+  int a = 0, b = 0, sms = 0;
+  if (ml_sm90_pick(k, n, ML_SM90_SWIGLU_COLS, &a, &sms) != MOELINK_SUCCESS ||
+      ml_sm90_pick(k_down, n_down, ML_SM90_SCALED_COLS, &b, &sms) != MOELINK_SUCCESS) {
+    ml_clear_error();
+    return 0;
+  }
+  return a && b;
 }
 
 /* The SwiGLU GEMMs have no output rows by pointer. */
@@ -644,10 +698,17 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
     ml_sm90_args q;
     ml_sm90_args_fill(&q, a, a_index, a_div, out, tiles, num_tiles, NULL, NULL, lda, k, n, cols,
                       max_tiles, dense_rows, opts);
+    ML_TRY(ml_ready_of(what, opts, 1, tiles, &q));
+    q.ready = opts != NULL ? opts->ready : NULL;
     q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
     return ml_sm90_dispatch<ML_SM90_SWIGLU, 0>(
-        dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms, opts), cl, stream);
+        dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms, opts), cl, 0,
+        stream);
   }
+  if (opts != NULL && opts->ready != NULL)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: ready (overlapped GEMMs) needs the sm_90a engine (ml_cuda_gemm_overlap_ok)",
+                   what);
 
   ml_swiglu_args p;
   p.a = a;
@@ -726,12 +787,27 @@ ml_gemm_scaled_run(const char *what, moelink_dtype_t dt, const void *a, int lda,
     ml_sm90_args_fill(&q, a, NULL, 1, out, tiles, num_tiles, row_scale, scale_index, lda, k, n,
                       cols, max_tiles, dense_rows, opts);
     q.ksplit = ksplit;
+    ML_TRY(ml_ready_of(what, opts, 1, tiles, &q));
+    /* overlapped with the gate/up GEMM before it: a programmatic dependent
+     * of it that waits for its experts' pieces (without PDL it simply runs
+     * after it, every piece there) */
+    int pdl = 0;
+    if (opts != NULL && opts->ready != NULL && opts->ready_n > 0) {
+      q.ready = opts->ready;
+      q.ready_blocks = (opts->ready_n + ML_SM90_SWIGLU_COLS - 1) / ML_SM90_SWIGLU_COLS;
+      q.ready_words = opts->ready_words;
+      pdl = ml_cuda_pdl_allowed(stream);
+    }
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks * ksplit, sms, opts);
     if (!out_f32 && out_rows == NULL)
       q.tma_out = ml_sm90_map_out(&map[1], dt, out, n);
-    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, stream)
-                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, map, &q, grid, cl, stream);
+    return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, pdl, stream)
+                   : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, map, &q, grid, cl, pdl, stream);
   }
+  if (opts != NULL && opts->ready != NULL)
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: ready (overlapped GEMMs) needs the sm_90a engine (ml_cuda_gemm_overlap_ok)",
+                   what);
 
   ml_scaled_args p;
   p.a = a;
@@ -905,6 +981,7 @@ ml_cuda_gemm_swiglu_fp8(const uint8_t *a, const float *a_scale, int lda, const i
                         cudaStream_t stream) {
   const char *what = "ml_cuda_gemm_swiglu_fp8";
   ML_TRY(ml_no_out_rows(what, opts));
+  ML_TRY(ml_no_ready(what, opts));
   ml_cuda_gemm_wait wait;
   ML_TRY(ml_wait_of(what, opts, &wait));
   if (rows < 0 || max_tiles < 0 || (tiles != NULL && num_tiles == NULL))
@@ -976,6 +1053,7 @@ ml_cuda_gemm_scaled_fp8(moelink_dtype_t out_dt, const uint8_t *a, const float *a
   if (rows == 0 || n == 0 || (tiles != NULL && max_tiles == 0)) return MOELINK_SUCCESS;
   void *const *out_rows;
   ML_TRY(ml_out_rows_of(what, opts, n, out_f32, &out_rows));
+  ML_TRY(ml_no_ready(what, opts));
   ml_cuda_gemm_wait wait;
   ML_TRY(ml_wait_of(what, opts, &wait));
   int sm90 = 0, sms = 0;

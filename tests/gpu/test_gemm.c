@@ -429,7 +429,7 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   char *d_out = gu_dev(out_bytes);
   unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0};
+    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0, NULL, 0, 0};
     gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
@@ -488,7 +488,7 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   for (int rep = 0; rep < 4; ++rep) {
     /* 0 static, 1 dynamic in clusters, 2 no rows ever (limit 2 ms), 3 the
      * same control block again */
-    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0};
+    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0, NULL, 0, 0};
     if (rep < 3) {
       gu_feed_reset(&f);
       GU_CUDA(cudaMemset(d_a, 0xFF, a_rows * row_bytes));
@@ -545,6 +545,123 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
 }
 
 /* Both GEMMs of one case on one engine, checked against the references. */
+/* The gate/up GEMM and the down GEMM on its output, overlapped
+ * (ml_cuda_gemm_opts.ready; sm_90a, tile lists): against the same pair run
+ * one after the other, bitwise, for both outputs; the down GEMM's rows come
+ * from the SwiGLU GEMM's output, rows n apart. Runs: the default grid, the
+ * gate/up GEMM on 3 CTAs (the down GEMM's CTAs start at once on the free
+ * SMs and wait for the pieces), clusters of two, TMA stores off, and a
+ * captured graph replayed three times; 24 runs in all. After each, the
+ * ready words and both counters must be back at zero. Also: an overlapped
+ * down GEMM without a work counter, or an FP8 GEMM with ready words, is
+ * refused. */
+static void check_overlap(const gemm_case *c, const problem *p, const char *en, const void *d_x,
+                          const int32_t *ai, const void *d_w1, const void *d_w2,
+                          const int32_t *d_tiles, const int32_t *d_num, const float *rs,
+                          const int32_t *si, cudaStream_t stream) {
+  const moelink_dtype_t dt = c->dt;
+  const int n = c->n, k = c->k, R = p->R, lda1 = k + c->lda_pad;
+  const size_t hb = (size_t)(R + GUARD_ROWS) * n * 2, yb = (size_t)(R + GUARD_ROWS) * k * 2;
+  CHECK(ml_cuda_gemm_overlap_ok(dt, n, k, k, n), "%s [%s] overlap: both GEMMs take sm_90a",
+        c->name, en);
+  void *d_h = NULL, *d_y = NULL;
+  CUDA_CHECK(cudaMalloc(&d_h, hb));
+  CUDA_CHECK(cudaMalloc(&d_y, yb));
+  unsigned char *ref_h = malloc(hb), *ref_y = malloc(yb), *got_h = malloc(hb), *got_y = malloc(yb);
+  int32_t *s1 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS), *s2 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
+  int32_t *ready = gu_counter_new(p->E);
+  char label[240];
+  /* the reference: one after the other */
+  ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(s1, R, p->E, k, 0);
+  go.cluster = 1;
+  ml_cuda_gemm_opts dgo = ml_cuda_gemm_opts_for(s2, R, p->E, n, 0);
+  dgo.cluster = 1;
+  CUDA_CHECK(cudaMemsetAsync(d_h, 0xFF, hb, stream));
+  CUDA_CHECK(cudaMemsetAsync(d_y, 0xFF, yb, stream));
+  CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
+                               p->max_tiles, R, d_h, &go, stream),
+           "overlap reference: swiglu");
+  CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs, si,
+                               d_y, 0, &dgo, stream),
+           "overlap reference: scaled");
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpy(ref_h, d_h, hb, cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaMemcpy(ref_y, d_y, yb, cudaMemcpyDeviceToHost));
+  go.ready = dgo.ready = (uint32_t *)ready;
+  dgo.ready_n = n;
+  dgo.ready_words = p->E;
+  /* refused: the down GEMM's waits end with its counter's last CTA */
+  ml_cuda_gemm_opts bad = dgo;
+  bad.counter = NULL;
+  CHECK_STATUS(ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs, si,
+                                   d_y, 0, &bad, stream),
+               MOELINK_ERR_UNSUPPORTED, "overlapped down GEMM without a work counter");
+  CHECK_STATUS(ml_cuda_gemm_scaled_fp8(MOELINK_DTYPE_BF16, (const uint8_t *)d_h, (const float *)d_y,
+                                       n, (const uint8_t *)d_w2, (const float *)d_y, k, n, d_tiles,
+                                       d_num, p->max_tiles, R, NULL, NULL, d_y, 0, &dgo, stream),
+               MOELINK_ERR_UNSUPPORTED, "FP8 GEMM with ready words");
+  static const char *const run_name[5] = {"default", "gate/up on 3 CTAs", "clusters of 2",
+                                          "threads' stores", "graph"};
+  for (int run = 0; run < 5; ++run) {
+    ml_cuda_gemm_opts g = go, d = dgo;
+    if (run == 1)
+      g.max_ctas = 3;
+    if (run == 2)
+      g.cluster = d.cluster = 2;
+    ml_cuda_gemm_set_tma_store(run == 3 ? 0 : 1);
+    cudaGraphExec_t exec = NULL;
+    if (run == 4) {
+      cudaGraph_t graph;
+      CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      moelink_status_t a = ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles,
+                                               d_num, p->max_tiles, R, d_h, &g, stream);
+      moelink_status_t b = ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num,
+                                               p->max_tiles, R, rs, si, d_y, 0, &d, stream);
+      CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      CHECK(a == MOELINK_SUCCESS && b == MOELINK_SUCCESS, "%s [%s] overlap captured: %s", c->name,
+            en, a || b ? moelink_last_error() : "ok");
+      CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    const int reps = run == 4 ? 3 : 5;
+    for (int rep = 0; rep < reps; ++rep) {
+      CUDA_CHECK(cudaMemsetAsync(d_h, 0xFF, hb, stream));
+      CUDA_CHECK(cudaMemsetAsync(d_y, 0xFF, yb, stream));
+      snprintf(label, sizeof label, "%s [%s] overlap, %s, run %d", c->name, en, run_name[run], rep);
+      if (exec != NULL) {
+        CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      } else {
+        CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
+                                     p->max_tiles, R, d_h, &g, stream),
+                 label);
+        CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs,
+                                     si, d_y, 0, &d, stream),
+                 label);
+      }
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      CUDA_CHECK(cudaMemcpy(got_h, d_h, hb, cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(got_y, d_y, yb, cudaMemcpyDeviceToHost));
+      CHECK(memcmp(got_h, ref_h, hb) == 0 && memcmp(got_y, ref_y, yb) == 0,
+            "%s: both outputs bitwise the sequential pair's", label);
+      gu_counter_check_zero(ready, p->E, label);
+      gu_counter_check_zero(s1, ML_CUDA_GEMM_SCHED_INTS, label);
+      gu_counter_check_zero(s2, ML_CUDA_GEMM_SCHED_INTS, label);
+    }
+    if (exec != NULL)
+      CUDA_CHECK(cudaGraphExecDestroy(exec));
+  }
+  ml_cuda_gemm_set_tma_store(1);
+  gu_free(ready);
+  gu_free(s1);
+  gu_free(s2);
+  cudaFree(d_h);
+  cudaFree(d_y);
+  free(ref_h);
+  free(ref_y);
+  free(got_h);
+  free(got_y);
+}
+
 static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
                             const void *d_w1, const void *d_w2, const void *d_h,
                             const int32_t *d_index, const int32_t *h_index, const float *d_scale,
@@ -574,7 +691,7 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   const ml_cuda_gemm_opts run_opts[3] = {
-      {NULL, 1, 0, NULL, NULL, 0}, {d_sched, 1, 0, NULL, NULL, 5}, {d_sched, 2, 0, NULL, NULL, 0}};
+      {NULL, 1, 0, NULL, NULL, 0, NULL, 0, 0}, {d_sched, 1, 0, NULL, NULL, 5, NULL, 0, 0}, {d_sched, 2, 0, NULL, NULL, 0, NULL, 0, 0}};
   static const char *const run_name[3] = {"static", "dynamic on at most 5 CTAs",
                                           "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
@@ -714,6 +831,8 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
     if (!f32 && k % 8 == 0)
       check_out_rows(c, p, en, want2, d_h, d_w2, d_tiles, d_num, rs, si, d_sched, first, stream);
   }
+  if (want1 == ML_GEMM_ENGINE_SM90 && want2 == ML_GEMM_ENGINE_SM90 && d_tiles != NULL)
+    check_overlap(c, p, en, d_x, ai, d_w1, d_w2, d_tiles, d_num, rs, si, stream);
   snprintf(label, sizeof label, "%s [%s]", c->name, en);
   gu_counter_check_zero(d_sched, ML_CUDA_GEMM_SCHED_INTS, label);
   gu_free(d_sched);
@@ -764,7 +883,7 @@ static void check_rejections(void) {
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
   {
     /* output rows by pointer: the scaled GEMMs with a dtype output only */
-    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL, 0};
+    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL, 0, NULL, 0, 0};
     CHECK_STATUS(
         ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, &ro, 0),
         MOELINK_ERR_UNSUPPORTED, "scaled f32 out with out_rows");
@@ -787,7 +906,7 @@ static void check_rejections(void) {
     const ml_cuda_gemm_wait *bad[3] = {&bad_rows, &bad_value, &bad_comm};
     static const char *const why[3] = {"rows 0", "no value word", "no control block"};
     for (int i = 0; i < 3; ++i) {
-      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i], 0};
+      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i], 0, NULL, 0, 0};
       char what[80];
       snprintf(what, sizeof what, "swiglu with a row wait of %s", why[i]);
       CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &wo, 0),

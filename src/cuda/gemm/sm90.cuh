@@ -99,6 +99,21 @@
  * which drain while it goes on to its next item; partial tiles, fp32
  * outputs and rows by pointer (out_rows) are stored by the threads.
  *
+ * Overlap (bf16/f16, a layer's routed gate/up GEMM and the down GEMM that
+ * reads its output): the down GEMM need not wait for the whole gate/up
+ * GEMM, whose last wave of items leaves SMs idle while its last CTAs
+ * finish. The SwiGLU kernel, given ready[], lets the stream's next kernel
+ * launch (griddepcontrol.launch_dependents) once all its CTAs run, and
+ * counts in ready[e] each (tile, column block) piece of expert e it has
+ * stored (each consumer one item late: its TMA stores are complete by then;
+ * the CTA's last at its end). The down GEMM, launched as a programmatic
+ * dependent, takes SMs as the gate/up CTAs leave them; before an item's
+ * loads its producer threads wait (acquire) until the item's expert has all
+ * its pieces, (tiles) x (gate/up column blocks), and instead of
+ * griddepcontrol.wait at its start it waits at its end, so that it never
+ * completes before the gate/up GEMM. Its last CTA zeroes ready[] for the
+ * next pair.
+ *
  * Determinism: each output element is computed by one consumer, summing k
  * in a fixed order; no atomics. */
 #ifndef MOELINK_CUDA_GEMM_SM90_CUH
@@ -301,6 +316,14 @@ typedef struct ml_sm90_args {
    * with fp32 output only, one CTA): slice s of an item is an item of its
    * own whose sums go to rows s * dense_rows on (ml_cuda_gemm_splitk) */
   int ksplit;
+  /* The gate/up GEMM and the down GEMM after it overlapped (bf16/f16
+   * kernel, tile lists; see "Overlap" at the top): ready[e], zero when the
+   * SwiGLU kernel starts, counts the (64-row tile, column block) pieces of
+   * expert e's output it has stored; a scaled kernel with ready_blocks > 0
+   * waits before an item's loads until its expert has (tiles) x
+   * ready_blocks of them, and zeroes ready[0, ready_words) when done. */
+  uint32_t *ready;
+  int ready_blocks, ready_words;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -592,6 +615,7 @@ typedef struct ml_sm90_walk {
 
 typedef struct ml_sm90_item {
   int expert, nb;       /* expert, column block */
+  int nt;               /* tiles of the expert */
   int row0[2], rows[2]; /* the unit's tiles (rows 0: absent) */
   int split;            /* CL = 2: each CTA loads its own whole B box (no multicast) */
   int ks;               /* the k slice (ksplit > 1) */
@@ -711,6 +735,7 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
         u = units - 1;
         if (it->nb >= nblocks) {
           int r0, r;
+          it->nt = s->nt;
           ml_sm90_tile(p, s->t0, &it->expert, &r0, &r);
           return 1; /* absent: no loads, no MMAs */
         }
@@ -718,6 +743,7 @@ static __device__ __forceinline__ int ml_sm90_next(const ml_sm90_args *p, ml_sm9
     }
   }
   const int ta = s->t0 + 2 * u;
+  it->nt = s->nt;
   ml_sm90_tile(p, ta, &it->expert, &it->row0[0], &it->rows[0]);
   if (2 * u + 1 < s->nt) {
     int e;
@@ -800,8 +826,52 @@ static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
   ml_wg_sync(1);
 }
 
+/* Overlap, the down GEMM's side: whether the item's expert's gate/up output
+ * is all stored (an acquire: this thread's later loads see it). An item
+ * without rows (an absent split item) loads no A and is ready. */
+static __device__ __forceinline__ bool ml_sm90_ready_seen(const ml_sm90_args *p,
+                                                         const ml_sm90_item *it) {
+  if (p->ready_blocks <= 0 || it->rows[0] + it->rows[1] == 0)
+    return true;
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n"
+               : "=r"(v)
+               : "l"(p->ready + it->expert)
+               : "memory");
+  return v >= (uint32_t)(it->nt * p->ready_blocks);
+}
+
+/* Waits for that, each producer thread for itself (its own acquire before
+ * its own A loads; no barrier). The gate/up GEMM's CTAs all run (the down
+ * GEMM launched once each of them had started), so the pieces come; past
+ * ML_SM90_READY_NS the kernel traps (a plan or a launch gone wrong), which
+ * the stream reports, instead of hanging. */
+#define ML_SM90_READY_NS 10000000000ull
+static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
+                                                      const ml_sm90_item *it) {
+  const uint64_t t0 = ml_globaltimer();
+  while (!ml_sm90_ready_seen(p, it)) {
+    __nanosleep(200);
+    if (ml_globaltimer() - t0 > ML_SM90_READY_NS)
+      __trap();
+  }
+}
+/* Whether a producer may wait so: the bf16/f16 scaled kernel's only (the
+ * FP8 producers have no registers to spare, and their GEMMs never overlap). */
+template <class C, int MODE>
+static __device__ __forceinline__ constexpr bool ml_sm90_ready_waits(void) {
+  return C::ES == 2 && MODE == ML_SM90_SCALED;
+}
+template <class C, int MODE>
+static __device__ __forceinline__ void ml_sm90_ready_wait(const ml_sm90_args *p,
+                                                         const ml_sm90_item *it) {
+  if (ml_sm90_ready_waits<C, MODE>() && !ml_sm90_ready_seen(p, it))
+    ml_sm90_ready_spin(p, it);
+}
+
 /* Item header of a stage: [0] column block (-1: no more work), [1 + i] first
- * row and [3 + i] rows of the unit's tile i, [5] the k slice. Written by producer thread 0
+ * row and [3 + i] rows of the unit's tile i, [5] the k slice, [6] the
+ * expert. Written by producer thread 0
  * before its arrival on the stage's full barrier (a release), read by the
  * consumers after their wait on it (an acquire).
  *
@@ -838,8 +908,10 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   ml_sm90_item it;
   int have = ml_sm90_next<CL>(p, &walk, w, &it, rank);
   int32_t src[ML_SM90_ROWS];
-  if (have)
+  if (have) {
     ml_sm90_wait_item(p, &it, tid);
+    ml_sm90_ready_wait<C, MODE>(p, &it);
+  }
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
    * last-but-one load (dynamic: a claim as late as the loads allow) */
@@ -898,6 +970,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           h[3] = it.rows[0];
           h[4] = it.rows[1];
           h[5] = it.ks;
+          if (C::ES == 2 && MODE == ML_SM90_SWIGLU)
+            h[6] = it.expert;
         }
         /* (an absent split item's CTA loads no B: nothing to expect) */
         const bool no_b = skip || (CL > 1 && it.split && it.rows[0] == 0);
@@ -1028,15 +1102,17 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ++claims;
         }
         have_n = ml_sm90_next<CL>(p, &walk, w_n, &nx, rank);
-        /* with a row wait, the next item's rows after this item's last
-         * load (below), not with one of its stages unissued */
-        rows_n = have_n && p->wait.signal == NULL;
+        /* with a row wait, or the next item's expert not yet ready, the
+         * next item's rows after this item's last load (below), not with
+         * one of its stages unissued */
+        rows_n = have_n && p->wait.signal == NULL && (!ml_sm90_ready_waits<C, MODE>() || ml_sm90_ready_seen(p, &nx));
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
     }
     if (have_n && !rows_n) {
       ml_sm90_wait_item(p, &nx, tid);
+      ml_sm90_ready_wait<C, MODE>(p, &nx);
       valid_n = ml_sm90_rows(p, &nx, r0, src_n);
     }
     w = w_n;
@@ -1059,6 +1135,10 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     if (atomicAdd(p->sched + 1, 1) == grid - 1) {
       atomicExch(p->sched, 0);
       atomicExch(p->sched + 1, 0);
+      /* overlap: every CTA's waits are over, so every piece was counted */
+      if (ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0)
+        for (int e = 0; e < p->ready_words; ++e)
+          p->ready[e] = 0u;
     }
   }
   /* the copies still in flight arrive on their own; wait for them anyway so
@@ -1291,6 +1371,29 @@ static __device__ __forceinline__ void ml_sm90_store_done(const ml_sm90_args *p)
     ml_bulk_wait_all();
 }
 
+/* Overlap, the gate/up GEMM's side: the consumer's last stored tile (expert
+ * *pend, -1: none) is counted in ready[*pend]. Called one item later (or at
+ * the end), so that a tile's TMA stores, long complete by then, cost no
+ * wait: the warpgroup meets (every thread's own stores of the tile are
+ * before the barrier), then its thread 0 waits for its bulk stores, orders
+ * them (async proxy) before the generic release, and adds 1 with release
+ * semantics. Every thread of the warpgroup calls it with the same *pend. */
+template <class C, int OUT_F32>
+static __device__ __forceinline__ void ml_sm90_ready_flush(const ml_sm90_args *p, int *pend,
+                                                           int cw) {
+  if (*pend < 0)
+    return;
+  ml_wg_sync(2 + cw);
+  if (((int)threadIdx.x & 127) == 0) {
+    if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out) {
+      ml_bulk_wait_all();
+      asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    }
+    ml_red_add_release_gpu(p->ready + *pend, 1u);
+  }
+  *pend = -1;
+}
+
 /* The bf16/f16 consumer (see the top of the file). */
 template <int DT, int MODE, int OUT_F32, int CL>
 static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, uint32_t base,
@@ -1304,12 +1407,15 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
   int stage = 0;
   uint32_t phase = 0;
   float d[128];
+  /* overlap: the tile stored last, not yet counted (ml_sm90_ready_flush) */
+  const bool signals = MODE == ML_SM90_SWIGLU && p->ready != NULL;
+  int pend = -1;
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
     const int *hd = headers + stage * ML_SM90_HEADER_INTS;
     const int nb = hd[0];
     if (nb < 0) break;
-    const int row0 = hd[1 + cw], rows = hd[3 + cw];
+    const int row0 = hd[1 + cw], rows = hd[3 + cw], expert = hd[6];
     /* k slice s of a dense problem: its partial sums s * dense_rows rows on
      * (read now: the stage and its header are refilled once released) */
     const int orow0 = row0 + hd[5] * p->dense_rows;
@@ -1352,10 +1458,16 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     }
     ml_wgmma_wait<0>();
     ml_acc_fence<128>(d);
+    if (signals)
+      ml_sm90_ready_flush<C, OUT_F32>(p, &pend, cw);
     if (!active) continue;
     ml_sm90_release<C, CL>(bars, prev);
     ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, orow0, rows, rl, cq, sc, obuf, cw);
+    if (signals)
+      pend = expert;
   }
+  if (signals)
+    ml_sm90_ready_flush<C, OUT_F32>(p, &pend, cw);
   ml_sm90_store_done<C, OUT_F32>(p);
 }
 
@@ -1666,6 +1778,10 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     ml_cluster_sync(); /* the other CTA's barriers exist before anyone uses them */
   else
     __syncthreads();
+  /* overlap: the down GEMM after this one may launch now; its CTAs take the
+   * SMs this grid's CTAs leave and wait for their experts' pieces */
+  if (FP8 == 0 && MODE == ML_SM90_SWIGLU && p.ready != NULL)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(C::PRODUCER_REGS) : "memory");
@@ -1681,6 +1797,11 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   /* no CTA leaves while the other may still arrive on its barriers */
   if (CL > 1)
     ml_cluster_sync();
+  /* overlap, the down GEMM: it ends only after the gate/up GEMM has (which
+   * it may outlive otherwise: it only waited for the pieces), so that what
+   * follows it in the stream follows both */
+  if (FP8 == 0 && MODE == ML_SM90_SCALED && p.ready_blocks > 0)
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
 
