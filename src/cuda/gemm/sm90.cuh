@@ -842,19 +842,26 @@ static __device__ __forceinline__ bool ml_sm90_ready_seen(const ml_sm90_args *p,
 }
 
 /* Waits for that, each producer thread for itself (its own acquire before
- * its own A loads; no barrier). The gate/up GEMM's CTAs all run (the down
- * GEMM launched once each of them had started), so the pieces come; past
+ * its own A loads; no producer barrier): one load a thread; where its warp
+ * finds the pieces missing, lane 0 polls until they are there, then every
+ * lane loads once more. The gate/up GEMM's CTAs all run (the down GEMM
+ * launched once each of them had started), so the pieces come; past
  * ML_SM90_READY_NS the kernel traps (a plan or a launch gone wrong), which
- * the stream reports, instead of hanging. */
+ * the stream reports, instead of hanging. Every lane of the warp calls it
+ * for the same item. */
 #define ML_SM90_READY_NS 10000000000ull
 static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
                                                       const ml_sm90_item *it) {
-  const uint64_t t0 = ml_globaltimer();
-  while (!ml_sm90_ready_seen(p, it)) {
-    __nanosleep(200);
-    if (ml_globaltimer() - t0 > ML_SM90_READY_NS)
-      __trap();
+  if ((threadIdx.x & 31) == 0) {
+    const uint64_t t0 = ml_globaltimer();
+    while (!ml_sm90_ready_seen(p, it)) {
+      __nanosleep(256);
+      if (ml_globaltimer() - t0 > ML_SM90_READY_NS)
+        __trap();
+    }
   }
+  __syncwarp();
+  (void)ml_sm90_ready_seen(p, it);
 }
 /* Whether a producer may wait so: the bf16/f16 scaled kernel's only (the
  * FP8 producers have no registers to spare, and their GEMMs never overlap). */
@@ -865,7 +872,7 @@ static __device__ __forceinline__ constexpr bool ml_sm90_ready_waits(void) {
 template <class C, int MODE>
 static __device__ __forceinline__ void ml_sm90_ready_wait(const ml_sm90_args *p,
                                                          const ml_sm90_item *it) {
-  if (ml_sm90_ready_waits<C, MODE>() && !ml_sm90_ready_seen(p, it))
+  if (ml_sm90_ready_waits<C, MODE>() && !__all_sync(0xffffffffu, ml_sm90_ready_seen(p, it)))
     ml_sm90_ready_spin(p, it);
 }
 
@@ -1102,10 +1109,11 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
           ++claims;
         }
         have_n = ml_sm90_next<CL>(p, &walk, w_n, &nx, rank);
-        /* with a row wait, or the next item's expert not yet ready, the
-         * next item's rows after this item's last load (below), not with
-         * one of its stages unissued */
-        rows_n = have_n && p->wait.signal == NULL && (!ml_sm90_ready_waits<C, MODE>() || ml_sm90_ready_seen(p, &nx));
+        /* with a row wait, or one for the experts' pieces (an acquire, a
+         * round trip), the next item's rows after this item's last load
+         * (below), not with one of its stages unissued */
+        rows_n = have_n && p->wait.signal == NULL &&
+                 !(ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0);
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
