@@ -1466,10 +1466,12 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     }
     ml_wgmma_wait<0>();
     ml_acc_fence<128>(d);
+    if (active)
+      ml_sm90_release<C, CL>(bars, prev);
+    /* (after the release: the ring does not wait for the count's fence) */
     if (signals)
       ml_sm90_ready_flush<C, OUT_F32>(p, &pend, cw);
     if (!active) continue;
-    ml_sm90_release<C, CL>(bars, prev);
     ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, orow0, rows, rl, cq, sc, obuf, cw);
     if (signals)
       pend = expert;
