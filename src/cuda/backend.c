@@ -663,10 +663,15 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
   return ml_cu_step(st, "routed down GEMM (fp8)");
 }
 
-/* 0: the routed sm_90a bf16/f16 down GEMM waits for the whole gate/up GEMM
- * instead of starting on the SMs its last items leave, expert by expert
- * (ml_cuda_gemm_opts.ready; for A/B measurements). */
-MOELINK_PARAM(GEMM_OVERLAP, 1)
+/* Where the routed sm_90a bf16/f16 down GEMM starts on the SMs the gate/up
+ * GEMM's last items leave, expert by expert (ml_cuda_gemm_opts.ready),
+ * instead of after the whole gate/up GEMM: 2 (default) in forwards whose
+ * shared expert does not run on the side stream meanwhile, 1 in every
+ * forward, 0 never. Measured on the H200 (docs/PERF.md, "The down GEMM on
+ * the gate/up GEMM's last wave"): qwen3-30b-a3b and mixtral-8x7b 1-2%
+ * faster at 128-2048 tokens, deepseek-v3 ~1% at 2048; beside the side
+ * stream (deepseek-v3 at 128-512 tokens) 22 us slower to 10 us faster. */
+MOELINK_PARAM(GEMM_OVERLAP, 2)
 
 /* Both routed GEMMs over a plan: h = swiglu(x gathered by pair), y = w * h
  * Wd^T. x_ready: FP8 experts' token rows are in m->xq already. out_rows not
@@ -674,10 +679,12 @@ MOELINK_PARAM(GEMM_OVERLAP, 1)
  * ml_cuda_moe_experts_to). max_rows: a bound on an expert's rows (the token
  * count where each token's experts are distinct), 0 where none is known
  * (ml_decode_opts.max_rows). max_ctas: 0, or the most SMs the sm_90a
- * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). */
+ * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). side: the shared expert runs on the
+ * side stream meanwhile (MOELINK_GEMM_OVERLAP). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, void *const *out_rows,
-                                     int x_ready, int max_rows, int max_ctas, cudaStream_t st) {
+                                     int x_ready, int max_rows, int max_ctas, int side,
+                                     cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
   const int pairs = plan->num_tokens * plan->top_k;
@@ -711,7 +718,8 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   dgo.max_ctas = max_ctas;
   /* the down GEMM starts on the SMs the gate/up GEMM's last items leave,
    * expert by expert as their rows are stored (MOELINK_GEMM_OVERLAP) */
-  const int overlap = ml_param_GEMM_OVERLAP() != 0 && out_rows == NULL &&
+  const int64_t ov = ml_param_GEMM_OVERLAP();
+  const int overlap = (ov == 1 || (ov == 2 && !side)) && out_rows == NULL &&
                       ml_cuda_gemm_overlap_ok(cfg->dtype, cfg->inter, cfg->hidden, cfg->hidden,
                                               cfg->inter);
   if (overlap) {
@@ -750,7 +758,7 @@ static moelink_status_t ml_cu_experts_impl(moelink_moe_t moe, const void *x, int
     return ml_fail(MOELINK_ERR_INVALID_ARGUMENT, "topk_weights %p not 4-byte aligned",
                    (const void *)weights);
   /* (a caller's ids may name an expert twice in a token: no bound but the pairs) */
-  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, 0, 0, st);
+  return ml_cu_routed(moe, x, &plan, weights, y, out_rows, 0, 0, 0, 0, st);
 }
 
 static moelink_status_t ml_cu_combine_impl(moelink_moe_t moe, const void *y, int T,
@@ -933,7 +941,7 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   /* the router picks k distinct experts a token: no expert has more than T rows */
   if (s == MOELINK_SUCCESS)
     s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T,
-                     side && ml_param_SHARED_SIDE_CAP() != 0 ? sms - side_sms : 0, st);
+                     side && ml_param_SHARED_SIDE_CAP() != 0 ? sms - side_sms : 0, side, st);
   if (side) {
     /* the join, whatever happened since the fork */
     const moelink_status_t j = ml_cuda_stream_after(m->side_join, m->side, st, side_what);

@@ -915,9 +915,13 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   ml_sm90_item it;
   int have = ml_sm90_next<CL>(p, &walk, w, &it, rank);
   int32_t src[ML_SM90_ROWS];
+  /* overlap: the expert whose pieces this thread last saw complete (an
+   * expert's items follow each other: one wait for all of them) */
+  int ready_e = -1;
   if (have) {
     ml_sm90_wait_item(p, &it, tid);
     ml_sm90_ready_wait<C, MODE>(p, &it);
+    ready_e = it.expert;
   }
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
@@ -952,7 +956,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
     ml_sm90_item nx;
     int32_t src_n[ML_SM90_ROWS];
     uint32_t valid_n = 0;
-    int have_n = 0, rows_n = 0;
+    int have_n = 0, rows_n = 0, wait_n = 0;
     int w_n = w + grid;
     for (int st = 0; st < steps; ++st) {
       /* sub-item sub (ml_sm90_cfg<2>) of the item, its k block kt (kl in
@@ -1112,15 +1116,19 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         /* with a row wait, or one for the experts' pieces (an acquire, a
          * round trip), the next item's rows after this item's last load
          * (below), not with one of its stages unissued */
-        rows_n = have_n && p->wait.signal == NULL &&
-                 !(ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0);
+        wait_n = have_n && ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0 &&
+                 nx.expert != ready_e;
+        rows_n = have_n && p->wait.signal == NULL && !wait_n;
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
       }
     }
     if (have_n && !rows_n) {
       ml_sm90_wait_item(p, &nx, tid);
-      ml_sm90_ready_wait<C, MODE>(p, &nx);
+      if (wait_n) {
+        ml_sm90_ready_wait<C, MODE>(p, &nx);
+        ready_e = nx.expert;
+      }
       valid_n = ml_sm90_rows(p, &nx, r0, src_n);
     }
     w = w_n;
