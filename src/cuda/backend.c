@@ -680,11 +680,13 @@ MOELINK_PARAM(GEMM_OVERLAP, 2)
  * ml_cuda_moe_experts_to). max_rows: a bound on an expert's rows (the token
  * count where each token's experts are distinct), 0 where none is known
  * (ml_decode_opts.max_rows). max_ctas: 0, or the most SMs the sm_90a
- * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). side: the shared expert runs on the
- * side stream meanwhile (MOELINK_GEMM_OVERLAP). */
+ * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). overlap: the down GEMM may overlap the
+ * gate/up GEMM where the engine allows it (the layer's forward, by
+ * MOELINK_GEMM_OVERLAP; not the expert-parallel steps, where it was never
+ * measured). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, void *const *out_rows,
-                                     int x_ready, int max_rows, int max_ctas, int side,
+                                     int x_ready, int max_rows, int max_ctas, int overlap_ok,
                                      cudaStream_t st) {
   const moelink_moe_config_t *cfg = &moe->cfg;
   ml_cu_moe *m = (ml_cu_moe *)moe->impl;
@@ -719,8 +721,7 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   dgo.max_ctas = max_ctas;
   /* the down GEMM starts on the SMs the gate/up GEMM's last items leave,
    * expert by expert as their rows are stored (MOELINK_GEMM_OVERLAP) */
-  const int64_t ov = ml_param_GEMM_OVERLAP();
-  const int overlap = (ov == 1 || (ov == 2 && !side)) && out_rows == NULL &&
+  const int overlap = overlap_ok && out_rows == NULL &&
                       ml_cuda_gemm_overlap_ok(cfg->dtype, cfg->inter, cfg->hidden, cfg->hidden,
                                               cfg->inter);
   if (overlap) {
@@ -940,9 +941,11 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
       s = ml_cu_step(st, "plan");
   }
   /* the router picks k distinct experts a token: no expert has more than T rows */
+  const int64_t ov = ml_param_GEMM_OVERLAP();
   if (s == MOELINK_SUCCESS)
     s = ml_cu_routed(moe, x, &plan, m->wts, m->y, NULL, x_ready, T,
-                     side && ml_param_SHARED_SIDE_CAP() != 0 ? sms - side_sms : 0, side, st);
+                     side && ml_param_SHARED_SIDE_CAP() != 0 ? sms - side_sms : 0,
+                     ov == 1 || (ov == 2 && !side), st);
   if (side) {
     /* the join, whatever happened since the fork */
     const moelink_status_t j = ml_cuda_stream_after(m->side_join, m->side, st, side_what);

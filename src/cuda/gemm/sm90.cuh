@@ -921,7 +921,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
   if (have) {
     ml_sm90_wait_item(p, &it, tid);
     ml_sm90_ready_wait<C, MODE>(p, &it);
-    ready_e = it.expert;
+    if (it.rows[0] + it.rows[1] > 0) /* (an item without rows waits for nothing) */
+      ready_e = it.expert;
   }
   uint32_t valid = have ? ml_sm90_rows(p, &it, r0, src) : 0u;
   /* where in an item the next one is found: its first step (static), its
@@ -1127,7 +1128,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       ml_sm90_wait_item(p, &nx, tid);
       if (wait_n) {
         ml_sm90_ready_wait<C, MODE>(p, &nx);
-        ready_e = nx.expert;
+        if (nx.rows[0] + nx.rows[1] > 0)
+          ready_e = nx.expert;
       }
       valid_n = ml_sm90_rows(p, &nx, r0, src_n);
     }
