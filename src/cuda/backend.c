@@ -721,9 +721,9 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
   dgo.max_ctas = max_ctas;
   /* the down GEMM starts on the SMs the gate/up GEMM's last items leave,
    * expert by expert as their rows are stored (MOELINK_GEMM_OVERLAP) */
-  const int overlap = overlap_ok && out_rows == NULL &&
-                      ml_cuda_gemm_overlap_ok(cfg->dtype, cfg->inter, cfg->hidden, cfg->hidden,
-                                              cfg->inter);
+  const int overlap =
+      overlap_ok && out_rows == NULL &&
+      ml_cuda_gemm_overlap_ok(cfg->dtype, cfg->inter, cfg->hidden, cfg->hidden, cfg->inter);
   if (overlap) {
     go.ready = m->ready;
     dgo.counter = m->sched_down;
@@ -731,10 +731,9 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
     dgo.ready_n = cfg->inter;
     dgo.ready_words = cfg->num_experts;
   }
-  moelink_status_t s = ml_cuda_gemm_swiglu(cfg->dtype, x, cfg->hidden, plan->sorted_pairs,
-                                           cfg->top_k, moe->w.gate_up, cfg->inter, cfg->hidden,
-                                           plan->tiles, plan->num_tiles, plan->max_tiles, 0, m->h,
-                                           &go, st);
+  moelink_status_t s = ml_cuda_gemm_swiglu(
+      cfg->dtype, x, cfg->hidden, plan->sorted_pairs, cfg->top_k, moe->w.gate_up, cfg->inter,
+      cfg->hidden, plan->tiles, plan->num_tiles, plan->max_tiles, 0, m->h, &go, st);
   if (s == MOELINK_SUCCESS)
     s = ml_cu_step(st, "routed gate/up GEMM");
   if (s == MOELINK_SUCCESS)

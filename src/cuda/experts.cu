@@ -567,8 +567,8 @@ static moelink_status_t ml_out_rows_of(const char *what, const ml_cuda_gemm_opts
 /* The FP8 GEMMs do not overlap (ml_cuda_gemm_opts.ready). */
 static moelink_status_t ml_no_ready(const char *what, const ml_cuda_gemm_opts *opts) {
   if (opts != NULL && opts->ready != NULL)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED, "%s: ready (overlapped GEMMs) is for the bf16/f16 "
-                   "GEMMs only", what);
+    return ml_fail(MOELINK_ERR_UNSUPPORTED,
+                   "%s: ready (overlapped GEMMs) is for the bf16/f16 GEMMs only", what);
   return MOELINK_SUCCESS;
 }
 
@@ -581,8 +581,8 @@ static moelink_status_t ml_ready_of(const char *what, const ml_cuda_gemm_opts *o
   if (opts == NULL || opts->ready == NULL)
     return MOELINK_SUCCESS;
   if (!sm90 || tiles == NULL || q->wait.signal != NULL || q->ksplit != 1 ||
-      ((uintptr_t)opts->ready & 3u) || (opts->ready_n > 0 && (q->sched == NULL ||
-                                                              opts->ready_words < 1)))
+      ((uintptr_t)opts->ready & 3u) ||
+      (opts->ready_n > 0 && (q->sched == NULL || opts->ready_words < 1)))
     return ml_fail(MOELINK_ERR_UNSUPPORTED,
                    "%s: ready (overlapped GEMMs) needs the sm_90a engine, a tile list, a dynamic "
                    "schedule, no row wait, 4-byte aligned words (ready %p, %d words) "

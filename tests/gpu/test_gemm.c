@@ -429,7 +429,8 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   char *d_out = gu_dev(out_bytes);
   unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0, NULL, 0, 0};
+    const ml_cuda_gemm_opts o = {
+        rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0, NULL, 0, 0};
     gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
@@ -488,7 +489,8 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   for (int rep = 0; rep < 4; ++rep) {
     /* 0 static, 1 dynamic in clusters, 2 no rows ever (limit 2 ms), 3 the
      * same control block again */
-    const ml_cuda_gemm_opts o = {rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0, NULL, 0, 0};
+    const ml_cuda_gemm_opts o = {
+        rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0, NULL, 0, 0};
     if (rep < 3) {
       gu_feed_reset(&f);
       GU_CUDA(cudaMemset(d_a, 0xFF, a_rows * row_bytes));
@@ -562,13 +564,14 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
   const moelink_dtype_t dt = c->dt;
   const int n = c->n, k = c->k, R = p->R, lda1 = k + c->lda_pad;
   const size_t hb = (size_t)(R + GUARD_ROWS) * n * 2, yb = (size_t)(R + GUARD_ROWS) * k * 2;
-  CHECK(ml_cuda_gemm_overlap_ok(dt, n, k, k, n), "%s [%s] overlap: both GEMMs take sm_90a",
-        c->name, en);
+  CHECK(ml_cuda_gemm_overlap_ok(dt, n, k, k, n), "%s [%s] overlap: both GEMMs take sm_90a", c->name,
+        en);
   void *d_h = NULL, *d_y = NULL;
   CUDA_CHECK(cudaMalloc(&d_h, hb));
   CUDA_CHECK(cudaMalloc(&d_y, yb));
   unsigned char *ref_h = malloc(hb), *ref_y = malloc(yb), *got_h = malloc(hb), *got_y = malloc(yb);
-  int32_t *s1 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS), *s2 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
+  int32_t *s1 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS),
+          *s2 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   int32_t *ready = gu_counter_new(p->E);
   char label[240];
   /* the reference: one after the other */
@@ -581,8 +584,8 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
   CHECK_OK(ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles, d_num,
                                p->max_tiles, R, d_h, &go, stream),
            "overlap reference: swiglu");
-  CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs, si,
-                               d_y, 0, &dgo, stream),
+  CHECK_OK(ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles, R, rs, si, d_y,
+                               0, &dgo, stream),
            "overlap reference: scaled");
   CUDA_CHECK(cudaStreamSynchronize(stream));
   CUDA_CHECK(cudaMemcpy(ref_h, d_h, hb, cudaMemcpyDeviceToHost));
@@ -615,8 +618,8 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
       CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
       moelink_status_t a = ml_cuda_gemm_swiglu(dt, d_x, lda1, ai, c->top_k, d_w1, n, k, d_tiles,
                                                d_num, p->max_tiles, R, d_h, &g, stream);
-      moelink_status_t b = ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num,
-                                               p->max_tiles, R, rs, si, d_y, 0, &d, stream);
+      moelink_status_t b = ml_cuda_gemm_scaled(dt, d_h, n, d_w2, k, n, d_tiles, d_num, p->max_tiles,
+                                               R, rs, si, d_y, 0, &d, stream);
       CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       CHECK(a == MOELINK_SUCCESS && b == MOELINK_SUCCESS, "%s [%s] overlap captured: %s", c->name,
             en, a || b ? moelink_last_error() : "ok");
@@ -690,8 +693,9 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {
-      {NULL, 1, 0, NULL, NULL, 0, NULL, 0, 0}, {d_sched, 1, 0, NULL, NULL, 5, NULL, 0, 0}, {d_sched, 2, 0, NULL, NULL, 0, NULL, 0, 0}};
+  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0, NULL, NULL, 0, NULL, 0, 0},
+                                         {d_sched, 1, 0, NULL, NULL, 5, NULL, 0, 0},
+                                         {d_sched, 2, 0, NULL, NULL, 0, NULL, 0, 0}};
   static const char *const run_name[3] = {"static", "dynamic on at most 5 CTAs",
                                           "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;

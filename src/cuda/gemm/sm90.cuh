@@ -830,7 +830,7 @@ static __device__ __forceinline__ void ml_sm90_wait_item(const ml_sm90_args *p,
  * is all stored (an acquire: this thread's later loads see it). An item
  * without rows (an absent split item) loads no A and is ready. */
 static __device__ __forceinline__ bool ml_sm90_ready_seen(const ml_sm90_args *p,
-                                                         const ml_sm90_item *it) {
+                                                          const ml_sm90_item *it) {
   if (p->ready_blocks <= 0 || it->rows[0] + it->rows[1] == 0)
     return true;
   uint32_t v;
@@ -851,7 +851,7 @@ static __device__ __forceinline__ bool ml_sm90_ready_seen(const ml_sm90_args *p,
  * for the same item. */
 #define ML_SM90_READY_NS 10000000000ull
 static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
-                                                      const ml_sm90_item *it) {
+                                                       const ml_sm90_item *it) {
   if ((threadIdx.x & 31) == 0) {
     const uint64_t t0 = ml_globaltimer();
     while (!ml_sm90_ready_seen(p, it)) {
@@ -871,7 +871,7 @@ static __device__ __forceinline__ constexpr bool ml_sm90_ready_waits(void) {
 }
 template <class C, int MODE>
 static __device__ __forceinline__ void ml_sm90_ready_wait(const ml_sm90_args *p,
-                                                         const ml_sm90_item *it) {
+                                                          const ml_sm90_item *it) {
   if (ml_sm90_ready_waits<C, MODE>() && !__all_sync(0xffffffffu, ml_sm90_ready_seen(p, it)))
     ml_sm90_ready_spin(p, it);
 }
@@ -1117,8 +1117,8 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         /* with a row wait, or one for the experts' pieces (an acquire, a
          * round trip), the next item's rows after this item's last load
          * (below), not with one of its stages unissued */
-        wait_n = have_n && ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0 &&
-                 nx.expert != ready_e;
+        wait_n =
+            have_n && ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0 && nx.expert != ready_e;
         rows_n = have_n && p->wait.signal == NULL && !wait_n;
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
@@ -1481,7 +1481,8 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
     /* (after the release: the ring does not wait for the count's fence) */
     if (signals)
       ml_sm90_ready_flush<C, OUT_F32>(p, &pend, cw);
-    if (!active) continue;
+    if (!active)
+      continue;
     ml_sm90_store_out<C, DT, MODE, OUT_F32>(p, map_o, d, nb, orow0, rows, rl, cq, sc, obuf, cw);
     if (signals)
       pend = expert;
