@@ -668,9 +668,9 @@ static moelink_status_t ml_cu_routed_fp8(moelink_moe_t moe, const void *x,
  * instead of after the whole gate/up GEMM: 2 (default) in forwards whose
  * shared expert does not run on the side stream meanwhile, 1 in every
  * forward, 0 never. Measured on the H200 (docs/PERF.md, "The down GEMM on
- * the gate/up GEMM's last wave"): qwen3-30b-a3b and mixtral-8x7b 0.5-2.5%
+ * the gate/up GEMM's last wave"): qwen3-30b-a3b and mixtral-8x7b 0.5-2.4%
  * faster at 128-2048 tokens, deepseek-v3 0.5-1% at 2048; beside the side
- * stream (deepseek-v3 at 128-512 tokens) ~20 us slower at 128, 3-10 us
+ * stream (deepseek-v3 at 128-512 tokens) 17-22 us slower at 128, 3-11 us
  * faster at 512. */
 MOELINK_PARAM(GEMM_OVERLAP, 2)
 
