@@ -248,6 +248,18 @@ static moelink_status_t ml_sm90_pick(int k, int j_rows, int box_rows, int *use, 
   return MOELINK_SUCCESS;
 }
 
+/* ml_sm90_pick as a number: the SMs the sm_90a kernel runs on, 0 where it
+ * does not take the problem (an error asking the device is cleared: the GEMM
+ * itself reports it). */
+static int ml_sm90_takes(int k, int j_rows, int box_rows) {
+  int sm90 = 0, sms = 0;
+  if (ml_sm90_pick(k, j_rows, box_rows, &sm90, &sms) != MOELINK_SUCCESS) {
+    ml_clear_error();
+    return 0;
+  }
+  return sm90 && sms > 0 ? sms : 0;
+}
+
 /* cuTensorMapEncodeTiled from the driver the runtime already loaded, so the
  * library needs no link against libcuda. */
 static void *ml_encode_tiled;
@@ -573,9 +585,9 @@ static moelink_status_t ml_no_ready(const char *what, const ml_cuda_gemm_opts *o
 }
 
 /* opts->ready of a bf16/f16 GEMM, checked: only where the sm_90a engine runs
- * it (sm90) over a tile list with a dynamic schedule (the scaled GEMM's
- * waits end by zeroing the words: its counter's last CTA), and not with a
- * row wait. */
+ * it (sm90; q its arguments, NULL where it does not) over a tile list with a
+ * dynamic schedule (the scaled GEMM's waits end by zeroing the words: its
+ * counter's last CTA), and not with a row wait. */
 static moelink_status_t ml_ready_of(const char *what, const ml_cuda_gemm_opts *opts, int sm90,
                                     const int32_t *tiles, const ml_sm90_args *q) {
   if (opts == NULL || opts->ready == NULL)
@@ -594,13 +606,8 @@ static moelink_status_t ml_ready_of(const char *what, const ml_cuda_gemm_opts *o
 extern "C" int ml_cuda_gemm_overlap_ok(moelink_dtype_t dt, int n, int k, int n_down, int k_down) {
   if ((dt != MOELINK_DTYPE_BF16 && dt != MOELINK_DTYPE_F16) || ml_param_GEMM_SM90_DYNAMIC() == 0)
     return 0;
-  int a = 0, b = 0, sms = 0;
-  if (ml_sm90_pick(k, n, ML_SM90_SWIGLU_COLS, &a, &sms) != MOELINK_SUCCESS ||
-      ml_sm90_pick(k_down, n_down, ML_SM90_SCALED_COLS, &b, &sms) != MOELINK_SUCCESS) {
-    ml_clear_error();
-    return 0;
-  }
-  return a && b;
+  return ml_sm90_takes(k, n, ML_SM90_SWIGLU_COLS) > 0 &&
+         ml_sm90_takes(k_down, n_down, ML_SM90_SCALED_COLS) > 0;
 }
 
 /* The SwiGLU GEMMs have no output rows by pointer. */
@@ -705,10 +712,7 @@ ml_cuda_gemm_swiglu(moelink_dtype_t dt, const void *a, int lda, const int32_t *a
         dt, map, &q, ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks, sms, opts), cl, 0,
         stream);
   }
-  if (opts != NULL && opts->ready != NULL)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "%s: ready (overlapped GEMMs) needs the sm_90a engine (ml_cuda_gemm_overlap_ok)",
-                   what);
+  ML_TRY(ml_ready_of(what, opts, 0, tiles, NULL));
 
   ml_swiglu_args p;
   p.a = a;
@@ -804,10 +808,7 @@ ml_gemm_scaled_run(const char *what, moelink_dtype_t dt, const void *a, int lda,
     return out_f32 ? ml_sm90_dispatch<ML_SM90_SCALED, 1>(dt, map, &q, grid, cl, pdl, stream)
                    : ml_sm90_dispatch<ML_SM90_SCALED, 0>(dt, map, &q, grid, cl, pdl, stream);
   }
-  if (opts != NULL && opts->ready != NULL)
-    return ml_fail(MOELINK_ERR_UNSUPPORTED,
-                   "%s: ready (overlapped GEMMs) needs the sm_90a engine (ml_cuda_gemm_overlap_ok)",
-                   what);
+  ML_TRY(ml_ready_of(what, opts, 0, tiles, NULL));
 
   ml_scaled_args p;
   p.a = a;
@@ -848,16 +849,8 @@ ml_cuda_gemm_scaled(moelink_dtype_t dt, const void *a, int lda, const void *b, i
 /* ---- k split into slices (dense, fp32 out) ----------------------------------- */
 
 /* The SMs the sm_90a engine runs a dense k x n GEMM with fp32 output on, 0
- * where the tile engine takes it (an error asking the device is cleared: the
- * GEMM itself reports it). */
-static int ml_sm90_dense_sms(int k, int n) {
-  int sm90 = 0, sms = 0;
-  if (ml_sm90_pick(k, n, ML_SM90_SCALED_COLS, &sm90, &sms) != MOELINK_SUCCESS) {
-    ml_clear_error();
-    return 0;
-  }
-  return sm90 && sms > 0 ? sms : 0;
-}
+ * where the tile engine takes it. */
+static int ml_sm90_dense_sms(int k, int n) { return ml_sm90_takes(k, n, ML_SM90_SCALED_COLS); }
 
 extern "C" int ml_cuda_gemm_dense_on_sm90(int k, int n) { return ml_sm90_dense_sms(k, n) > 0; }
 

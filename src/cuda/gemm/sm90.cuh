@@ -863,16 +863,21 @@ static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
   __syncwarp();
   (void)ml_sm90_ready_seen(p, it);
 }
-/* Whether a producer may wait so: the bf16/f16 scaled kernel's only (the
- * FP8 producers have no registers to spare, and their GEMMs never overlap). */
+/* Whether a kernel has the wait at all: the bf16/f16 scaled kernel only (the
+ * FP8 producers have no registers to spare, and their GEMMs never overlap);
+ * and whether this launch's producers wait (an overlapped down GEMM). */
 template <class C, int MODE>
-static __device__ __forceinline__ constexpr bool ml_sm90_ready_waits(void) {
+static __device__ __forceinline__ constexpr bool ml_sm90_ready_code(void) {
   return C::ES == 2 && MODE == ML_SM90_SCALED;
+}
+template <class C, int MODE>
+static __device__ __forceinline__ bool ml_sm90_ready_waits(const ml_sm90_args *p) {
+  return ml_sm90_ready_code<C, MODE>() && p->ready_blocks > 0;
 }
 template <class C, int MODE>
 static __device__ __forceinline__ void ml_sm90_ready_wait(const ml_sm90_args *p,
                                                           const ml_sm90_item *it) {
-  if (ml_sm90_ready_waits<C, MODE>() && !__all_sync(0xffffffffu, ml_sm90_ready_seen(p, it)))
+  if (ml_sm90_ready_code<C, MODE>() && !__all_sync(0xffffffffu, ml_sm90_ready_seen(p, it)))
     ml_sm90_ready_spin(p, it);
 }
 
@@ -1117,8 +1122,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
         /* with a row wait, or one for the experts' pieces (an acquire, a
          * round trip), the next item's rows after this item's last load
          * (below), not with one of its stages unissued */
-        wait_n =
-            have_n && ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0 && nx.expert != ready_e;
+        wait_n = have_n && ml_sm90_ready_waits<C, MODE>(p) && nx.expert != ready_e;
         rows_n = have_n && p->wait.signal == NULL && !wait_n;
         if (rows_n)
           valid_n = ml_sm90_rows(p, &nx, r0, src_n);
@@ -1154,7 +1158,7 @@ ml_sm90_producer(const ml_sm90_args *p, const CUtensorMap *map, uint32_t base, u
       atomicExch(p->sched, 0);
       atomicExch(p->sched + 1, 0);
       /* overlap: every CTA's waits are over, so every piece was counted */
-      if (ml_sm90_ready_waits<C, MODE>() && p->ready_blocks > 0)
+      if (ml_sm90_ready_waits<C, MODE>(p))
         for (int e = 0; e < p->ready_words; ++e)
           p->ready[e] = 0u;
     }
@@ -1365,15 +1369,23 @@ ml_sm90_store_tma(const ml_sm90_args *p, const CUtensorMap *map, const float *d,
   }
 }
 
+/* Whether the launch sends full 64-row tiles out by TMA stores: the
+ * configuration has their buffers, the output is 16-bit and the launch has a
+ * map for it (p->tma_out). */
+template <class C, int OUT_F32>
+static __device__ __forceinline__ bool ml_sm90_tma_stores(const ml_sm90_args *p) {
+  return C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out;
+}
+
 /* A consumer's output of an item: full 64-row tiles through the TMA-store
- * epilogue where the configuration has its buffers and the launch a map
- * (p->tma_out), everything else by the threads' stores. */
+ * epilogue where the launch has it (ml_sm90_tma_stores), everything else by
+ * the threads' stores. */
 template <class C, int DT, int MODE, int OUT_F32>
 static __device__ __forceinline__ void
 ml_sm90_store_out(const ml_sm90_args *p, const CUtensorMap *map_o, const float *d, int nb, int row0,
                   int rows, int rl, int cq, const float sc[2], uint32_t obuf, int cw) {
   if constexpr (C::OUT_BYTES > 0 && !OUT_F32) {
-    if (p->tma_out && rows == 64) {
+    if (ml_sm90_tma_stores<C, OUT_F32>(p) && rows == 64) {
       ml_sm90_store_tma<C, DT, MODE>(p, map_o, d, nb, row0, rl, cq, sc,
                                      obuf + (uint32_t)(cw * (C::OUT_BYTES / 2)), cw);
       return;
@@ -1385,7 +1397,7 @@ ml_sm90_store_out(const ml_sm90_args *p, const CUtensorMap *map_o, const float *
 /* A consumer's end: its TMA stores complete before the kernel ends. */
 template <class C, int OUT_F32>
 static __device__ __forceinline__ void ml_sm90_store_done(const ml_sm90_args *p) {
-  if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out && ((int)threadIdx.x & 127) == 0)
+  if (ml_sm90_tma_stores<C, OUT_F32>(p) && ((int)threadIdx.x & 127) == 0)
     ml_bulk_wait_all();
 }
 
@@ -1403,7 +1415,7 @@ static __device__ __forceinline__ void ml_sm90_ready_flush(const ml_sm90_args *p
     return;
   ml_wg_sync(2 + cw);
   if (((int)threadIdx.x & 127) == 0) {
-    if (C::OUT_BYTES > 0 && !OUT_F32 && p->tma_out) {
+    if (ml_sm90_tma_stores<C, OUT_F32>(p)) {
       ml_bulk_wait_all();
       asm volatile("fence.proxy.async.global;\n" ::: "memory");
     }
