@@ -430,7 +430,7 @@ static void check_out_rows(const gemm_case *c, const problem *p, const char *en,
   unsigned char *out = malloc(out_bytes);
   for (int rep = 0; rep < 2; ++rep) {
     const ml_cuda_gemm_opts o = {
-        rep ? d_sched : NULL, 1, 0, (void *const *)t.d_table, NULL, 0, NULL, 0, 0};
+        .counter = rep ? d_sched : NULL, .cluster = 1, .out_rows = (void *const *)t.d_table};
     gu_rows_poison(&t, d_out, out_bytes, stream);
     char label[200];
     snprintf(label, sizeof label, "%s [%s] scaled into rows by pointer (%s schedule)", c->name, en,
@@ -490,7 +490,7 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
     /* 0 static, 1 dynamic in clusters, 2 no rows ever (limit 2 ms), 3 the
      * same control block again */
     const ml_cuda_gemm_opts o = {
-        rep == 1 ? d_sched : NULL, rep == 1 ? 2 : 1, 0, NULL, &w, 0, NULL, 0, 0};
+        .counter = rep == 1 ? d_sched : NULL, .cluster = rep == 1 ? 2 : 1, .wait = &w};
     if (rep < 3) {
       gu_feed_reset(&f);
       GU_CUDA(cudaMemset(d_a, 0xFF, a_rows * row_bytes));
@@ -693,9 +693,9 @@ static void run_case_engine(const gemm_case *c, const problem *p, int engine, co
    * dynamic one in clusters of two CTAs; all must give the same bits, and the
    * counter must be left at zero. */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[3] = {{NULL, 1, 0, NULL, NULL, 0, NULL, 0, 0},
-                                         {d_sched, 1, 0, NULL, NULL, 5, NULL, 0, 0},
-                                         {d_sched, 2, 0, NULL, NULL, 0, NULL, 0, 0}};
+  const ml_cuda_gemm_opts run_opts[3] = {{.cluster = 1},
+                                         {.counter = d_sched, .cluster = 1, .max_ctas = 5},
+                                         {.counter = d_sched, .cluster = 2}};
   static const char *const run_name[3] = {"static", "dynamic on at most 5 CTAs",
                                           "dynamic, clusters of 2"};
   const int32_t *ai = c->top_k ? d_index : NULL;
@@ -887,7 +887,7 @@ static void check_rejections(void) {
                MOELINK_ERR_INVALID_ARGUMENT, "scaled tiles without num_tiles");
   {
     /* output rows by pointer: the scaled GEMMs with a dtype output only */
-    const ml_cuda_gemm_opts ro = {NULL, 1, 0, (void *const *)(b + 40000), NULL, 0, NULL, 0, 0};
+    const ml_cuda_gemm_opts ro = {.cluster = 1, .out_rows = (void *const *)(b + 40000)};
     CHECK_STATUS(
         ml_cuda_gemm_scaled(bf, b, 16, b, 16, 16, NULL, NULL, 0, 4, NULL, NULL, b, 1, &ro, 0),
         MOELINK_ERR_UNSUPPORTED, "scaled f32 out with out_rows");
@@ -910,7 +910,7 @@ static void check_rejections(void) {
     const ml_cuda_gemm_wait *bad[3] = {&bad_rows, &bad_value, &bad_comm};
     static const char *const why[3] = {"rows 0", "no value word", "no control block"};
     for (int i = 0; i < 3; ++i) {
-      const ml_cuda_gemm_opts wo = {NULL, 1, 0, NULL, bad[i], 0, NULL, 0, 0};
+      const ml_cuda_gemm_opts wo = {.cluster = 1, .wait = bad[i]};
       char what[80];
       snprintf(what, sizeof what, "swiglu with a row wait of %s", why[i]);
       CHECK_STATUS(ml_cuda_gemm_swiglu(bf, b, 16, NULL, 1, b, 16, 16, NULL, NULL, 0, 4, b, &wo, 0),

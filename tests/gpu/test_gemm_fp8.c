@@ -401,7 +401,7 @@ static void check_wait(const fcase *c, const problem *p, const char *en, const d
                           .div = c->top_k,
                           .row_expert = p->row_expert};
   for (int rep = 0; rep < 2; ++rep) {
-    const ml_cuda_gemm_opts o = {rep ? d_sched : NULL, 1, 0, NULL, &w, 0, NULL, 0, 0};
+    const ml_cuda_gemm_opts o = {.counter = rep ? d_sched : NULL, .cluster = 1, .wait = &w};
     gu_feed_reset(&f);
     GU_CUDA(cudaMemset(x, 0x7f, (size_t)d->xrows * lda));
     GU_CUDA(cudaMemset(xs, 0xFF, (size_t)d->xrows * ls * sizeof(float)));
@@ -459,11 +459,12 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
    * ml_cuda_gemm_opts.max_ctas): the same bits, and the counter left at
    * zero */
   int32_t *d_sched = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
-  const ml_cuda_gemm_opts run_opts[RUNS] = {{NULL, 1, 0, NULL, NULL, 0, NULL, 0, 0},
-                                            {d_sched, 1, 0, NULL, NULL, 0, NULL, 0, 0},
-                                            {d_sched, 2, 0, NULL, NULL, 0, NULL, 0, 0},
-                                            {d_sched, 1, 128, NULL, NULL, 6, NULL, 0, 0},
-                                            {d_sched, 1, 256, NULL, NULL, 0, NULL, 0, 0}};
+  const ml_cuda_gemm_opts run_opts[RUNS] = {
+      {.cluster = 1},
+      {.counter = d_sched, .cluster = 1},
+      {.counter = d_sched, .cluster = 2},
+      {.counter = d_sched, .cluster = 1, .fp8_tile = 128, .max_ctas = 6},
+      {.counter = d_sched, .cluster = 1, .fp8_tile = 256}};
   static const char *const run_name[RUNS] = {"static", "dynamic", "dynamic, clusters of 2",
                                              "dynamic, 128-column tile, at most 6 CTAs",
                                              "dynamic, 256-column tile"};
@@ -505,7 +506,7 @@ static void run_case_engine(const fcase *c, const problem *p, int engine, const 
     /* the decode-kernel fallback has no row wait: refused, nothing run */
     gu_feed f = gu_feed_make(R, 24, 7);
     const ml_cuda_gemm_wait w = {f.d_signal, f.d_value, f.rows, gu_feed_comm(&f, 1000000ull)};
-    const ml_cuda_gemm_opts o = {NULL, 1, 0, NULL, &w, 0, NULL, 0, 0};
+    const ml_cuda_gemm_opts o = {.cluster = 1, .wait = &w};
     snprintf(label, sizeof label, "%s [%s] swiglu with a row wait off the sm_90a engine", c->name,
              en);
     CHECK_STATUS(ml_cuda_gemm_swiglu_fp8(d->x, d->xs, lda1, ai, c->top_k, d->w1, d->w1s, n, k,
