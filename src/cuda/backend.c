@@ -680,10 +680,10 @@ MOELINK_PARAM(GEMM_OVERLAP, 2)
  * ml_cuda_moe_experts_to). max_rows: a bound on an expert's rows (the token
  * count where each token's experts are distinct), 0 where none is known
  * (ml_decode_opts.max_rows). max_ctas: 0, or the most SMs the sm_90a
- * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). overlap: the down GEMM may overlap the
- * gate/up GEMM where the engine allows it (the layer's forward, by
- * MOELINK_GEMM_OVERLAP; not the expert-parallel steps, where it was never
- * measured). */
+ * GEMMs' persistent grids take (ml_cuda_gemm_opts.max_ctas). overlap_ok: the
+ * down GEMM may overlap the gate/up GEMM where the engine allows it (the
+ * layer's forward, by MOELINK_GEMM_OVERLAP; not the expert-parallel steps,
+ * where it was never measured). */
 static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moelink_plan_t *plan,
                                      const float *weights, void *y, void *const *out_rows,
                                      int x_ready, int max_rows, int max_ctas, int overlap_ok,
