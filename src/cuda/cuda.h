@@ -189,6 +189,11 @@ typedef struct ml_cuda_gemm_opts {
    * ready_words words zeroed. */
   uint32_t *ready;
   int ready_n, ready_words;
+  /* NULL, or a device word to which such a down GEMM adds 1 each time a
+   * warp's wait finds its item's expert not yet complete: it ran beside the
+   * gate/up GEMM (tests: the overlap happened; without a programmatic launch
+   * it stays unchanged). */
+  uint32_t *ready_spins;
 } ml_cuda_gemm_opts;
 
 /* Whether a gate/up GEMM (n, k) and a down GEMM (n_down, k_down) of dtype

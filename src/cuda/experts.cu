@@ -554,6 +554,7 @@ extern "C" ml_cuda_gemm_opts ml_cuda_gemm_opts_for(int32_t *counter, long long r
   o.ready = NULL;
   o.ready_n = 0;
   o.ready_words = 0;
+  o.ready_spins = NULL;
   const long long min_rows = (long long)(fp8 ? ml_param_GEMM_FP8_CLUSTER_ROWS()
                                              : ml_param_GEMM_SM90_CLUSTER_ROWS());
   o.cluster = min_rows > 0 && experts > 0 && rows >= min_rows * (long long)experts &&
@@ -800,6 +801,7 @@ ml_gemm_scaled_run(const char *what, moelink_dtype_t dt, const void *a, int lda,
       q.ready = opts->ready;
       q.ready_blocks = (opts->ready_n + ML_SM90_SWIGLU_COLS - 1) / ML_SM90_SWIGLU_COLS;
       q.ready_words = opts->ready_words;
+      q.ready_spins = opts->ready_spins;
       pdl = ml_cuda_pdl_allowed(stream);
     }
     unsigned grid = ml_sm90_grid(tiles, max_tiles, dense_rows, q.nblocks * ksplit, sms, opts);

@@ -573,6 +573,7 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
   int32_t *s1 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS),
           *s2 = gu_counter_new(ML_CUDA_GEMM_SCHED_INTS);
   int32_t *ready = gu_counter_new(p->E);
+  int32_t *spins = gu_counter_new(1); /* the down GEMM's waits that found work missing */
   char label[240];
   /* the reference: one after the other */
   ml_cuda_gemm_opts go = ml_cuda_gemm_opts_for(s1, R, p->E, k, 0);
@@ -593,6 +594,7 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
   go.ready = dgo.ready = (uint32_t *)ready;
   dgo.ready_n = n;
   dgo.ready_words = p->E;
+  dgo.ready_spins = (uint32_t *)spins;
   /* refused: the down GEMM's waits end with its counter's last CTA */
   ml_cuda_gemm_opts bad = dgo;
   bad.counter = NULL;
@@ -650,11 +652,29 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
       gu_counter_check_zero(s1, ML_CUDA_GEMM_SCHED_INTS, label);
       gu_counter_check_zero(s2, ML_CUDA_GEMM_SCHED_INTS, label);
     }
+    /* that the down GEMM ran beside the gate/up GEMM at all: with the
+     * gate/up GEMM on 3 CTAs its CTAs start on the free SMs at once and must
+     * find experts incomplete (where programmatic launches are allowed; the
+     * other runs may or may not overlap, so they are only reported) */
+    int32_t nspins = 0;
+    gu_d2h(&nspins, spins, sizeof nspins);
+    CUDA_CHECK(cudaMemset(spins, 0, sizeof(int32_t)));
+    if (run == 1 && ml_cuda_pdl_allowed(stream))
+      CHECK(nspins > 0,
+            "%s [%s] overlap, %s: the down GEMM's warps found experts incomplete %d times in %d "
+            "runs (it ran beside the gate/up GEMM)",
+            c->name, en, run_name[run], (int)nspins, reps);
+    else
+      printf("# %s [%s] overlap, %s: the down GEMM's waits found experts incomplete %d times in "
+             "%d runs%s\n",
+             c->name, en, run_name[run], (int)nspins, reps,
+             ml_cuda_pdl_allowed(stream) ? "" : " (no programmatic launches)");
     if (exec != NULL)
       CUDA_CHECK(cudaGraphExecDestroy(exec));
   }
   ml_cuda_gemm_set_tma_store(1);
   gu_free(ready);
+  gu_free(spins);
   gu_free(s1);
   gu_free(s2);
   cudaFree(d_h);

@@ -324,6 +324,9 @@ typedef struct ml_sm90_args {
    * ready_blocks of them, and zeroes ready[0, ready_words) when done. */
   uint32_t *ready;
   int ready_blocks, ready_words;
+  /* NULL, or a word that counts the waits that found their expert
+   * incomplete (ml_cuda_gemm_opts.ready_spins) */
+  uint32_t *ready_spins;
 } ml_sm90_args;
 
 /* Host (cuda/experts.cu): the 4D map {k, j_rows, halves, experts} of B =
@@ -853,6 +856,8 @@ static __device__ __forceinline__ bool ml_sm90_ready_seen(const ml_sm90_args *p,
 static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
                                                        const ml_sm90_item *it) {
   if ((threadIdx.x & 31) == 0) {
+    if (p->ready_spins != NULL)
+      atomicAdd(p->ready_spins, 1u);
     const uint64_t t0 = ml_globaltimer();
     while (!ml_sm90_ready_seen(p, it)) {
       __nanosleep(256);
