@@ -9,7 +9,9 @@
  * in microseconds after the first CTA began (%globaltimer), of when the last
  * CTA had its logits, had stored them, and when the CTA that took the last
  * ticket had summed, selected and planned; and the same CTA's own clock64
- * intervals (at the SM clock) of its sum, selection and plan. */
+ * intervals (at the SM clock) of its sum, selection and plan. Then the
+ * selection-only kernel of large batches (logits given) at 128-8192 tokens:
+ * with and without the L2 flush, and its phases. */
 #include "cuda/pipeline.h"
 
 #include <cuda_runtime_api.h>
@@ -92,8 +94,11 @@ static void phases(const int64_t *st, int n, double ghz, float *out) {
   if (win >= 0) {
     const int64_t *k = st + (size_t)win * ML_CUDA_ROUTER_STAMPS + ML_R_PH_COUNT;
     const int64_t *g = st + (size_t)win * ML_CUDA_ROUTER_STAMPS;
-    /* the sum starts at the last ticket (split launches) or at the logits */
-    const int from = g[ML_R_PH_LAST] > 0 ? ML_R_PH_LAST : ML_R_PH_LOGITS;
+    /* the sum starts at the last ticket (split launches) or at the logits
+     * (the selection kernel: at its start, the logits' loads included) */
+    const int from = g[ML_R_PH_LAST] > 0     ? ML_R_PH_LAST
+                     : g[ML_R_PH_LOGITS] > 0 ? ML_R_PH_LOGITS
+                                             : ML_R_PH_START;
     out[C_SUM_CLK] = (float)((double)(k[ML_R_PH_SUMMED] - k[from]) / ghz * 1e-3);
     const double us = 1e-3 / ghz;
     out[C_SCORE_CLK] = (float)((double)(k[ML_R_PH_SCORED] - k[ML_R_PH_SUMMED]) * us);
@@ -200,6 +205,102 @@ static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
   cudaEventDestroy(e1);
 }
 
+/* The selection-only kernel (the path of large batches: logits given, from
+ * the GEMM engine) on random fp32 logits in `parts` parts: event times with
+ * the L2 flushed before each launch and back to back without a flush (code
+ * and logits in the L2), then the phases of flushed launches. */
+static void probe_select(const shape *s, int T, int parts, int sms, double ghz, void *flush) {
+  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
+  cfg.hidden = s->H;
+  cfg.inter = 64;
+  cfg.num_experts = s->E;
+  cfg.top_k = s->k;
+  cfg.router = s->router;
+  cfg.n_group = s->groups;
+  cfg.topk_group = s->keep;
+  cfg.correction_bias = s->bias;
+  cfg.max_tokens = T;
+  const size_t nl = (size_t)parts * T * s->E;
+  float *h = malloc(nl * sizeof(float)), *logits, *bias, *wts;
+  uint32_t r = 12345u;
+  for (size_t i = 0; i < nl; ++i) {
+    r = r * 1664525u + 1013904223u;
+    h[i] = ((float)(r >> 8) / 16777216.0f * 6.0f - 3.0f) / (float)parts;
+  }
+  int32_t *ids;
+  TRY(cudaMalloc((void **)&logits, nl * sizeof(float)));
+  TRY(cudaMemcpy(logits, h, nl * sizeof(float), cudaMemcpyHostToDevice));
+  for (int e = 0; e < s->E; ++e) {
+    r = r * 1664525u + 1013904223u;
+    h[e] = (float)(r >> 8) / 16777216.0f * 0.2f - 0.1f;
+  }
+  TRY(cudaMalloc((void **)&bias, (size_t)s->E * 4));
+  TRY(cudaMemcpy(bias, h, (size_t)s->E * 4, cudaMemcpyHostToDevice));
+  TRY(cudaMalloc((void **)&ids, (size_t)T * s->k * 4));
+  TRY(cudaMalloc((void **)&wts, (size_t)T * s->k * 4));
+  ml_cuda_router_args a =
+      ml_cuda_router_args_for(&cfg, logits, logits, bias, T, ids, wts, NULL, NULL, sms);
+  a.splits = 1;
+  a.logits = logits;
+  a.logit_parts = parts;
+  cudaEvent_t e0, e1;
+  TRY(cudaEventCreate(&e0));
+  TRY(cudaEventCreate(&e1));
+  float cold[12], hot[12];
+  for (int f = 0; f < 2; ++f)
+    for (int it = 0; it < 12; ++it) {
+      if (f == 0)
+        TRY(cudaMemset(flush, it, (size_t)256 << 20));
+      TRY(cudaEventRecord(e0, 0));
+      if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
+        fprintf(stderr, "router_probe: %s\n", moelink_last_error());
+        exit(1);
+      }
+      TRY(cudaEventRecord(e1, 0));
+      TRY(cudaEventSynchronize(e1));
+      float ms;
+      TRY(cudaEventElapsedTime(&ms, e0, e1));
+      (f == 0 ? cold : hot)[it] = 1e3f * ms;
+    }
+  printf("%-14s select T %4d  parts %d  L2 flushed: median %6.1f us, back to back: %6.1f us\n",
+         s->name, T, parts, median(cold + 2, 10), median(hot + 2, 10));
+  const int ctas = (T + 15) / 16;
+  const size_t sbytes = (size_t)ctas * ML_CUDA_ROUTER_STAMPS * sizeof(int64_t);
+  int64_t *dst, *hst = malloc(sbytes);
+  TRY(cudaMalloc((void **)&dst, sbytes));
+  a.stamps = dst;
+  float cols[C_N][RUNS];
+  for (int it = 0; it < RUNS; ++it) {
+    TRY(cudaMemset(flush, it, (size_t)256 << 20));
+    TRY(cudaMemset(dst, 0, sbytes));
+    if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
+      fprintf(stderr, "router_probe: %s\n", moelink_last_error());
+      exit(1);
+    }
+    TRY(cudaMemcpy(hst, dst, sbytes, cudaMemcpyDeviceToHost));
+    float out[C_N];
+    phases(hst, ctas, ghz, out);
+    for (int c = 0; c < C_N; ++c)
+      cols[c][it] = out[c];
+  }
+  printf("  phases, L2 flushed (us, medians of %d):", RUNS);
+  for (int c = 0; c < C_N; ++c) {
+    const float m = median(cols[c], RUNS);
+    if (m >= 0.0f)
+      printf(" %s %.2f", col_name[c], m);
+  }
+  printf("\n");
+  cudaFree(dst);
+  free(hst);
+  free(h);
+  cudaFree(logits);
+  cudaFree(bias);
+  cudaFree(ids);
+  cudaFree(wts);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
 int main(void) {
   struct cudaDeviceProp prop;
   TRY(cudaGetDeviceProperties(&prop, 0));
@@ -226,6 +327,18 @@ int main(void) {
   for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
     for (size_t j = 0; j < sizeof Ts / sizeof Ts[0]; ++j)
       probe(&shapes[i], Ts[j], prop.multiProcessorCount, ghz, flush);
+  /* the selection kernel at the sizes where the layers take it, in the
+   * parts the layer's logits GEMM writes and in one */
+  const int sel_T[] = {128, 512, 2048, 8192};
+  for (size_t i = 0; i < 3; ++i)
+    for (size_t j = 0; j < sizeof sel_T / sizeof sel_T[0]; ++j) {
+      const shape *sh = &shapes[i];
+      const int room = ML_CUDA_ROUTER_PART_ROWS / sel_T[j];
+      const int parts = ml_cuda_gemm_splitk_parts(sel_T[j], sh->E, sh->H, room < 8 ? room : 8);
+      probe_select(sh, sel_T[j], 1, prop.multiProcessorCount, ghz, flush);
+      if (parts > 1)
+        probe_select(sh, sel_T[j], parts, prop.multiProcessorCount, ghz, flush);
+    }
   cudaFree(flush);
   return 0;
 }

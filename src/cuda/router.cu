@@ -86,6 +86,7 @@ typedef struct ml_router_params {
   int router, renormalize, n_group, topk_group;
   float scaling;
   int64_t *stamps; /* measurements: ml_cuda_router_args.stamps */
+  int regs;        /* a token's warp selects in registers (ml_r_select_regs) */
 } ml_router_params;
 
 static __host__ __device__ __forceinline__ int ml_r_epad(int E) { return (E + 7) & ~7; }
@@ -223,23 +224,19 @@ static __device__ __forceinline__ uint32_t ml_r_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-/* The k largest of a[0..n) (n <= 32 NL <= 512, no NaN) in decreasing order,
- * ties to the lower index. Lane l holds elements l + 32 i, i < NL. Returns the
- * lane's mask of chosen elements (bit i = element lane + 32 i); lane 0 writes
- * the winners to out[0..k) when out != NULL. Each round: every lane's best
- * free element (the lowest slot on ties: the lowest index), the warp's
- * largest key and then the lowest index holding it, both by redux.sync. */
+/* The k largest of a warp's keys (ml_r_key; 0: no element) in decreasing
+ * order, ties to the lower index: lane l holds element l + 32 i in key[i],
+ * i < NL, and taken has the bits of its slots out of the running (no
+ * element). Returns the lane's mask of chosen elements (bit i = element
+ * lane + 32 i); lane 0 writes the winners to out[0..k) when out != NULL.
+ * Each round: every lane's best free element (the lowest slot on ties: the
+ * lowest index), the warp's largest key and then the lowest index holding
+ * it, both by redux.sync. */
 template <int NL>
-static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *out, int lane) {
+static __device__ __forceinline__ unsigned
+ml_r_warp_topk_keys(const uint32_t (&key)[NL], unsigned taken, int k, int *out, int lane) {
   static_assert(NL <= ML_R_PER_LANE, "a lane's slots");
-  uint32_t key[NL];
-  unsigned taken = 0, chosen = 0;
-#pragma unroll
-  for (int i = 0; i < NL; ++i) {
-    const int e = lane + 32 * i;
-    key[i] = e < n ? ml_r_key(a[e]) : 0u;
-    if (e >= n) taken |= 1u << i;
-  }
+  unsigned chosen = 0;
   for (int j = 0; j < k; ++j) {
     uint32_t bk = 0u;
     int bi = 0;
@@ -263,6 +260,21 @@ static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *o
     if (out != NULL && lane == 0) out[j] = be;
   }
   return chosen;
+}
+
+/* The same for the values a[0..n) (n <= 32 NL <= 512, no NaN). */
+template <int NL>
+static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *out, int lane) {
+  uint32_t key[NL];
+  unsigned taken = 0;
+#pragma unroll
+  for (int i = 0; i < NL; ++i) {
+    const int e = lane + 32 * i;
+    key[i] = e < n ? ml_r_key(a[e]) : 0u;
+    if (e >= n)
+      taken |= 1u << i;
+  }
+  return ml_r_warp_topk_keys<NL>(key, taken, k, out, lane);
 }
 
 /* The same with as few slots a lane as n needs: each of the k rounds scans
@@ -330,6 +342,135 @@ static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, flo
     __syncwarp();
   }
   (void)ml_r_warp_topk(S, E, p.k, O, lane);
+}
+
+/* Whether a token's warp can select in registers (ml_r_select_regs): at
+ * most 256 experts (8 a lane: more would spill) and no groups, or groups of a multiple of 32
+ * experts (lane l's slots i of group g are then g m <= i < (g + 1) m, m = E / n_group / 32). */
+static __device__ __forceinline__ bool ml_r_regs_ok(const ml_router_params &p) {
+  return p.regs && p.E <= 256 &&
+         (p.n_group <= 1 || (p.E % p.n_group == 0 && (p.E / p.n_group) % 32 == 0));
+}
+
+/* One token's scores and k winners by its warp, held in registers from the
+ * logits' one load to the last round: the same scores (bitwise), groups and
+ * winners as ml_r_scores + ml_r_choose_warp, without their shared-memory
+ * round trips and serial scans. Lane l holds experts l + 32 i, i < NL
+ * (32 NL >= E). L: the token's logits, which become its unbiased scores (for
+ * ml_r_weights); B: the correction bias; O: the winners. A group's score
+ * (the sum of its best two) comes from each lane's best two of the group's
+ * slots, merged across the warp in a butterfly; every lane then ranks the
+ * groups itself. ml_r_regs_ok(p) must hold. */
+template <int NL>
+static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, const float *B, int *O,
+                                        int lane) {
+  const int E = p.E;
+  float v[NL];
+#pragma unroll
+  for (int i = 0; i < NL; ++i) {
+    const int e = lane + 32 * i;
+    v[i] = e < E ? L[e] : 0.0f;
+  }
+  if (p.router == MOELINK_ROUTER_SOFTMAX_TOPK) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (lane + 32 * i < E)
+        m = fmaxf(m, v[i]);
+    m = ml_r_warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (lane + 32 * i < E) {
+        v[i] = expf(v[i] - m);
+        sum += v[i];
+      }
+    sum = ml_r_warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      v[i] = v[i] / sum;
+  } else if (p.router == MOELINK_ROUTER_SIGMOID_TOPK) {
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      v[i] = 1.0f / (1.0f + expf(-v[i]));
+  }
+  float sel[NL];
+#pragma unroll
+  for (int i = 0; i < NL; ++i) {
+    const int e = lane + 32 * i;
+    if (e < E)
+      L[e] = v[i];
+    const float x = p.bias != NULL && e < E ? v[i] + B[e] : v[i];
+    sel[i] = isnan(x) ? -INFINITY : x;
+  }
+  if (p.n_group > 1) {
+    const int ng = p.n_group, m = E / ng / 32;
+    /* each group's best two over this lane's slots, then over the warp (four
+     * groups at a time: all eight at once would spill), then its score */
+    float gs[NL];
+#pragma unroll
+    for (int g0 = 0; g0 < NL; g0 += 4) {
+      float b1[4], b2[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int g = g0 + q;
+        b1[q] = -INFINITY;
+        b2[q] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NL; ++i) {
+          const float x = sel[i];
+          if (i >= g * m && i < (g + 1) * m) {
+            if (x > b1[q]) {
+              b2[q] = b1[q];
+              b1[q] = x;
+            } else if (x > b2[q]) {
+              b2[q] = x;
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float c1 = __shfl_xor_sync(ML_FULL, b1[q], o);
+          const float c2 = __shfl_xor_sync(ML_FULL, b2[q], o);
+          b2[q] = fmaxf(fminf(b1[q], c1), fmaxf(b2[q], c2));
+          b1[q] = fmaxf(b1[q], c1);
+        }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float x = b1[q] + b2[q];
+        gs[g0 + q] = isnan(x) ? -INFINITY : x;
+      }
+    }
+    /* the groups ranked (ties to the lower index), the topk_group first
+     * kept; the others' experts out of the running as -inf (never 0) */
+    unsigned keep = 0u;
+#pragma unroll
+    for (int g = 0; g < NL; ++g) {
+      int r = 0;
+#pragma unroll
+      for (int h = 0; h < NL; ++h)
+        r += h < ng && ((gs[h] > gs[g]) | ((gs[h] == gs[g]) & (h < g)));
+      if (g < ng && r < p.topk_group)
+        keep |= ((1u << m) - 1u) << (g * m);
+    }
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (!((keep >> i) & 1u))
+        sel[i] = -INFINITY;
+  }
+  uint32_t key[NL];
+  unsigned taken = 0u;
+#pragma unroll
+  for (int i = 0; i < NL; ++i) {
+    const bool in = lane + 32 * i < E;
+    key[i] = in ? ml_r_key(sel[i]) : 0u;
+    if (!in)
+      taken |= 1u << i;
+  }
+  (void)ml_r_warp_topk_keys<NL>(key, taken, p.k, O, lane);
 }
 
 /* All tokens' k winners, by the whole CTA (every thread calls it): each
@@ -519,13 +660,25 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
   float *G = S + ML_R_TOKENS * E_pad;
   int *O = (int *)(G + ML_R_TOKENS * E_pad);
   const int t = t0 + warp;
-  if (warp < rows)
-    ml_r_scores(p, L + warp * E_pad, S + warp * E_pad, ml_r_bias_smem(L, E_pad), lane);
-  ml_r_stamp(p, ML_R_PH_SCORED);
-  if ((long long)rows * p.E * p.E <= ML_R_RANK_WORK) {
+  const bool block = (long long)rows * p.E * p.E <= ML_R_RANK_WORK;
+  const bool regs = !block && ml_r_regs_ok(p);
+  if (warp < rows) {
+    float *Lw = L + warp * E_pad, *B = ml_r_bias_smem(L, E_pad);
+    int *Ow = O + warp * ML_CUDA_MAX_TOPK;
+    if (!regs)
+      ml_r_scores(p, Lw, S + warp * E_pad, B, lane);
+    else if (p.E <= 128)
+      ml_r_select_regs<4>(p, Lw, B, Ow, lane);
+    else
+      ml_r_select_regs<8>(p, Lw, B, Ow, lane);
+  }
+  ml_r_stamp(p, ML_R_PH_SCORED); /* (in registers: chosen too) */
+  if (block) {
     __syncthreads();
     ml_r_choose_block(p, S, G, O, E_pad, rows);
     __syncthreads();
+  } else if (regs) {
+    __syncwarp();
   } else if (warp < rows) {
     __syncwarp();
     ml_r_choose_warp(p, S + warp * E_pad, G + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, lane);
@@ -648,6 +801,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
     ml_router_select_kernel(const ml_router_params p) {
   extern __shared__ __align__(16) char ml_r_smem[];
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  ml_r_stamp(p, ML_R_PH_START);
   const int E_pad = ml_r_epad(p.E);
   const int t0 = (int)blockIdx.x * ML_R_TOKENS;
   const int rows = p.T - t0 < ML_R_TOKENS ? p.T - t0 : ML_R_TOKENS;
@@ -701,6 +855,7 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
   }
   ml_r_wait<0>(); /* the bias */
   __syncthreads();
+  ml_r_stamp(p, ML_R_PH_SUMMED);
   ml_r_select(p, L, t0, rows, E_pad);
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
@@ -710,6 +865,11 @@ static __global__ void __launch_bounds__(ML_R_THREADS, 2)
 /* 0: one CTA sums all split partial logits of a token block, however many
  * (for A/B measurements; ml_r_group_splits). */
 MOELINK_PARAM(ROUTER_TWO_LEVEL, 1)
+
+/* 0: a token's warp scores and selects through shared memory
+ * (ml_r_scores, ml_r_choose_warp) instead of in registers (ml_r_select_regs;
+ * for A/B measurements). */
+MOELINK_PARAM(ROUTER_REGS, 1)
 
 extern "C" size_t ml_cuda_router_smem(int num_experts) {
   const int E_pad = ml_r_epad(num_experts);
@@ -854,6 +1014,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   memset(&p.plan, 0, sizeof p.plan);
   p.build_plan = a->plan != NULL;
   p.two_level = ml_param_ROUTER_TWO_LEVEL() != 0;
+  p.regs = ml_param_ROUTER_REGS() != 0;
   if (a->plan != NULL) p.plan = ml_plan_ptrs_of(a->plan);
   p.T = a->num_tokens;
   p.H = a->hidden;

@@ -28,8 +28,12 @@
  * Shapes: the routing of mixtral-8x7b, qwen3-30b-a3b (E 128, k 8) and
  * deepseek-v3 (sigmoid, correction bias, 8 groups keep 4, scale 2.5) at their
  * full hidden sizes, so the split counts are the real ones (up to 56 for
- * deepseek's H 7168), E 512 with k 16 (top-k softmax), and an odd shape
- * (E 37, H 520: padded experts, a short last chunk); T 1, 3, 8, 16. */
+ * deepseek's H 7168), E 512 with k 16 (top-k softmax), an odd shape
+ * (E 37, H 520: padded experts, a short last chunk), and groups of 64 and
+ * of 16 experts; T 1, 3, 8, 16. A token's warp selects in registers where
+ * E <= 256 and groups are a multiple of 32 experts, else through shared
+ * memory (E 512, groups of 16; the variant gpu_test_router_smem runs every
+ * case that way, MOELINK_ROUTER_REGS=0). */
 #include "core/core.h"
 #include "core/random.h"
 #include "cuda/cuda.h"
@@ -53,6 +57,10 @@ static const rcase g_cases[] = {
     {"deepseek-like", 256, 8, 7168, MOELINK_ROUTER_SIGMOID_TOPK, 1, 8, 4, 1, 2.5f},
     {"wide", 512, 16, 1024, MOELINK_ROUTER_TOPK_SOFTMAX, 0, 1, 1, 0, 1.0f},
     {"odd", 37, 5, 520, MOELINK_ROUTER_SOFTMAX_TOPK, 0, 1, 1, 0, 1.0f},
+    /* groups of 64 (two register slots a lane a group) and of 16 (not a
+     * multiple of 32: the shared-memory selection) */
+    {"groups-of-64", 256, 8, 1024, MOELINK_ROUTER_SIGMOID_TOPK, 1, 4, 2, 1, 1.0f},
+    {"groups-of-16", 128, 6, 1024, MOELINK_ROUTER_SIGMOID_TOPK, 1, 8, 3, 1, 1.0f},
 };
 
 /* n values scale * u(seed, i) (the library's generator), as dt (bf16
