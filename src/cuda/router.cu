@@ -224,6 +224,11 @@ static __device__ __forceinline__ uint32_t ml_r_key(float v) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+/* The score of a key (0 excluded): ml_r_key's inverse, +0 for both zeros. */
+static __device__ __forceinline__ float ml_r_unkey(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
 /* The k largest of a warp's keys (ml_r_key; 0: no element) in decreasing
  * order, ties to the lower index: lane l holds element l + 32 i in key[i],
  * i < NL, and taken has the bits of its slots out of the running (no
@@ -345,8 +350,9 @@ static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, flo
 }
 
 /* Whether a token's warp can select in registers (ml_r_select_regs): at
- * most 256 experts (8 a lane: more would spill) and no groups, or groups of a multiple of 32
- * experts (lane l's slots i of group g are then g m <= i < (g + 1) m, m = E / n_group / 32). */
+ * most 256 experts (8 a lane: more would spill) and no groups, or groups
+ * of a multiple of 32 experts (lane l's slots i of group g are then
+ * g m <= i < (g + 1) m, m = E / n_group / 32). */
 static __device__ __forceinline__ bool ml_r_regs_ok(const ml_router_params &p) {
   return p.regs && p.E <= 256 &&
          (p.n_group <= 1 || (p.E % p.n_group == 0 && (p.E / p.n_group) % 32 == 0));
@@ -358,9 +364,10 @@ static __device__ __forceinline__ bool ml_r_regs_ok(const ml_router_params &p) {
  * round trips and serial scans. Lane l holds experts l + 32 i, i < NL
  * (32 NL >= E). L: the token's logits, which become its unbiased scores (for
  * ml_r_weights); B: the correction bias; O: the winners. A group's score
- * (the sum of its best two) comes from each lane's best two of the group's
- * slots, merged across the warp in a butterfly; every lane then ranks the
- * groups itself. ml_r_regs_ok(p) must hold. */
+ * (the sum of its best two) comes from each lane's best two keys of the
+ * group's slots by three warp reductions; lane g ranks group g. Scores that
+ * differ only in the sign of a zero may give a group score of the other
+ * sign, which ranks the same. ml_r_regs_ok(p) must hold. */
 template <int NL>
 static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, const float *B, int *O,
                                         int lane) {
@@ -394,81 +401,71 @@ static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, con
     for (int i = 0; i < NL; ++i)
       v[i] = 1.0f / (1.0f + expf(-v[i]));
   }
-  float sel[NL];
+  uint32_t key[NL];
+  unsigned taken = 0u;
 #pragma unroll
   for (int i = 0; i < NL; ++i) {
     const int e = lane + 32 * i;
     if (e < E)
       L[e] = v[i];
     const float x = p.bias != NULL && e < E ? v[i] + B[e] : v[i];
-    sel[i] = isnan(x) ? -INFINITY : x;
+    key[i] = e < E ? ml_r_key(isnan(x) ? -INFINITY : x) : 0u;
+    if (e >= E)
+      taken |= 1u << i;
   }
   if (p.n_group > 1) {
     const int ng = p.n_group, m = E / ng / 32;
-    /* each group's best two over this lane's slots, then over the warp (four
-     * groups at a time: all eight at once would spill), then its score */
-    float gs[NL];
-#pragma unroll
-    for (int g0 = 0; g0 < NL; g0 += 4) {
-      float b1[4], b2[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int g = g0 + q;
-        b1[q] = -INFINITY;
-        b2[q] = -INFINITY;
-#pragma unroll
-        for (int i = 0; i < NL; ++i) {
-          const float x = sel[i];
-          if (i >= g * m && i < (g + 1) * m) {
-            if (x > b1[q]) {
-              b2[q] = b1[q];
-              b1[q] = x;
-            } else if (x > b2[q]) {
-              b2[q] = x;
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float c1 = __shfl_xor_sync(ML_FULL, b1[q], o);
-          const float c2 = __shfl_xor_sync(ML_FULL, b2[q], o);
-          b2[q] = fmaxf(fminf(b1[q], c1), fmaxf(b2[q], c2));
-          b1[q] = fmaxf(b1[q], c1);
-        }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float x = b1[q] + b2[q];
-        gs[g0 + q] = isnan(x) ? -INFINITY : x;
-      }
-    }
-    /* the groups ranked (ties to the lower index), the topk_group first
-     * kept; the others' experts out of the running as -inf (never 0) */
-    unsigned keep = 0u;
+    /* group g's best two keys: each lane's over its m slots of the group,
+     * then the warp's best, the lowest lane holding it, and the best of the
+     * other lanes' bests and that lane's second (three redux.sync); lane g
+     * keeps the group's score */
+    float own = -INFINITY;
 #pragma unroll
     for (int g = 0; g < NL; ++g) {
-      int r = 0;
+      if (g >= ng)
+        break;
+      uint32_t b1 = 0u, b2 = 0u;
+      if (m == 1) {
+        b1 = key[g];
+      } else {
 #pragma unroll
-      for (int h = 0; h < NL; ++h)
-        r += h < ng && ((gs[h] > gs[g]) | ((gs[h] == gs[g]) & (h < g)));
-      if (g < ng && r < p.topk_group)
-        keep |= ((1u << m) - 1u) << (g * m);
+        for (int i = 0; i < NL; ++i)
+          if (i >= g * m && i < (g + 1) * m) {
+            if (key[i] > b1) {
+              b2 = b1;
+              b1 = key[i];
+            } else if (key[i] > b2) {
+              b2 = key[i];
+            }
+          }
+      }
+      const uint32_t best = __reduce_max_sync(ML_FULL, b1);
+      const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
+      const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
+      const float x = ml_r_unkey(best) + ml_r_unkey(second);
+      if (lane == g)
+        own = isnan(x) ? -INFINITY : x;
     }
+    /* the groups ranked (ties to the lower index), each by its lane, the
+     * topk_group first kept; the others' experts out of the running as
+     * -inf (never 0) */
+    int r = 0;
+#pragma unroll
+    for (int h = 0; h < NL; ++h) {
+      const float x = __shfl_sync(ML_FULL, own, h);
+      r += h < ng && ((x > own) | ((x == own) & (h < lane)));
+    }
+    const unsigned kept = __ballot_sync(ML_FULL, lane < ng && r < p.topk_group);
+    unsigned keep = 0u;
+#pragma unroll
+    for (int g = 0; g < NL; ++g)
+      if ((kept >> g) & 1u)
+        keep |= ((1u << m) - 1u) << (g * m);
+    const uint32_t dropped = ml_r_key(-INFINITY);
 #pragma unroll
     for (int i = 0; i < NL; ++i)
-      if (!((keep >> i) & 1u))
-        sel[i] = -INFINITY;
-  }
-  uint32_t key[NL];
-  unsigned taken = 0u;
-#pragma unroll
-  for (int i = 0; i < NL; ++i) {
-    const bool in = lane + 32 * i < E;
-    key[i] = in ? ml_r_key(sel[i]) : 0u;
-    if (!in)
-      taken |= 1u << i;
+      if (!((keep >> i) & 1u) && !((taken >> i) & 1u))
+        key[i] = dropped;
   }
   (void)ml_r_warp_topk_keys<NL>(key, taken, p.k, O, lane);
 }
