@@ -234,35 +234,44 @@ static __device__ __forceinline__ float ml_r_unkey(uint32_t k) {
  * i < NL, and taken has the bits of its slots out of the running (no
  * element). Returns the lane's mask of chosen elements (bit i = element
  * lane + 32 i); lane 0 writes the winners to out[0..k) when out != NULL.
- * Each round: every lane's best free element (the lowest slot on ties: the
- * lowest index), the warp's largest key and then the lowest index holding
- * it, both by redux.sync. */
+ * Each round: every lane's best free element by a tree of NL - 1
+ * comparisons (the lower slot, the lower index, on ties), the warp's
+ * largest key and then the lowest index holding it, both by redux.sync. */
 template <int NL>
 static __device__ __forceinline__ unsigned
 ml_r_warp_topk_keys(const uint32_t (&key)[NL], unsigned taken, int k, int *out, int lane) {
-  static_assert(NL <= ML_R_PER_LANE, "a lane's slots");
+  static_assert(NL <= ML_R_PER_LANE && (NL & (NL - 1)) == 0, "a lane's slots");
   unsigned chosen = 0;
   for (int j = 0; j < k; ++j) {
-    uint32_t bk = 0u;
-    int bi = 0;
+    uint32_t tk[NL];
+    int ti[NL];
 #pragma unroll
     for (int i = 0; i < NL; ++i) {
-      const uint32_t ki = ((taken >> i) & 1u) ? 0u : key[i];
-      if (ki > bk) {
-        bk = ki;
-        bi = i;
-      }
+      tk[i] = ((taken >> i) & 1u) ? 0u : key[i];
+      ti[i] = i;
     }
+    /* level d keeps the better of slots i and i + 2^d at i (a multiple of
+     * 2^(d+1)), the lower one on ties */
+#pragma unroll
+    for (int d = 1; d < NL; d *= 2)
+#pragma unroll
+      for (int i = 0; i < NL; i += 2 * d) {
+        const bool right = tk[i + d] > tk[i];
+        tk[i] = right ? tk[i + d] : tk[i];
+        ti[i] = right ? ti[i + d] : ti[i];
+      }
+    const uint32_t bk = tk[0];
     const uint32_t m = __reduce_max_sync(ML_FULL, bk);
     /* m > 0 while k <= n: some element is free */
-    const uint32_t w =
-        __reduce_min_sync(ML_FULL, bk == m && m != 0u ? (uint32_t)(lane + 32 * bi) : 0xffffffffu);
+    const uint32_t w = __reduce_min_sync(ML_FULL, bk == m && m != 0u ? (uint32_t)(lane + 32 * ti[0])
+                                                                     : 0xffffffffu);
     const int be = w == 0xffffffffu ? 0 : (int)w; /* cannot happen with k <= n */
     if ((be & 31) == lane) {
       taken |= 1u << (be >> 5);
       chosen |= 1u << (be >> 5);
     }
-    if (out != NULL && lane == 0) out[j] = be;
+    if (out != NULL && lane == 0)
+      out[j] = be;
   }
   return chosen;
 }
@@ -420,14 +429,24 @@ static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, con
      * other lanes' bests and that lane's second (three redux.sync); lane g
      * keeps the group's score */
     float own = -INFINITY;
+    if (m == 1) {
+      /* slot g holds group g's experts: no pass over the lane's slots, and
+       * the groups' reductions independent of each other */
 #pragma unroll
-    for (int g = 0; g < NL; ++g) {
-      if (g >= ng)
-        break;
-      uint32_t b1 = 0u, b2 = 0u;
-      if (m == 1) {
-        b1 = key[g];
-      } else {
+      for (int g = 0; g < NL; ++g) {
+        const uint32_t best = __reduce_max_sync(ML_FULL, key[g]);
+        const uint32_t at = __reduce_min_sync(ML_FULL, key[g] == best ? (uint32_t)lane : 32u);
+        const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? 0u : key[g]);
+        const float x = ml_r_unkey(best) + ml_r_unkey(second);
+        if (lane == g)
+          own = isnan(x) ? -INFINITY : x;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < NL; ++g) {
+        if (g >= ng)
+          break;
+        uint32_t b1 = 0u, b2 = 0u;
 #pragma unroll
         for (int i = 0; i < NL; ++i)
           if (i >= g * m && i < (g + 1) * m) {
@@ -438,13 +457,13 @@ static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, con
               b2 = key[i];
             }
           }
+        const uint32_t best = __reduce_max_sync(ML_FULL, b1);
+        const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
+        const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
+        const float x = ml_r_unkey(best) + ml_r_unkey(second);
+        if (lane == g)
+          own = isnan(x) ? -INFINITY : x;
       }
-      const uint32_t best = __reduce_max_sync(ML_FULL, b1);
-      const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
-      const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
-      const float x = ml_r_unkey(best) + ml_r_unkey(second);
-      if (lane == g)
-        own = isnan(x) ? -INFINITY : x;
     }
     /* the groups ranked (ties to the lower index), each by its lane, the
      * topk_group first kept; the others' experts out of the running as
