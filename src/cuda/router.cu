@@ -26,7 +26,10 @@
  * the whole CTA (every (token, expert) computes its rank) while rows * E^2
  * is small, else each token's warp keeps the best groups (group limit) and
  * takes its k winners in k rounds of a warp-wide argmax (redux.sync of
- * order-preserving keys); each token's warp writes its ids and weights
+ * order-preserving keys), holding the token's scores and keys in registers
+ * where E <= 256 and groups are absent or multiples of 32 experts
+ * (ml_r_select_regs), else in shared memory; each token's warp writes its
+ * ids and weights
  * (given logits, from the GEMM engine at large batches:
  * ml_router_select_kernel, selection only). A single block of tokens
  * (T <= 16) also gets its plan from this kernel: the CTA that selected the
