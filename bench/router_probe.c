@@ -110,7 +110,8 @@ static void phases(const int64_t *st, int n, double ghz, float *out) {
   }
 }
 
-static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
+/* The routing config of shape s at T tokens. */
+static moelink_moe_config_t shape_config(const shape *s, int T) {
   moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
   cfg.hidden = s->H;
   cfg.inter = 64;
@@ -121,6 +122,69 @@ static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
   cfg.topk_group = s->keep;
   cfg.correction_bias = s->bias;
   cfg.max_tokens = T;
+  return cfg;
+}
+
+static void launch(ml_cuda_router_args *a) {
+  if (ml_cuda_router(a, 0) != MOELINK_SUCCESS) {
+    fprintf(stderr, "router_probe: %s\n", moelink_last_error());
+    exit(1);
+  }
+}
+
+/* n launches of a, each after an L2 flush when flush is not NULL: their
+ * event times in us. */
+static void timed(ml_cuda_router_args *a, void *flush, int n, float *us) {
+  cudaEvent_t e0, e1;
+  TRY(cudaEventCreate(&e0));
+  TRY(cudaEventCreate(&e1));
+  for (int it = 0; it < n; ++it) {
+    if (flush != NULL)
+      TRY(cudaMemset(flush, it, (size_t)256 << 20));
+    TRY(cudaEventRecord(e0, 0));
+    launch(a);
+    TRY(cudaEventRecord(e1, 0));
+    TRY(cudaEventSynchronize(e1));
+    float ms;
+    TRY(cudaEventElapsedTime(&ms, e0, e1));
+    us[it] = 1e3f * ms;
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
+/* RUNS launches of a with the phase stamps of its ctas CTAs, each after an
+ * L2 flush; prints the phases' medians after the label. */
+static void stamped(ml_cuda_router_args *a, int ctas, double ghz, void *flush, const char *label) {
+  const size_t sbytes = (size_t)ctas * ML_CUDA_ROUTER_STAMPS * sizeof(int64_t);
+  int64_t *dst, *hst = malloc(sbytes);
+  TRY(cudaMalloc((void **)&dst, sbytes));
+  a->stamps = dst;
+  float cols[C_N][RUNS];
+  for (int it = 0; it < RUNS; ++it) {
+    TRY(cudaMemset(flush, it, (size_t)256 << 20));
+    TRY(cudaMemset(dst, 0, sbytes));
+    launch(a);
+    TRY(cudaMemcpy(hst, dst, sbytes, cudaMemcpyDeviceToHost));
+    float out[C_N];
+    phases(hst, ctas, ghz, out);
+    for (int c = 0; c < C_N; ++c)
+      cols[c][it] = out[c];
+  }
+  printf("  %s (us, medians of %d):", label, RUNS);
+  for (int c = 0; c < C_N; ++c) {
+    const float m = median(cols[c], RUNS);
+    if (m >= 0.0f)
+      printf(" %s %.2f", col_name[c], m);
+  }
+  printf("\n");
+  a->stamps = NULL;
+  cudaFree(dst);
+  free(hst);
+}
+
+static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
+  moelink_moe_config_t cfg = shape_config(s, T);
   void *x, *w, *plan;
   float *bias, *wts, *parts;
   int32_t *ids, *tickets;
@@ -142,57 +206,16 @@ static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
   ml_cuda_router_args a =
       ml_cuda_router_args_for(&cfg, x, w, bias, T, ids, wts, parts, tickets, sms);
   if (ml_cuda_router_builds_plan(T, s->k)) a.plan = &view; /* as the layer's forward does */
-  cudaEvent_t e0, e1;
-  TRY(cudaEventCreate(&e0));
-  TRY(cudaEventCreate(&e1));
   float times[12], best = 1e30f;
-  for (int it = 0; it < 12; ++it) {
-    TRY(cudaMemset(flush, it, (size_t)256 << 20));
-    TRY(cudaEventRecord(e0, 0));
-    if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
-      fprintf(stderr, "router_probe: %s\n", moelink_last_error());
-      exit(1);
-    }
-    TRY(cudaEventRecord(e1, 0));
-    TRY(cudaEventSynchronize(e1));
-    float ms;
-    TRY(cudaEventElapsedTime(&ms, e0, e1));
-    times[it] = 1e3f * ms;
-    if (it >= 2 && times[it] < best) best = times[it];
-  }
+  timed(&a, flush, 12, times);
+  for (int it = 2; it < 12; ++it)
+    if (times[it] < best)
+      best = times[it];
   printf("%-14s T %2d  splits %2d  min %6.1f us  runs", s->name, T, a.splits, best);
   for (int it = 2; it < 12; ++it) printf(" %.1f", times[it]);
   printf("\n");
   /* the same launches with the phase stamps */
-  const int ctas = ((T + 15) / 16) * a.splits;
-  const size_t sbytes = (size_t)ctas * ML_CUDA_ROUTER_STAMPS * sizeof(int64_t);
-  int64_t *dst, *hst = malloc(sbytes);
-  TRY(cudaMalloc((void **)&dst, sbytes));
-  a.stamps = dst;
-  float cols[C_N][RUNS];
-  for (int it = 0; it < RUNS; ++it) {
-    TRY(cudaMemset(flush, it, (size_t)256 << 20));
-    TRY(cudaMemset(dst, 0, sbytes));
-    if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
-      fprintf(stderr, "router_probe: %s\n", moelink_last_error());
-      exit(1);
-    }
-    TRY(cudaMemcpy(hst, dst, sbytes, cudaMemcpyDeviceToHost));
-    float out[C_N];
-    phases(hst, ctas, ghz, out);
-    for (int c = 0; c < C_N; ++c)
-      cols[c][it] = out[c];
-  }
-  printf("  phases (us, medians of %d):", RUNS);
-  for (int c = 0; c < C_N; ++c) {
-    const float m = median(cols[c], RUNS);
-    if (m >= 0.0f)
-      printf(" %s %.2f", col_name[c], m);
-  }
-  printf("\n");
-  a.stamps = NULL;
-  cudaFree(dst);
-  free(hst);
+  stamped(&a, ((T + 15) / 16) * a.splits, ghz, flush, "phases");
   cudaFree(x);
   cudaFree(w);
   cudaFree(bias);
@@ -201,8 +224,6 @@ static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
   cudaFree(parts);
   cudaFree(tickets);
   cudaFree(plan);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 /* The selection-only kernel (the path of large batches: logits given, from
@@ -210,16 +231,7 @@ static void probe(const shape *s, int T, int sms, double ghz, void *flush) {
  * the L2 flushed before each launch and back to back without a flush (code
  * and logits in the L2), then the phases of flushed launches. */
 static void probe_select(const shape *s, int T, int parts, int sms, double ghz, void *flush) {
-  moelink_moe_config_t cfg = MOELINK_MOE_CONFIG_INIT;
-  cfg.hidden = s->H;
-  cfg.inter = 64;
-  cfg.num_experts = s->E;
-  cfg.top_k = s->k;
-  cfg.router = s->router;
-  cfg.n_group = s->groups;
-  cfg.topk_group = s->keep;
-  cfg.correction_bias = s->bias;
-  cfg.max_tokens = T;
+  moelink_moe_config_t cfg = shape_config(s, T);
   const size_t nl = (size_t)parts * T * s->E;
   float *h = malloc(nl * sizeof(float)), *logits, *bias, *wts;
   uint32_t r = 12345u;
@@ -243,62 +255,17 @@ static void probe_select(const shape *s, int T, int parts, int sms, double ghz, 
   a.splits = 1;
   a.logits = logits;
   a.logit_parts = parts;
-  cudaEvent_t e0, e1;
-  TRY(cudaEventCreate(&e0));
-  TRY(cudaEventCreate(&e1));
   float cold[12], hot[12];
-  for (int f = 0; f < 2; ++f)
-    for (int it = 0; it < 12; ++it) {
-      if (f == 0)
-        TRY(cudaMemset(flush, it, (size_t)256 << 20));
-      TRY(cudaEventRecord(e0, 0));
-      if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
-        fprintf(stderr, "router_probe: %s\n", moelink_last_error());
-        exit(1);
-      }
-      TRY(cudaEventRecord(e1, 0));
-      TRY(cudaEventSynchronize(e1));
-      float ms;
-      TRY(cudaEventElapsedTime(&ms, e0, e1));
-      (f == 0 ? cold : hot)[it] = 1e3f * ms;
-    }
+  timed(&a, flush, 12, cold);
+  timed(&a, NULL, 12, hot);
   printf("%-14s select T %4d  parts %d  L2 flushed: median %6.1f us, back to back: %6.1f us\n",
          s->name, T, parts, median(cold + 2, 10), median(hot + 2, 10));
-  const int ctas = (T + 15) / 16;
-  const size_t sbytes = (size_t)ctas * ML_CUDA_ROUTER_STAMPS * sizeof(int64_t);
-  int64_t *dst, *hst = malloc(sbytes);
-  TRY(cudaMalloc((void **)&dst, sbytes));
-  a.stamps = dst;
-  float cols[C_N][RUNS];
-  for (int it = 0; it < RUNS; ++it) {
-    TRY(cudaMemset(flush, it, (size_t)256 << 20));
-    TRY(cudaMemset(dst, 0, sbytes));
-    if (ml_cuda_router(&a, 0) != MOELINK_SUCCESS) {
-      fprintf(stderr, "router_probe: %s\n", moelink_last_error());
-      exit(1);
-    }
-    TRY(cudaMemcpy(hst, dst, sbytes, cudaMemcpyDeviceToHost));
-    float out[C_N];
-    phases(hst, ctas, ghz, out);
-    for (int c = 0; c < C_N; ++c)
-      cols[c][it] = out[c];
-  }
-  printf("  phases, L2 flushed (us, medians of %d):", RUNS);
-  for (int c = 0; c < C_N; ++c) {
-    const float m = median(cols[c], RUNS);
-    if (m >= 0.0f)
-      printf(" %s %.2f", col_name[c], m);
-  }
-  printf("\n");
-  cudaFree(dst);
-  free(hst);
+  stamped(&a, (T + 15) / 16, ghz, flush, "phases, L2 flushed");
   free(h);
   cudaFree(logits);
   cudaFree(bias);
   cudaFree(ids);
   cudaFree(wts);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 int main(void) {
