@@ -74,9 +74,11 @@ static ml_cu_ctx *ml_cu_ctx_of(moelink_context_t ctx) { return (ml_cu_ctx *)ctx-
 
 /* ---- device guard ------------------------------------------------------------ */
 
-static __thread int ml_cu_side_forwards;
+static __thread int ml_cu_side_forwards, ml_cu_overlap_forwards;
 
 int ml_cuda_layer_side_forwards(void) { return ml_cu_side_forwards; }
+
+int ml_cuda_layer_overlap_forwards(void) { return ml_cu_overlap_forwards; }
 
 moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,
                                       const char *what) {
@@ -745,6 +747,8 @@ static moelink_status_t ml_cu_routed(moelink_moe_t moe, const void *x, const moe
      * may have counted in go back to zero for the next pair */
     (void)cudaMemsetAsync(m->ready, 0, (size_t)cfg->num_experts * sizeof(uint32_t), st);
   ML_TRY(s);
+  if (overlap)
+    ++ml_cu_overlap_forwards;
   return ml_cu_step(st, "routed down GEMM");
 }
 

@@ -42,6 +42,11 @@ moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t
  * on the layer's side stream (MOELINK_SHARED_SIDE_SMS): for tests. */
 int ml_cuda_layer_side_forwards(void);
 
+/* Routed GEMM pairs of CUDA layers on the calling thread launched overlapped
+ * (the down GEMM beside the gate/up GEMM's last wave, MOELINK_GEMM_OVERLAP):
+ * for tests. */
+int ml_cuda_layer_overlap_forwards(void);
+
 /* Makes stream `to` wait for what `from` has enqueued so far (through event
  * ev); what: the caller, for the error message. */
 moelink_status_t ml_cuda_stream_after(cudaEvent_t ev, cudaStream_t from, cudaStream_t to,

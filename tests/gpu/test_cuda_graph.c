@@ -289,6 +289,7 @@ int main(void) {
   /* Three chunks; the first two sort 8192 pairs (cub's multi-pass path), the
    * last fewer (its single-tile path). */
   const int side_before = ml_cuda_layer_side_forwards();
+  const int overlap_before = ml_cuda_layer_overlap_forwards();
   graph_case("deepseek-v3 reduced", reduced("deepseek-v3", MOELINK_DTYPE_BF16, 1024), 0.0, 2500,
              5, 31, 0);
   /* its chunks (1024, 1024 and 452 tokens) take the shared expert's side
@@ -306,6 +307,21 @@ int main(void) {
   CHECK(side_on ? side_runs > 0 : side_runs == 0,
         "deepseek-v3 reduced: %d forwards on the shared expert's side stream (asked: %s)",
         side_runs, side_on ? "yes" : "no");
+  /* and their routed GEMMs overlap (the down GEMM on the gate/up GEMM's last
+   * wave) where both take the sm_90a engine and MOELINK_GEMM_OVERLAP asks
+   * for it: 1 always, 2 (the default) when the shared expert is not on the
+   * side stream, 0 never (gpu_test_cuda_graph_overlap runs it with 1) */
+  const char *ov_env = getenv("MOELINK_GEMM_OVERLAP");
+  const int ov_mode = ov_env != NULL ? atoi(ov_env) : 2;
+  const moelink_moe_config_t ds = reduced("deepseek-v3", MOELINK_DTYPE_BF16, 1024);
+  const int ov_on = ml_cuda_gemm_overlap_ok(ds.dtype, ds.inter, ds.hidden, ds.hidden, ds.inter) &&
+                    (ov_mode == 1 || (ov_mode == 2 && !side_on));
+  const int overlap_runs = ml_cuda_layer_overlap_forwards() - overlap_before;
+  CHECK(ov_on ? overlap_runs > 0 : overlap_runs == 0,
+        "deepseek-v3 reduced: %d routed GEMM pairs overlapped (asked: %s; the sm_90a engine "
+        "takes both: %s)",
+        overlap_runs, ov_on ? "yes" : "no",
+        ml_cuda_gemm_overlap_ok(ds.dtype, ds.inter, ds.hidden, ds.hidden, ds.inter) ? "yes" : "no");
   /* Decode size: the router splits the hidden dimension over CTAs and uses
    * tickets that every run must leave at zero: 50 replays. */
   graph_case("qwen2-57b-a14b reduced", reduced("qwen2-57b-a14b", MOELINK_DTYPE_F16, 64), 0.0, 7,
