@@ -868,6 +868,12 @@ static __device__ __noinline__ void ml_sm90_ready_spin(const ml_sm90_args *p,
   __syncwarp();
   (void)ml_sm90_ready_seen(p, it);
 }
+/* Overlap, the gate/up GEMM's side: whether this launch counts its stored
+ * pieces in p->ready (the bf16/f16 SwiGLU kernel given ready words). */
+template <class C, int MODE>
+static __device__ __forceinline__ bool ml_sm90_ready_counts(const ml_sm90_args *p) {
+  return C::ES == 2 && MODE == ML_SM90_SWIGLU && p->ready != NULL;
+}
 /* Whether a kernel has the wait at all: the bf16/f16 scaled kernel only (the
  * FP8 producers have no registers to spare, and their GEMMs never overlap);
  * and whether this launch's producers wait (an overlapped down GEMM). */
@@ -1443,7 +1449,7 @@ static __device__ __forceinline__ void ml_sm90_consumer(const ml_sm90_args *p, u
   uint32_t phase = 0;
   float d[128];
   /* overlap: the tile stored last, not yet counted (ml_sm90_ready_flush) */
-  const bool signals = MODE == ML_SM90_SWIGLU && p->ready != NULL;
+  const bool signals = ml_sm90_ready_counts<C, MODE>(p);
   int pend = -1;
   for (;;) {
     ml_mbar_wait(ml_sm90_full(bars, stage), phase);
@@ -1818,7 +1824,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
     __syncthreads();
   /* overlap: the down GEMM after this one may launch now; its CTAs take the
    * SMs this grid's CTAs leave and wait for their experts' pieces */
-  if (FP8 == 0 && MODE == ML_SM90_SWIGLU && p.ready != NULL)
+  if (ml_sm90_ready_counts<C, MODE>(&p))
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int wg = (int)threadIdx.x >> 7;
   if (wg == 0) {
@@ -1838,7 +1844,7 @@ static __global__ void __launch_bounds__(ML_SM90_THREADS, 1)
   /* overlap, the down GEMM: it ends only after the gate/up GEMM has (which
    * it may outlive otherwise: it only waited for the pieces), so that what
    * follows it in the stream follows both */
-  if (FP8 == 0 && MODE == ML_SM90_SCALED && p.ready_blocks > 0)
+  if (ml_sm90_ready_waits<C, MODE>(&p))
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
