@@ -294,8 +294,9 @@ static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *o
   return ml_r_warp_topk_keys<NL>(key, taken, k, out, lane);
 }
 
-/* The same with as few slots a lane as n needs: each of the k rounds scans
- * a lane's slots, so a narrower scan is a shorter chain for E <= 256. */
+/* The same with as few slots a lane as n needs: each of the k rounds finds
+ * a lane's best slot by a tree over its slots, so fewer slots make a
+ * shallower tree of fewer comparisons for E <= 256. */
 static __device__ __forceinline__ unsigned ml_r_warp_topk(const float *a, int n, int k, int *out,
                                                           int lane) {
   if (n <= 128)
@@ -370,6 +371,18 @@ static __device__ __forceinline__ bool ml_r_regs_ok(const ml_router_params &p) {
          (p.n_group <= 1 || (p.E % p.n_group == 0 && (p.E / p.n_group) % 32 == 0));
 }
 
+/* A group's score (the sum of its best two, -inf rather than NaN) from each
+ * lane's best two keys b1 >= b2 of it (0: none): the warp's best, the
+ * lowest lane holding it, and the best of the other lanes' bests and that
+ * lane's second, by three redux.sync. Every lane of the warp calls it. */
+static __device__ __forceinline__ float ml_r_group_pair(uint32_t b1, uint32_t b2, int lane) {
+  const uint32_t best = __reduce_max_sync(ML_FULL, b1);
+  const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
+  const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
+  const float x = ml_r_unkey(best) + ml_r_unkey(second);
+  return isnan(x) ? -INFINITY : x;
+}
+
 /* One token's scores and k winners by its warp, held in registers from the
  * logits' one load to the last round: the same scores (bitwise), groups and
  * winners as ml_r_scores + ml_r_choose_warp, without their shared-memory
@@ -427,22 +440,17 @@ static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, con
   }
   if (p.n_group > 1) {
     const int ng = p.n_group, m = E / ng / 32;
-    /* group g's best two keys: each lane's over its m slots of the group,
-     * then the warp's best, the lowest lane holding it, and the best of the
-     * other lanes' bests and that lane's second (three redux.sync); lane g
-     * keeps the group's score */
+    /* group g's score from each lane's best two keys of its m slots of the
+     * group (ml_r_group_pair); lane g keeps it */
     float own = -INFINITY;
     if (m == 1) {
       /* slot g holds group g's experts: no pass over the lane's slots, and
        * the groups' reductions independent of each other */
 #pragma unroll
       for (int g = 0; g < NL; ++g) {
-        const uint32_t best = __reduce_max_sync(ML_FULL, key[g]);
-        const uint32_t at = __reduce_min_sync(ML_FULL, key[g] == best ? (uint32_t)lane : 32u);
-        const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? 0u : key[g]);
-        const float x = ml_r_unkey(best) + ml_r_unkey(second);
+        const float x = ml_r_group_pair(key[g], 0u, lane);
         if (lane == g)
-          own = isnan(x) ? -INFINITY : x;
+          own = x;
       }
     } else {
 #pragma unroll
@@ -460,12 +468,9 @@ static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, con
               b2 = key[i];
             }
           }
-        const uint32_t best = __reduce_max_sync(ML_FULL, b1);
-        const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
-        const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
-        const float x = ml_r_unkey(best) + ml_r_unkey(second);
+        const float x = ml_r_group_pair(b1, b2, lane);
         if (lane == g)
-          own = isnan(x) ? -INFINITY : x;
+          own = x;
       }
     }
     /* the groups ranked (ties to the lower index), each by its lane, the
