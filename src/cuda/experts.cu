@@ -470,6 +470,7 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
                                             : "ml_sm90_kernel (scaled)");
   ML_TRY(ml_gemm_allow_smem((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>,
                             ml_sm90_which<DT, MODE, OUT_F32, FP8, CL>(), smem));
+  unsigned ctas = grid;
   if constexpr (CL > 1) {
     /* grid CTAs' worth of clusters, no more than the device holds at once
      * (persistent clusters; the work comes from the schedule) */
@@ -478,33 +479,25 @@ static moelink_status_t ml_sm90_launch(const CUtensorMap *map, const ml_sm90_arg
     unsigned clusters = (grid + 1) / 2;
     if (room > 0 && clusters > (unsigned)room)
       clusters = (unsigned)room;
+    ctas = 2 * clusters;
+  }
+  if (CL > 1 || pdl) {
+    /* clusters or a programmatic dependent: a launch with attributes */
     void *args[] = {(void *)map, (void *)(map + 1), (void *)p};
     const cudaError_t e = ml_launch_kernel_ex(
-        (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(2 * clusters, 1, 1),
-        dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, pdl, 2, stream, args);
+        (const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(ctas, 1, 1),
+        dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, pdl, CL, stream, args);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
-      return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u clusters) failed: %s", name, clusters,
+      return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs) failed: %s", name, ctas,
                      cudaGetErrorString(e));
     }
-    ml_sm90_last_grid = (int)(2 * clusters);
-  } else if (pdl) {
-    void *args[] = {(void *)map, (void *)(map + 1), (void *)p};
-    const cudaError_t e =
-        ml_launch_kernel((const void *)ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>, dim3(grid, 1, 1),
-                         dim3(ML_SM90_THREADS, 1, 1), (size_t)smem, 1, stream, args);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return ml_fail(MOELINK_ERR_CUDA, "launch of %s (%u CTAs) failed: %s", name, grid,
-                     cudaGetErrorString(e));
-    }
-    ml_sm90_last_grid = (int)grid;
   } else {
     ml_sm90_kernel<DT, MODE, OUT_F32, FP8, CL>
         <<<grid, ML_SM90_THREADS, smem, stream>>>(map[0], map[1], *p);
     ML_CUDA_LAUNCHED(name);
-    ml_sm90_last_grid = (int)grid;
   }
+  ml_sm90_last_grid = (int)ctas;
   ml_engine_last = ML_GEMM_ENGINE_SM90;
   ml_tma_store_last = p->tma_out;
   ml_sm90_last_tile = ml_sm90_cfg<FP8>::BN;
