@@ -546,14 +546,13 @@ static void check_wait(const gemm_case *c, const problem *p, const char *en, int
   free(got);
 }
 
-/* Both GEMMs of one case on one engine, checked against the references. */
 /* The gate/up GEMM and the down GEMM on its output, overlapped
  * (ml_cuda_gemm_opts.ready; sm_90a, tile lists): against the same pair run
  * one after the other, bitwise, for both outputs; the down GEMM's rows come
  * from the SwiGLU GEMM's output, rows n apart. Runs: the default grid, the
  * gate/up GEMM on 3 CTAs (the down GEMM's CTAs start at once on the free
  * SMs and wait for the pieces), clusters of two, TMA stores off, and a
- * captured graph replayed three times; 24 runs in all. After each, the
+ * captured graph replayed three times; 23 runs in all. After each, the
  * ready words and both counters must be back at zero. Also: an overlapped
  * down GEMM without a work counter, or an FP8 GEMM with ready words, is
  * refused. */
@@ -685,6 +684,7 @@ static void check_overlap(const gemm_case *c, const problem *p, const char *en, 
   free(got_y);
 }
 
+/* Both GEMMs of one case on one engine, checked against the references. */
 static void run_case_engine(const gemm_case *c, const problem *p, int engine, const void *d_x,
                             const void *d_w1, const void *d_w2, const void *d_h,
                             const int32_t *d_index, const int32_t *h_index, const float *d_scale,
