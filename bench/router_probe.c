@@ -250,6 +250,7 @@ static void probe_select(const shape *s, int T, int parts, int sms, double ghz, 
   TRY(cudaMemcpy(bias, h, (size_t)s->E * 4, cudaMemcpyHostToDevice));
   TRY(cudaMalloc((void **)&ids, (size_t)T * s->k * 4));
   TRY(cudaMalloc((void **)&wts, (size_t)T * s->k * 4));
+  /* (x and w are not read when the logits are given: any pointer) */
   ml_cuda_router_args a =
       ml_cuda_router_args_for(&cfg, logits, logits, bias, T, ids, wts, NULL, NULL, sms);
   a.splits = 1;
