@@ -16,10 +16,7 @@
  *   select   every CTA selects each token's experts and weights itself, from
  *            the same logits with the same code (so all CTAs agree), as the
  *            CPU backend's router does: scores, correction bias, group limit,
- *            top-k with ties toward the lower index, renormalization, scale
- *            (each token by a warp in registers where E <= 256 and groups
- *            are absent or of a multiple of 32 experts, as the router
- *            kernel does; else by the whole CTA through shared memory);
+ *            top-k with ties toward the lower index, renormalization, scale;
  *   stream   one producer thread an SM streams TMA boxes of 128 weight rows x
  *            64 k (16 KiB, 128-byte swizzle) through a ring of stages in
  *            shared memory, gate/up boxes first, then down boxes, without a
@@ -106,7 +103,6 @@
 #define MLS_COLS_A 64                          /* output columns of a gate/up unit */
 #define MLS_MIN_STAGES 4
 #define MLS_SEL_FLOATS 1560       /* a warp's selection scratch (in the ring) */
-#define MLS_SEL_PARTS 1024        /* a token's logit parts at most (E lsplit) */
 #define MLS_WAIT_NS 4000000000ull /* 4 s */
 #define MLS_MAX_TOKENS 8          /* tokens a launch */
 #define MLS_STATIC_SMEM 4096      /* room left for the kernel's static shared memory */
@@ -118,9 +114,6 @@ static_assert(MLS_THREADS / 32 * MLS_SEL_FLOATS * 4 <= MLS_MIN_STAGES * MLS_BOX,
               "the selection scratch fits the ring");
 static_assert(ML_CUDA_MAX_EXPERTS <= 512 && ML_CUDA_MAX_TOPK <= 16,
               "the selection scratch's layout");
-static_assert((MLS_MAX_TOKENS * MLS_SEL_PARTS + MLS_THREADS / 32 * ML_CUDA_MAX_TOPK) * 4 <=
-                  MLS_MIN_STAGES * MLS_BOX,
-              "the warps' selection scratch fits the ring");
 
 typedef struct mls_params {
   const char *x;                                     /* [T, H] */
@@ -142,7 +135,6 @@ typedef struct mls_params {
   int ncb, nob, ks_a, ks_b; /* column units a pair, row units a pair, k steps */
   int whole_b;              /* 1: down unit b to CTA b (no unit cut between CTAs) */
   int lsplit;               /* parts of H a router dot product is cut into */
-  int sel_regs;             /* 1: each token selected by a warp in registers (mls_select_warp) */
   int row_once;             /* 1: one token's row into the vector region once, at the barrier */
   int epi_warp;             /* 1: runs' sums finished by the epilogue warp, 0: by the consumers */
   int part0;                /* 1: part 0 of a cut unit finishes it, the others publish and go on */
@@ -293,33 +285,6 @@ static __device__ __forceinline__ float mls_cta_reduce(float v, bool is_max, flo
   return r;
 }
 
-/* Winner j's routing weight from the k winners' unbiased scores ws[0..k),
- * each caller with the same sums in the same order (k <= 16). */
-static __device__ __forceinline__ float mls_weight(const float *ws, int j, int k, int router,
-                                                   int renormalize, float scaling) {
-  const float own = ws[j];
-  float w = own;
-  if (router == MOELINK_ROUTER_TOPK_SOFTMAX) {
-    float m = ws[0];
-#pragma unroll 4
-    for (int i = 1; i < k; ++i)
-      m = ws[i] > m ? ws[i] : m;
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < k; ++i)
-      sum += expf(ws[i] - m);
-    w = expf(own - m) / sum;
-  } else if (renormalize) {
-    float sum = 0.0f;
-#pragma unroll 4
-    for (int i = 0; i < k; ++i)
-      sum += ws[i];
-    if (sum > 0.0f)
-      w = own / sum;
-  }
-  return scaling != 1.0f ? w * scaling : w;
-}
-
 /* One token's experts and weights by the whole CTA, as the CPU backend's
  * router chooses them (src/cpu/router.c): scores, correction bias, groups
  * kept by their rank, and the k winners by their rank (each expert counts
@@ -432,61 +397,32 @@ static __device__ __forceinline__ void mls_select(const mls_params &p, int t, fl
   __syncthreads();
   if (t == 0 && tid == 0)
     mls_stamp(p, ML_SMALL_PH_SEL_RANKED);
-  /* the weights: lane j < k of warp 0 computes winner j's */
-  if (tid < k)
-    wts[tid] = mls_weight(ws, tid, k, router, renormalize, scaling);
-  __syncthreads();
-}
-
-/* The logits of every token (their parts) into raw[T E lsplit], by the whole
- * CTA, all in flight at once (every thread calls it). */
-static __device__ __forceinline__ void mls_gather_logits(const mls_params &p, float *raw) {
-  const int n = p.T * p.E * p.lsplit;
-#pragma unroll 8
-  for (int j = (int)threadIdx.x; j < n; j += MLS_THREADS)
-    raw[j] = __ldcg(p.logits + j);
-}
-
-/* One token's experts and weights by one warp, in registers (the router
- * kernel's ml_r_select_vals): lane l adds the logit parts of experts
- * l + 32 i, i < NL, in order (the same logits as mls_select), then the
- * scores, groups and winners; raw: the token's gathered parts (mls_gather_
- * logits), overwritten with its scores; ws: 16 floats of the warp's. Every
- * lane of the warp calls it; p.sel_regs must hold. */
-template <int NL>
-static __device__ void mls_select_warp(const mls_params &p, int t, float *raw, float *ws, int *ids,
-                                       float *wts, int lane) {
-  const int E = p.E, ls = p.lsplit, k = p.k;
-  float v[NL];
-#pragma unroll
-  for (int i = 0; i < NL; ++i) {
-    const int e = lane + 32 * i;
-    float x = 0.0f;
-    if (e < E) {
-      x = raw[e * ls];
-#pragma unroll 1
-      for (int j = 1; j < ls; ++j)
-        x += raw[e * ls + j];
+  /* the weights: lane j < k of warp 0 computes winner j's, each lane with
+   * the same sums in the same order (k <= 16) */
+  if (tid < k) {
+    const float own = ws[tid];
+    float w = own;
+    if (router == MOELINK_ROUTER_TOPK_SOFTMAX) {
+      float m = ws[0];
+#pragma unroll 4
+      for (int j = 1; j < k; ++j)
+        m = ws[j] > m ? ws[j] : m;
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int j = 0; j < k; ++j)
+        sum += expf(ws[j] - m);
+      w = expf(own - m) / sum;
+    } else if (renormalize) {
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int j = 0; j < k; ++j)
+        sum += ws[j];
+      if (sum > 0.0f)
+        w = own / sum;
     }
-    v[i] = x;
+    wts[tid] = scaling != 1.0f ? w * scaling : w;
   }
-  if (t == 0 && lane == 0)
-    mls_stamp(p, ML_SMALL_PH_SEL_SCORED);
-  const ml_r_rule r = {E, k, p.router, p.n_group, p.topk_group};
-  ml_r_select_vals<NL>(v, r, p.bias, ids, lane);
-  __syncwarp(); /* raw read by every lane, ids written */
-#pragma unroll
-  for (int i = 0; i < NL; ++i)
-    if (lane + 32 * i < E)
-      raw[lane + 32 * i] = v[i];
-  __syncwarp();
-  if (lane < k)
-    ws[lane] = raw[ids[lane]];
-  __syncwarp();
-  if (t == 0 && lane == 0)
-    mls_stamp(p, ML_SMALL_PH_SEL_RANKED);
-  if (lane < k)
-    wts[lane] = mls_weight(ws, lane, k, p.router, p.renormalize, p.scaling);
+  __syncthreads();
 }
 
 /* ---- the multiply ------------------------------------------------------------- */
@@ -881,25 +817,8 @@ static __device__ __forceinline__ void mls_body(const CUtensorMap *map_gu_p,
   const int na = a1 - a0, n = na + (b1 - b0);
 
   /* ---- selection: every CTA for itself (scratch in the idle ring) ---- */
-  if (p.sel_regs) {
-    /* each token by a warp of its own, in registers */
-    float *raw = (float *)ring_p;
-    mls_gather_logits(p, raw);
-    __syncthreads();
-    if (tid == 0)
-      mls_stamp(p, ML_SMALL_PH_SEL_LOADED);
-    float *ws = raw + MLS_MAX_TOKENS * MLS_SEL_PARTS + warp * ML_CUDA_MAX_TOPK;
-    for (int t = warp; t < p.T; t += MLS_THREADS / 32) {
-      float *rt = raw + (size_t)t * p.E * p.lsplit;
-      if (p.E <= 128)
-        mls_select_warp<4>(p, t, rt, ws, s_ids + t * p.k, s_wts + t * p.k, lane);
-      else
-        mls_select_warp<8>(p, t, rt, ws, s_ids + t * p.k, s_wts + t * p.k, lane);
-    }
-  } else {
-    for (int t = 0; t < p.T; ++t)
-      mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
-  }
+  for (int t = 0; t < p.T; ++t)
+    mls_select(p, t, (float *)ring_p, s_ids + t * p.k, s_wts + t * p.k);
   /* the scratch's generic writes before the boxes' async-proxy ones */
   ml_fence_proxy_async();
   __syncthreads();
@@ -1200,12 +1119,6 @@ MOELINK_PARAM(SMALL_LAYER_EPILOGUE_WARP, 1)
  * takes a ticket and waits for it, the last one finishes. */
 MOELINK_PARAM(SMALL_LAYER_PART0, 1)
 
-/* 1: where the rule fits a warp's registers (ml_r_regs_fit: E <= 256, no
- * groups or groups of a multiple of 32 experts), each token's experts are
- * chosen by a warp of its own holding its scores in registers (the router
- * kernel's selection) instead of by the whole CTA through shared memory. */
-MOELINK_PARAM(SMALL_LAYER_SEL_REGS, 1)
-
 /* At most this many ring stages (0: as many as shared memory holds). More
  * requests in flight made the stream slower: 6 measured fastest (4-8 within
  * 1.5 us of each other at one token, 11-13 3.4-4.5 us slower for
@@ -1483,7 +1396,6 @@ extern "C" moelink_status_t ml_cuda_moe_small(const ml_cuda_moe_small_args *a, c
     p.lsplit = ml_param_SMALL_LAYER_LOGIT_SPLIT() != 0 ? (ls < most ? ls : most) : 1;
   }
   p.row_once = ml_param_SMALL_LAYER_ROW_ONCE() != 0;
-  p.sel_regs = ml_param_SMALL_LAYER_SEL_REGS() != 0 && ml_r_regs_fit(c->num_experts, c->n_group);
   {
     const int64_t ew = ml_param_SMALL_LAYER_EPILOGUE_WARP();
     p.epi_warp = ew >= 2 || (ew == 1 && c->fp8_experts);

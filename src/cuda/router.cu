@@ -219,6 +219,66 @@ static __device__ __forceinline__ void ml_r_store_acc(float *dst, int E_pad, flo
 
 /* ---- selection --------------------------------------------------------------- */
 
+/* Order-preserving 32-bit key of a score (no NaN: ml_r_scores turned those
+ * into -inf): a > b as floats exactly when key(a) > key(b), -0 and +0 the
+ * same key; every key is above 0, which stands for "no element". */
+static __device__ __forceinline__ uint32_t ml_r_key(float v) {
+  const uint32_t u = v == 0.0f ? 0u : __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* The score of a key (0 excluded): ml_r_key's inverse, +0 for both zeros. */
+static __device__ __forceinline__ float ml_r_unkey(uint32_t k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+
+/* The k largest of a warp's keys (ml_r_key; 0: no element) in decreasing
+ * order, ties to the lower index: lane l holds element l + 32 i in key[i],
+ * i < NL, and taken has the bits of its slots out of the running (no
+ * element). Returns the lane's mask of chosen elements (bit i = element
+ * lane + 32 i); lane 0 writes the winners to out[0..k) when out != NULL.
+ * Each round: every lane's best free element by a tree of NL - 1
+ * comparisons (the lower slot, the lower index, on ties), the warp's
+ * largest key and then the lowest index holding it, both by redux.sync. */
+template <int NL>
+static __device__ __forceinline__ unsigned
+ml_r_warp_topk_keys(const uint32_t (&key)[NL], unsigned taken, int k, int *out, int lane) {
+  static_assert(NL <= ML_R_PER_LANE && (NL & (NL - 1)) == 0, "a lane's slots");
+  unsigned chosen = 0;
+  for (int j = 0; j < k; ++j) {
+    uint32_t tk[NL];
+    int ti[NL];
+#pragma unroll
+    for (int i = 0; i < NL; ++i) {
+      tk[i] = ((taken >> i) & 1u) ? 0u : key[i];
+      ti[i] = i;
+    }
+    /* level d keeps the better of slots i and i + 2^d at i (a multiple of
+     * 2^(d+1)), the lower one on ties */
+#pragma unroll
+    for (int d = 1; d < NL; d *= 2)
+#pragma unroll
+      for (int i = 0; i < NL; i += 2 * d) {
+        const bool right = tk[i + d] > tk[i];
+        tk[i] = right ? tk[i + d] : tk[i];
+        ti[i] = right ? ti[i + d] : ti[i];
+      }
+    const uint32_t bk = tk[0];
+    const uint32_t m = __reduce_max_sync(ML_FULL, bk);
+    /* m > 0 while k <= n: some element is free */
+    const uint32_t w = __reduce_min_sync(ML_FULL, bk == m && m != 0u ? (uint32_t)(lane + 32 * ti[0])
+                                                                     : 0xffffffffu);
+    const int be = w == 0xffffffffu ? 0 : (int)w; /* cannot happen with k <= n */
+    if ((be & 31) == lane) {
+      taken |= 1u << (be >> 5);
+      chosen |= 1u << (be >> 5);
+    }
+    if (out != NULL && lane == 0)
+      out[j] = be;
+  }
+  return chosen;
+}
+
 /* The same for the values a[0..n) (n <= 32 NL <= 512, no NaN). */
 template <int NL>
 static __device__ unsigned ml_r_warp_topk_n(const float *a, int n, int k, int *out, int lane) {
@@ -302,35 +362,139 @@ static __device__ void ml_r_choose_warp(const ml_router_params &p, float *S, flo
   (void)ml_r_warp_topk(S, E, p.k, O, lane);
 }
 
-/* Whether a token's warp selects in registers (ml_r_select_regs): asked
- * for, and the rule fits (ml_r_regs_fit). */
+/* Whether a token's warp can select in registers (ml_r_select_regs): at
+ * most 256 experts (8 a lane: more would spill) and no groups, or groups
+ * of a multiple of 32 experts (lane l's slots i of group g are then
+ * g m <= i < (g + 1) m, m = E / n_group / 32). */
 static __device__ __forceinline__ bool ml_r_regs_ok(const ml_router_params &p) {
-  return p.regs && ml_r_regs_fit(p.E, p.n_group);
+  return p.regs && p.E <= 256 &&
+         (p.n_group <= 1 || (p.E % p.n_group == 0 && (p.E / p.n_group) % 32 == 0));
 }
 
-/* One token's scores and k winners by its warp in registers
- * (ml_r_select_vals): the same scores (bitwise), groups and winners as
- * ml_r_scores + ml_r_choose_warp, without their shared-memory round trips
- * and serial scans. L: the token's logits, which become its unbiased scores
- * (for ml_r_weights); B: the correction bias; O: the winners.
- * ml_r_regs_ok(p) must hold. */
+/* A group's score (the sum of its best two, -inf rather than NaN) from each
+ * lane's best two keys b1 >= b2 of it (0: none): the warp's best, the
+ * lowest lane holding it, and the best of the other lanes' bests and that
+ * lane's second, by three redux.sync. Every lane of the warp calls it. */
+static __device__ __forceinline__ float ml_r_group_pair(uint32_t b1, uint32_t b2, int lane) {
+  const uint32_t best = __reduce_max_sync(ML_FULL, b1);
+  const uint32_t at = __reduce_min_sync(ML_FULL, b1 == best ? (uint32_t)lane : 32u);
+  const uint32_t second = __reduce_max_sync(ML_FULL, (uint32_t)lane == at ? b2 : b1);
+  const float x = ml_r_unkey(best) + ml_r_unkey(second);
+  return isnan(x) ? -INFINITY : x;
+}
+
+/* One token's scores and k winners by its warp, held in registers from the
+ * logits' one load to the last round: the same scores (bitwise), groups and
+ * winners as ml_r_scores + ml_r_choose_warp, without their shared-memory
+ * round trips and serial scans. Lane l holds experts l + 32 i, i < NL
+ * (32 NL >= E). L: the token's logits, which become its unbiased scores (for
+ * ml_r_weights); B: the correction bias; O: the winners. A group's score
+ * (the sum of its best two) comes from each lane's best two keys of the
+ * group's slots by three warp reductions; lane g ranks group g. Scores that
+ * differ only in the sign of a zero may give a group score of the other
+ * sign, which ranks the same. ml_r_regs_ok(p) must hold. */
 template <int NL>
 static __device__ void ml_r_select_regs(const ml_router_params &p, float *L, const float *B, int *O,
                                         int lane) {
-  const ml_r_rule r = {p.E, p.k, p.router, p.n_group, p.topk_group};
+  const int E = p.E;
   float v[NL];
 #pragma unroll
   for (int i = 0; i < NL; ++i) {
     const int e = lane + 32 * i;
-    v[i] = e < p.E ? L[e] : 0.0f;
+    v[i] = e < E ? L[e] : 0.0f;
   }
-  ml_r_select_vals<NL>(v, r, p.bias != NULL ? B : NULL, O, lane);
+  if (p.router == MOELINK_ROUTER_SOFTMAX_TOPK) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (lane + 32 * i < E)
+        m = fmaxf(m, v[i]);
+    m = ml_r_warp_max(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (lane + 32 * i < E) {
+        v[i] = expf(v[i] - m);
+        sum += v[i];
+      }
+    sum = ml_r_warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      v[i] = v[i] / sum;
+  } else if (p.router == MOELINK_ROUTER_SIGMOID_TOPK) {
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      v[i] = 1.0f / (1.0f + expf(-v[i]));
+  }
+  uint32_t key[NL];
+  unsigned taken = 0u;
 #pragma unroll
   for (int i = 0; i < NL; ++i) {
     const int e = lane + 32 * i;
-    if (e < p.E)
+    if (e < E)
       L[e] = v[i];
+    const float x = p.bias != NULL && e < E ? v[i] + B[e] : v[i];
+    key[i] = e < E ? ml_r_key(isnan(x) ? -INFINITY : x) : 0u;
+    if (e >= E)
+      taken |= 1u << i;
   }
+  if (p.n_group > 1) {
+    const int ng = p.n_group, m = E / ng / 32;
+    /* group g's score from each lane's best two keys of its m slots of the
+     * group (ml_r_group_pair); lane g keeps it */
+    float own = -INFINITY;
+    if (m == 1) {
+      /* slot g holds group g's experts: no pass over the lane's slots, and
+       * the groups' reductions independent of each other */
+#pragma unroll
+      for (int g = 0; g < NL; ++g) {
+        const float x = ml_r_group_pair(key[g], 0u, lane);
+        if (lane == g)
+          own = x;
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < NL; ++g) {
+        if (g >= ng)
+          break;
+        uint32_t b1 = 0u, b2 = 0u;
+#pragma unroll
+        for (int i = 0; i < NL; ++i)
+          if (i >= g * m && i < (g + 1) * m) {
+            if (key[i] > b1) {
+              b2 = b1;
+              b1 = key[i];
+            } else if (key[i] > b2) {
+              b2 = key[i];
+            }
+          }
+        const float x = ml_r_group_pair(b1, b2, lane);
+        if (lane == g)
+          own = x;
+      }
+    }
+    /* the groups ranked (ties to the lower index), each by its lane, the
+     * topk_group first kept; the others' experts out of the running as
+     * -inf (never 0) */
+    int r = 0;
+#pragma unroll
+    for (int h = 0; h < NL; ++h) {
+      const float x = __shfl_sync(ML_FULL, own, h);
+      r += h < ng && ((x > own) | ((x == own) & (h < lane)));
+    }
+    const unsigned kept = __ballot_sync(ML_FULL, lane < ng && r < p.topk_group);
+    unsigned keep = 0u;
+#pragma unroll
+    for (int g = 0; g < NL; ++g)
+      if ((kept >> g) & 1u)
+        keep |= ((1u << m) - 1u) << (g * m);
+    const uint32_t dropped = ml_r_key(-INFINITY);
+#pragma unroll
+    for (int i = 0; i < NL; ++i)
+      if (!((keep >> i) & 1u) && !((taken >> i) & 1u))
+        key[i] = dropped;
+  }
+  (void)ml_r_warp_topk_keys<NL>(key, taken, p.k, O, lane);
 }
 
 /* All tokens' k winners, by the whole CTA (every thread calls it): each
