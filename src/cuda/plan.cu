@@ -13,9 +13,8 @@
  *                    of the chunk, counts it, and after a prefix over the
  *                    warps writes its pairs in index order, 32 at a time
  *                    (lanes with the same key rank themselves among each
- *                    other by ballots of the keys' bits). Block 0 then
- *                    writes offsets and the tile list from the keys'
- *                    totals.
+ *                    other with a match). Block 0 then writes offsets and
+ *                    the tile list from the keys' totals.
  * No atomics on global memory and no ordering between blocks: the same plan
  * whatever the scheduling. Up to ML_P_THREADS pairs (decode) take one block
  * instead (ml_plan_small), and so do up to ML_P_ONE_MAX (ml_plan_one: the
@@ -38,10 +37,6 @@
 /* 0: plans of ML_P_THREADS + 1 to ML_P_ONE_MAX pairs take the two kernels
  * instead of one block (for A/B measurements). */
 MOELINK_PARAM(PLAN_ONE, 1)
-/* 0: the count, scatter and one-block kernels rank a warp's pairs by key with
- * the match instruction instead of ballots of the keys' bits (for A/B
- * measurements). */
-MOELINK_PARAM(PLAN_BALLOT, 1)
 
 static int ml_plan_chunk(int pairs) {
   int c = (pairs + ML_P_MAX_CHUNKS - 1) / ML_P_MAX_CHUNKS;
@@ -54,38 +49,14 @@ static size_t ml_plan_counts_bytes(int chunks, int num_experts) {
   return (size_t)chunks * (size_t)(num_experts + 1) * sizeof(int32_t);
 }
 
-/* The bits of the largest key, E (the invalid pairs' key). */
-static int ml_plan_key_bits(int E) {
-  int bits = 1;
-  while ((E >> bits) != 0)
-    ++bits;
-  return bits;
-}
-
 static __device__ __forceinline__ uint32_t ml_plan_key(int32_t id, int E) {
   return id >= 0 && id < E ? (uint32_t)id : (uint32_t)E;
 }
 
 /* The lanes of the warp holding the same key (lanes past the data pass a key
- * no real pair has, ~0u), and whether this lane is the lowest of them. With
- * kbits > 0 (every key of a pair below 1 << kbits) the set is built from
- * kbits + 1 ballots, one for "is a pair" and one a bit of the key, instead of
- * the match instruction, whose cost grows with the keys a warp holds. */
-static __device__ __forceinline__ uint32_t ml_plan_peers(uint32_t key, int lane, int kbits,
-                                                         int *leader) {
-  uint32_t peers;
-  if (kbits > 0) {
-    const bool pair = key != ~0u;
-    const uint32_t pairs = __ballot_sync(ML_P_FULL, pair);
-    peers = pair ? pairs : ~pairs;
-    for (int b = 0; b < kbits; ++b) {
-      const bool one = (key >> b) & 1u;
-      const uint32_t ones = __ballot_sync(ML_P_FULL, one);
-      peers &= one ? ones : ~ones;
-    }
-  } else {
-    peers = __match_any_sync(ML_P_FULL, key);
-  }
+ * no real pair has, ~0u), and whether this lane is the lowest of them. */
+static __device__ __forceinline__ uint32_t ml_plan_peers(uint32_t key, int lane, int *leader) {
+  const uint32_t peers = __match_any_sync(ML_P_FULL, key);
   *leader = (int)(__ffs(peers) - 1) == lane;
   return peers;
 }
@@ -93,9 +64,9 @@ static __device__ __forceinline__ uint32_t ml_plan_peers(uint32_t key, int lane,
 /* Counts 32 pairs of a warp (the lane's key, valid: a pair of the part)
  * into its per-key counts. Every lane of the warp calls it. */
 static __device__ __forceinline__ void ml_plan_tally(uint32_t key, bool valid, int *counts,
-                                                     int lane, int kbits) {
+                                                     int lane) {
   int leader;
-  const uint32_t peers = ml_plan_peers(key, lane, kbits, &leader);
+  const uint32_t peers = ml_plan_peers(key, lane, &leader);
   if (valid && leader)
     counts[key] += __popc(peers);
 }
@@ -120,10 +91,9 @@ static __device__ void ml_plan_warp_rows(int E, const ml_plan_scratch &s,
  * with its key takes the warp's next row of the key plus the lanes below it
  * with the same key. Every lane of the warp calls it. */
 static __device__ __forceinline__ void ml_plan_put(uint32_t key, int i, bool valid, int *rows,
-                                                   int E, const ml_plan_ptrs &plan, int lane,
-                                                   int kbits) {
+                                                   int E, const ml_plan_ptrs &plan, int lane) {
   int leader;
-  const uint32_t peers = ml_plan_peers(key, lane, kbits, &leader);
+  const uint32_t peers = ml_plan_peers(key, lane, &leader);
   const int r = valid ? rows[key] + __popc(peers & ((1u << lane) - 1u)) : 0;
   __syncwarp();
   if (valid) {
@@ -148,7 +118,7 @@ static __device__ void ml_plan_finish(int E, const ml_plan_ptrs &plan, const ml_
 }
 
 static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_count(const int32_t *__restrict__ ids, int pairs, int E, int chunk, int kbits,
+    ml_plan_count(const int32_t *__restrict__ ids, int pairs, int E, int chunk,
                   int32_t *__restrict__ counts) {
   __shared__ int cnt[ML_CUDA_MAX_EXPERTS + 1];
   const int tid = (int)threadIdx.x, lane = tid & 31;
@@ -164,7 +134,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
     const int i = i0 + lane;
     const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
     int leader;
-    const uint32_t peers = ml_plan_peers(key, lane, kbits, &leader);
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
     if (i < p1 && leader)
       atomicAdd(&cnt[key], __popc(peers));
   }
@@ -174,7 +144,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
 }
 
 static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_scatter(const int32_t *__restrict__ ids, int pairs, int E, int chunk, int kbits,
+    ml_plan_scatter(const int32_t *__restrict__ ids, int pairs, int E, int chunk,
                     const int32_t *__restrict__ counts, ml_plan_ptrs plan) {
   __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
   __shared__ int wrow[ML_P_WARPS][ML_CUDA_MAX_EXPERTS + 1]; /* each warp's next row of a key */
@@ -195,7 +165,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   /* this warp's part, counted */
   for (int i0 = p0; i0 < p1; i0 += 32) {
     const int i = i0 + lane;
-    ml_plan_tally(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i < p1, wrow[warp], lane, kbits);
+    ml_plan_tally(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i < p1, wrow[warp], lane);
   }
   /* each key's total (s.count) and the rows of the earlier chunks' pairs
    * with it (s.off, for now): all chunks' counts of the key loaded at once
@@ -221,8 +191,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   __syncthreads();
   for (int i0 = p0; i0 < p1; i0 += 32) {
     const int i = i0 + lane;
-    ml_plan_put(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i, i < p1, wrow[warp], E, plan, lane,
-                kbits);
+    ml_plan_put(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i, i < p1, wrow[warp], E, plan, lane);
   }
   if (c == 0)
     ml_plan_finish(E, plan, s);
@@ -237,7 +206,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
 #define ML_P_ONE_MAX (ML_P_THREADS * ML_P_ONE_SLOTS)
 
 static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_one(const int32_t *__restrict__ ids, int pairs, int E, int kbits, ml_plan_ptrs plan) {
+    ml_plan_one(const int32_t *__restrict__ ids, int pairs, int E, ml_plan_ptrs plan) {
   __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
   __shared__ int wrow[ML_P_WARPS][ML_CUDA_MAX_EXPERTS + 1];
   const ml_plan_scratch s = ml_plan_scratch_at(scratch);
@@ -260,7 +229,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
 #pragma unroll
   for (int j = 0; j < ML_P_ONE_SLOTS; ++j)
     if (32 * j < part) /* (the same for the whole warp) */
-      ml_plan_tally(key[j], p0 + 32 * j + lane < p1, wrow[warp], lane, kbits);
+      ml_plan_tally(key[j], p0 + 32 * j + lane < p1, wrow[warp], lane);
   __syncthreads();
   for (int e = tid; e <= E; e += ML_P_THREADS) {
     int n = 0;
@@ -278,7 +247,7 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   for (int j = 0; j < ML_P_ONE_SLOTS; ++j)
     if (32 * j < part) {
       const int i = p0 + 32 * j + lane;
-      ml_plan_put(key[j], i, i < p1, wrow[warp], E, plan, lane, kbits);
+      ml_plan_put(key[j], i, i < p1, wrow[warp], E, plan, lane);
     }
   ml_plan_finish(E, plan, s);
 }
@@ -322,10 +291,9 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     return MOELINK_SUCCESS;
   }
   const int pdl = ml_cuda_pdl_allowed(stream);
-  int kbits = ml_param_PLAN_BALLOT() != 0 ? ml_plan_key_bits(num_experts) : 0;
   if (pairs <= ML_P_ONE_MAX && ml_param_PLAN_ONE() != 0) {
     int E = num_experts, P = pairs;
-    void *oargs[] = {(void *)&ids, &P, &E, &kbits, (void *)&p};
+    void *oargs[] = {(void *)&ids, &P, &E, (void *)&p};
     const cudaError_t e = ml_launch_kernel((const void *)ml_plan_one, dim3(1), dim3(ML_P_THREADS),
                                            0, pdl, stream, oargs);
     if (e != cudaSuccess) {
@@ -342,7 +310,7 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
                    ws != NULL ? ws->bytes : (size_t)0, pairs, need);
   int32_t *counts = ws->counts;
   int E = num_experts, P = pairs, ch = chunk;
-  void *cargs[] = {(void *)&ids, &P, &E, &ch, &kbits, &counts};
+  void *cargs[] = {(void *)&ids, &P, &E, &ch, &counts};
   cudaError_t e = ml_launch_kernel((const void *)ml_plan_count, dim3((unsigned)chunks),
                                    dim3(ML_P_THREADS), 0, pdl, stream, cargs);
   if (e != cudaSuccess) {
@@ -351,7 +319,7 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
                    cudaGetErrorString(e));
   }
   /* (counts: the scatter's const int32_t * has the same representation) */
-  void *sargs[] = {(void *)&ids, &P, &E, &ch, &kbits, &counts, (void *)&p};
+  void *sargs[] = {(void *)&ids, &P, &E, &ch, &counts, (void *)&p};
   e = ml_launch_kernel((const void *)ml_plan_scatter, dim3((unsigned)chunks), dim3(ML_P_THREADS), 0,
                        pdl, stream, sargs);
   if (e != cudaSuccess) {
