@@ -17,10 +17,9 @@
  *                    the tile list from the keys' totals.
  * No atomics on global memory and no ordering between blocks: the same plan
  * whatever the scheduling. Up to ML_P_THREADS pairs (decode) take one block
- * instead (ml_plan_small), and so do up to ML_P_ONE_MAX (ml_plan_one: the
- * scatter of one chunk that counts its own pairs). The kernels launch as
- * programmatic dependents where the stream allows it and wait
- * (griddepcontrol.wait) before they read the ids or the counts. */
+ * instead (ml_plan_small). Both kernels launch as programmatic dependents
+ * where the stream allows it and wait (griddepcontrol.wait) before they read
+ * the ids or the counts. */
 #include "core/launch.cuh"
 #include "cuda/plan.cuh"
 
@@ -33,10 +32,6 @@
 #define ML_P_CHUNK_MIN 1024
 #define ML_P_MAX_CHUNKS 64
 #define ML_P_WARPS (ML_P_THREADS / 32)
-
-/* 0: plans of ML_P_THREADS + 1 to ML_P_ONE_MAX pairs take the two kernels
- * instead of one block (for A/B measurements). */
-MOELINK_PARAM(PLAN_ONE, 1)
 
 static int ml_plan_chunk(int pairs) {
   int c = (pairs + ML_P_MAX_CHUNKS - 1) / ML_P_MAX_CHUNKS;
@@ -59,62 +54,6 @@ static __device__ __forceinline__ uint32_t ml_plan_peers(uint32_t key, int lane,
   const uint32_t peers = __match_any_sync(ML_P_FULL, key);
   *leader = (int)(__ffs(peers) - 1) == lane;
   return peers;
-}
-
-/* Counts 32 pairs of a warp (the lane's key, valid: a pair of the part)
- * into its per-key counts. Every lane of the warp calls it. */
-static __device__ __forceinline__ void ml_plan_tally(uint32_t key, bool valid, int *counts,
-                                                     int lane) {
-  int leader;
-  const uint32_t peers = ml_plan_peers(key, lane, &leader);
-  if (valid && leader)
-    counts[key] += __popc(peers);
-}
-
-/* Each warp's first row of each key: the key's first row (s.first), the
- * earlier chunks' rows (s.off), then the earlier warps' of this block;
- * wrow[w][e] holds warp w's count of key e on entry and its first row on
- * return. Every thread of the block calls it. */
-static __device__ void ml_plan_warp_rows(int E, const ml_plan_scratch &s,
-                                         int (*wrow)[ML_CUDA_MAX_EXPERTS + 1]) {
-  for (int e = (int)threadIdx.x; e <= E; e += ML_P_THREADS) {
-    int row = s.first[e] + s.off[e];
-    for (int w = 0; w < ML_P_WARPS; ++w) {
-      const int n = wrow[w][e];
-      wrow[w][e] = row;
-      row += n;
-    }
-  }
-}
-
-/* 32 pairs of a warp into the plan: the lane's pair i (valid: of the part)
- * with its key takes the warp's next row of the key plus the lanes below it
- * with the same key. Every lane of the warp calls it. */
-static __device__ __forceinline__ void ml_plan_put(uint32_t key, int i, bool valid, int *rows,
-                                                   int E, const ml_plan_ptrs &plan, int lane) {
-  int leader;
-  const uint32_t peers = ml_plan_peers(key, lane, &leader);
-  const int r = valid ? rows[key] + __popc(peers & ((1u << lane) - 1u)) : 0;
-  __syncwarp();
-  if (valid) {
-    if (leader)
-      rows[key] += __popc(peers);
-    plan.sorted_pairs[r] = i;
-    plan.pair_rows[i] = key < (uint32_t)E ? r : -1;
-  }
-  __syncwarp();
-}
-
-/* Offsets and the tile list from each key's first row and count. Every
- * thread of the block calls it (s.off is rewritten: no thread may still
- * read it). */
-static __device__ void ml_plan_finish(int E, const ml_plan_ptrs &plan, const ml_plan_scratch &s) {
-  int begin = 0, end = 0;
-  if ((int)threadIdx.x < E) {
-    begin = s.first[threadIdx.x];
-    end = begin + s.count[threadIdx.x];
-  }
-  ml_plan_schedule(E, begin, end, plan, s);
 }
 
 static __global__ void __launch_bounds__(ML_P_THREADS)
@@ -165,7 +104,11 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   /* this warp's part, counted */
   for (int i0 = p0; i0 < p1; i0 += 32) {
     const int i = i0 + lane;
-    ml_plan_tally(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i < p1, wrow[warp], lane);
+    const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
+    int leader;
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
+    if (i < p1 && leader)
+      wrow[warp][key] += __popc(peers);
   }
   /* each key's total (s.count) and the rows of the earlier chunks' pairs
    * with it (s.off, for now): all chunks' counts of the key loaded at once
@@ -187,69 +130,43 @@ static __global__ void __launch_bounds__(ML_P_THREADS)
   __syncthreads();
   ml_plan_first_rows(E, s);
   __syncthreads();
-  ml_plan_warp_rows(E, s, wrow);
+  /* warp w's first row of each key: the key's first row, the earlier
+   * chunks', then the earlier warps' of this chunk */
+  for (int e = tid; e <= E; e += ML_P_THREADS) {
+    int row = s.first[e] + s.off[e];
+    for (int w = 0; w < ML_P_WARPS; ++w) {
+      const int n = wrow[w][e];
+      wrow[w][e] = row;
+      row += n;
+    }
+  }
   __syncthreads();
+  const uint32_t below = (1u << lane) - 1u;
   for (int i0 = p0; i0 < p1; i0 += 32) {
     const int i = i0 + lane;
-    ml_plan_put(i < p1 ? ml_plan_key(ids[i], E) : ~0u, i, i < p1, wrow[warp], E, plan, lane);
-  }
-  if (c == 0)
-    ml_plan_finish(E, plan, s);
-}
-
-/* The whole plan of more than ML_P_THREADS and at most ML_P_ONE_MAX pairs in
- * one block: the scatter of a single chunk, whose counts are its warps'
- * own, so the count kernel and its launch are left out. Each lane loads its
- * up to ML_P_ONE_SLOTS ids at once into registers, and both passes read
- * them there. The same plan as the two kernels. */
-#define ML_P_ONE_SLOTS 8
-#define ML_P_ONE_MAX (ML_P_THREADS * ML_P_ONE_SLOTS)
-
-static __global__ void __launch_bounds__(ML_P_THREADS)
-    ml_plan_one(const int32_t *__restrict__ ids, int pairs, int E, ml_plan_ptrs plan) {
-  __shared__ int scratch[ML_PLAN_SCRATCH_INTS];
-  __shared__ int wrow[ML_P_WARPS][ML_CUDA_MAX_EXPERTS + 1];
-  const ml_plan_scratch s = ml_plan_scratch_at(scratch);
-  const int tid = (int)threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  /* warp w's part: pairs [p0, p1), a multiple of 32 of at most 256 */
-  const int part = (pairs + ML_P_THREADS - 1) / ML_P_THREADS * 32;
-  const int p0 = warp * part;
-  const int p1 = pairs - p0 < part ? pairs : p0 + part;
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  for (int e = lane; e <= E; e += 32)
-    wrow[warp][e] = 0;
-  asm volatile("griddepcontrol.wait;\n" ::: "memory"); /* the ids are written */
-  uint32_t key[ML_P_ONE_SLOTS];
-#pragma unroll
-  for (int j = 0; j < ML_P_ONE_SLOTS; ++j) {
-    const int i = p0 + 32 * j + lane;
-    key[j] = 32 * j < part && i < p1 ? ml_plan_key(ids[i], E) : ~0u;
-  }
-  __syncwarp();
-#pragma unroll
-  for (int j = 0; j < ML_P_ONE_SLOTS; ++j)
-    if (32 * j < part) /* (the same for the whole warp) */
-      ml_plan_tally(key[j], p0 + 32 * j + lane < p1, wrow[warp], lane);
-  __syncthreads();
-  for (int e = tid; e <= E; e += ML_P_THREADS) {
-    int n = 0;
-    for (int w = 0; w < ML_P_WARPS; ++w)
-      n += wrow[w][e];
-    s.count[e] = n;
-    s.off[e] = 0;
-  }
-  __syncthreads();
-  ml_plan_first_rows(E, s);
-  __syncthreads();
-  ml_plan_warp_rows(E, s, wrow);
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < ML_P_ONE_SLOTS; ++j)
-    if (32 * j < part) {
-      const int i = p0 + 32 * j + lane;
-      ml_plan_put(key[j], i, i < p1, wrow[warp], E, plan, lane);
+    const uint32_t key = i < p1 ? ml_plan_key(ids[i], E) : ~0u;
+    int leader;
+    const uint32_t peers = ml_plan_peers(key, lane, &leader);
+    const int r = i < p1 ? wrow[warp][key] + __popc(peers & below) : 0;
+    __syncwarp();
+    if (i < p1) {
+      if (leader)
+        wrow[warp][key] += __popc(peers);
+      plan.sorted_pairs[r] = i;
+      plan.pair_rows[i] = key < (uint32_t)E ? r : -1;
     }
-  ml_plan_finish(E, plan, s);
+    __syncwarp();
+  }
+  if (c == 0) {
+    int begin = 0, end = 0;
+    if (tid < E) {
+      begin = s.first[tid];
+      end = begin + s.count[tid];
+    }
+    /* (s.off is rewritten there: every thread passed the barrier after its
+     * last read above) */
+    ml_plan_schedule(E, begin, end, plan, s);
+  }
 }
 
 /* The whole plan of at most ML_P_THREADS pairs in one block (decode sizes:
@@ -290,24 +207,13 @@ extern "C" moelink_status_t ml_cuda_plan(const int32_t *ids, int num_tokens, int
     ML_CUDA_LAUNCHED("ml_plan_small");
     return MOELINK_SUCCESS;
   }
-  const int pdl = ml_cuda_pdl_allowed(stream);
-  if (pairs <= ML_P_ONE_MAX && ml_param_PLAN_ONE() != 0) {
-    int E = num_experts, P = pairs;
-    void *oargs[] = {(void *)&ids, &P, &E, (void *)&p};
-    const cudaError_t e = ml_launch_kernel((const void *)ml_plan_one, dim3(1), dim3(ML_P_THREADS),
-                                           0, pdl, stream, oargs);
-    if (e != cudaSuccess) {
-      (void)cudaGetLastError();
-      return ml_fail(MOELINK_ERR_CUDA, "launch of ml_plan_one failed: %s", cudaGetErrorString(e));
-    }
-    return MOELINK_SUCCESS;
-  }
   const int chunk = ml_plan_chunk(pairs);
   const int chunks = (pairs + chunk - 1) / chunk;
   const size_t need = ml_plan_counts_bytes(chunks, num_experts);
   if (ws == NULL || ws->counts == NULL || ws->bytes < need)
     return ml_fail(MOELINK_ERR_INTERNAL, "plan: %zu workspace bytes for %d pairs, %zu needed",
                    ws != NULL ? ws->bytes : (size_t)0, pairs, need);
+  const int pdl = ml_cuda_pdl_allowed(stream);
   int32_t *counts = ws->counts;
   int E = num_experts, P = pairs, ch = chunk;
   void *cargs[] = {(void *)&ids, &P, &E, &ch, &counts};

@@ -304,11 +304,10 @@ static void compare_plans(const char *what, moelink_moe_t gmoe, moelink_moe_t cm
 
 /* Plans of many pairs without a layer's weights: more chunks than the
  * sort's first size allows (the chunk grows), all pairs on one expert (one
- * key's count from every lane of every warp), holes, a call of fewer pairs
- * than the layer's maximum that needs more chunks than the maximum does
- * (65536 pairs: 64 chunks; 65538: 43), and the one-block plan of 513 to
- * 4096 pairs (700, 513, 2222 and 4096 pairs; MOELINK_PLAN_ONE=0 sends them
- * to the two kernels, gpu_test_cuda_ops_plan2). */
+ * key's count from every lane of every warp), holes, a single chunk just
+ * past the one-block path, and a call of fewer pairs than the layer's
+ * maximum that needs more chunks than the maximum does (65536 pairs: 64
+ * chunks; 65538: 43). */
 static void test_large_plans(void) {
   static const struct {
     int E, k, T, max_T, skew;
@@ -316,12 +315,7 @@ static void test_large_plans(void) {
                {8, 2, 33000, 33000, 1},
                {1, 1, 700, 700, 0},
                {256, 8, 8192, 8192, 2},
-               {64, 2, 32768, 32769, 0},
-               /* one block (ml_plan_one): its most pairs, skewed and with holes; just
-                * past ml_plan_small's; an odd count, nearly all on one expert */
-               {256, 8, 512, 512, 2},
-               {128, 1, 513, 513, 0},
-               {8, 2, 1111, 1200, 1}};
+               {64, 2, 32768, 32769, 0}};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ++ci) {
     moelink_moe_config_t c = small_cfg();
     c.num_experts = cases[ci].E;
