@@ -122,9 +122,8 @@ moelink_status_t ml_cuda_leave(moelink_context_t ctx, int prev, moelink_status_t
  * and name the step whose kernels faulted. For debugging only: it costs a
  * host round trip per step (skipped while the stream is being captured). */
 MOELINK_PARAM(CUDA_SYNC_CHECK, 0)
-/* 0: a forward of up to 512 (token, slot) pairs builds its plan with the
- * plan kernel instead of in the router kernel (an A/B switch for the
- * benchmarks). */
+/* 0: a forward of one block of tokens builds its plan with the plan kernel
+ * instead of in the router kernel (an A/B switch for the benchmarks). */
 MOELINK_PARAM(ROUTER_PLAN, 1)
 /* 0: a small batch's shared expert runs after the routed experts instead of
  * beside the router (an A/B switch for the benchmarks). */
@@ -889,10 +888,8 @@ static moelink_status_t ml_cu_forward_impl(moelink_moe_t moe, const void *x, int
   /* fp8_shared: the token rows are quantized once, before the first FP8
    * GEMM that reads them (the shared expert's when it goes first) */
   int x_ready = 0;
-  /* up to 512 pairs get their plan from the router kernel (but where the
-   * logits come from the GEMM engine) */
-  const int fused_plan = ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k) &&
-                         !ml_cuda_router_gemm_wanted(T, cfg->num_experts, cfg->hidden);
+  /* a single block of tokens gets its plan from the router kernel */
+  const int fused_plan = ml_param_ROUTER_PLAN() != 0 && ml_cuda_router_builds_plan(T, cfg->top_k);
   /* FP8 experts on the decode GEMMs, a plan from the router: the token rows
    * quantized first, and the router (which reads x, not its e4m3 copy)
    * beside that kernel as a programmatic dependent that waits for it before

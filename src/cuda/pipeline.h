@@ -40,8 +40,8 @@ typedef struct ml_cuda_router_args {
   float *weights;            /* [T, k] out */
   int splits;                /* >= 1, from ml_cuda_router_splits */
   float *partials;           /* splits > 1: ml_cuda_router_partial_floats() floats */
-  int32_t *tickets;          /* splits > 1 or a plan of more than 16 tokens:
-                                ml_cuda_router_tickets() zero-initialized, left zero */
+  int32_t *tickets;          /* splits > 1: ml_cuda_router_tickets() zero-initialized,
+                                left zero */
   /* NULL, or a plan view (tile_rows ML_CUDA_TILE_ROWS) that the kernel fills
    * from the ids it chose, as ml_cuda_plan would; only where
    * ml_cuda_router_builds_plan(num_tokens, top_k) */
@@ -76,10 +76,7 @@ ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg, con
 /* Hidden-dimension splits for T tokens: 1 when the token blocks alone fill
  * the GPU; never more than sm_count / blocks, so blocks * splits <= sm_count. */
 int ml_cuda_router_splits(int num_tokens, int hidden, int sm_count);
-/* Whether the router kernel can build the plan of T tokens: at most
- * ML_P_THREADS pairs (one block of the plan's), built by the CTA that
- * selects the last block of tokens (MOELINK_ROUTER_PLAN_BLOCKS=0: only where
- * the tokens make one block). */
+/* Whether the router kernel can build the plan of T tokens (one block). */
 int ml_cuda_router_builds_plan(int num_tokens, int top_k);
 /* Whether T tokens' logits are better computed by the grouped GEMM engine
  * (ml_cuda_gemm_scaled, fp32 out) and passed to the router kernel as

@@ -31,11 +31,9 @@
  * (ml_r_select_regs), else in shared memory; each token's warp writes its
  * ids and weights
  * (given logits, from the GEMM engine at large batches:
- * ml_router_select_kernel, selection only). Up to 512 (token, slot) pairs
- * also get their plan from this kernel, which saves the plan's launch: the
- * CTA that selected the experts sorts the T*k pairs (plan.cuh); with more
- * than one block of tokens, the last of their selecting CTAs (a ticket) does
- * it from every block's ids.
+ * ml_router_select_kernel, selection only). A single block of tokens
+ * (T <= 16) also gets its plan from this kernel: the CTA that selected the
+ * experts sorts the T*k pairs (plan.cuh), which saves the plan's launch.
  *
  * The kernel lets the next one launch at once: a kernel launched after it
  * with programmatic stream serialization waits (griddepcontrol.wait) before
@@ -85,8 +83,7 @@ typedef struct ml_router_params {
   const float *logits; /* NULL, or [parts][T, E] computed before: select only */
   int parts;           /* logits: their parts, added in order */
   ml_plan_ptrs plan;
-  int build_plan;             /* the (last) selecting CTA builds the plan too */
-  int32_t *plan_ticket;       /* build_plan with blocks of tokens: their ticket */
+  int build_plan;             /* one block of tokens: this CTA builds the plan too */
   int two_level;              /* split sums in two levels past 512 KiB (ml_r_group_splits) */
   int T, H, E, k;
   int router, renormalize, n_group, topk_group;
@@ -678,8 +675,8 @@ static __device__ __forceinline__ void ml_r_fetch_bias(const ml_router_params &p
  * them; the plan's scratch after ML_R_SUM_BYTES more): warp w scores token
  * t0 + w; the winners come from the whole CTA (small rows * E^2) or from the
  * token's warp; warp w then writes token t0 + w's ids and weights; with
- * p.build_plan the CTA then builds the plan (with blocks of tokens, the one
- * whose ids come last). Every thread of the CTA calls it. */
+ * p.build_plan the CTA then builds the plan. Every thread of the CTA calls
+ * it. */
 static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, int rows,
                                    int E_pad) {
   const int warp = (int)threadIdx.x >> 5, lane = (int)threadIdx.x & 31;
@@ -716,21 +713,10 @@ static __device__ void ml_r_select(const ml_router_params &p, float *L, int t0, 
     ml_r_weights(p, L + warp * E_pad, O + warp * ML_CUDA_MAX_TOPK, t, lane);
   ml_r_stamp(p, ML_R_PH_SELECTED); /* thread 0's warp: its token's */
   if (p.build_plan) {
-    /* the host asks for it only up to ML_P_THREADS pairs */
-    __shared__ int last;
+    /* the host asks for it only with one block of tokens (t0 = 0) */
+    __syncthreads(); /* every token's winners are in O */
     const int pairs = p.T * p.k, tid = (int)threadIdx.x;
-    int32_t id;
-    if (gridDim.x == 1) {
-      __syncthreads(); /* every token's winners are in O */
-      id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
-    } else {
-      /* blocks of tokens: the last one to have written its ids builds the
-       * plan from everyone's (the ticket publishes this CTA's ids and shows
-       * the last one the others') */
-      if (!ml_r_ticket(p.plan_ticket, (int)gridDim.x, &last))
-        return;
-      id = tid < pairs ? __ldcg(p.ids + tid) : -1;
-    }
+    const int32_t id = tid < pairs ? O[(tid / p.k) * ML_CUDA_MAX_TOPK + tid % p.k] : -1;
     const ml_plan_scratch ps =
         ml_plan_scratch_at((int *)((char *)L + ml_r_select_bytes(E_pad) + ML_R_SUM_BYTES));
     if (pairs <= ML_PLAN_SMALL_PAIRS)
@@ -917,20 +903,13 @@ extern "C" size_t ml_cuda_router_smem(int num_experts) {
 }
 
 extern "C" size_t ml_cuda_router_tickets(int sm_count) {
-  /* the plan's ticket (the first), then a block ticket per token block and
-   * one per range group: blocks * splits <= sm_count, so those need at most
-   * 2 * sm_count */
-  return 1 + 2 * (size_t)(sm_count > 0 ? sm_count : 1);
+  /* a block ticket per token block and one per range group: blocks *
+   * splits <= sm_count, so both together need at most 2 * sm_count */
+  return 2 * (size_t)(sm_count > 0 ? sm_count : 1);
 }
 
-/* 0: only a single block of tokens (at most ML_R_TOKENS) gets its plan from
- * the router kernel; more tokens take the plan kernel (for A/B
- * measurements). */
-MOELINK_PARAM(ROUTER_PLAN_BLOCKS, 1)
-
 extern "C" int ml_cuda_router_builds_plan(int num_tokens, int top_k) {
-  return num_tokens >= 1 && num_tokens * top_k <= ML_P_THREADS &&
-         (num_tokens <= ML_R_TOKENS || ml_param_ROUTER_PLAN_BLOCKS() != 0);
+  return num_tokens >= 1 && num_tokens <= ML_R_TOKENS && num_tokens * top_k <= ML_P_THREADS;
 }
 
 extern "C" ml_cuda_router_args ml_cuda_router_args_for(const moelink_moe_config_t *cfg,
@@ -1043,9 +1022,6 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
                           a->plan->tile_rows != ML_CUDA_TILE_ROWS))
     return ml_fail(MOELINK_ERR_INTERNAL, "router: cannot build the plan of T %d, k %d here",
                    a->num_tokens, a->top_k);
-  if (a->plan != NULL && a->num_tokens > ML_R_TOKENS && a->tickets == NULL)
-    return ml_fail(MOELINK_ERR_INTERNAL, "router: a plan of %d tokens without tickets",
-                   a->num_tokens);
   ml_router_params p;
   p.x = a->x;
   p.w = a->w;
@@ -1053,9 +1029,7 @@ extern "C" moelink_status_t ml_cuda_router(const ml_cuda_router_args *a, cudaStr
   p.ids = a->ids;
   p.weights = a->weights;
   p.partials = a->partials;
-  /* (the plan's ticket first) */
-  p.tickets = a->tickets != NULL ? a->tickets + 1 : NULL;
-  p.plan_ticket = a->tickets;
+  p.tickets = a->tickets;
   p.logits = a->logits;
   p.parts = a->logit_parts > 1 ? a->logit_parts : 1;
   if (a->logits != NULL && p.parts > ML_R_MAX_PARTS)
