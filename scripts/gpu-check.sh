@@ -299,6 +299,7 @@ if case "$PARTS" in *" tpprobe "*) true;; *) false;; esac; then
 fi
 # Decode sizes as CUDA-graph replays, bf16 and FP8 experts; each AB_ENV setting (VAR=VALUE,
 # space-separated) runs the bf16 case again under it, in the same process order. Not in all.
+# `python3 bench/decode_ab.py $OUT` prints the runs side by side, one column a variant.
 if case "$PARTS" in *" decode "*) true;; *) false;; esac; then
   for p in ${PRESETS:-mixtral-8x7b qwen3-30b-a3b deepseek-v3}; do
     for q in ${DECODE_DTYPES:-bf16 fp8}; do
