@@ -485,7 +485,16 @@ if case "$PARTS" in *" trace "*) true;; *) false;; esac; then
       --json "$OUT/json/trace${v:+_${v//[^A-Za-z0-9]/_}}.json" 2>&1 | tee -a "$OUT/trace.log" || rc=1
   done
 fi
-# The device tool brings back at most 8 files: pack the JSON into one.
+# The device tool brings back at most 8 files: pack the JSON into one, and past 7 files (a
+# slot left for the caller's own) everything but summary.txt into logs.tgz.
 (cd "$OUT" && tar czf json.tgz json && rm -rf json)
+nfiles=$(find "$OUT" -type f | wc -l)
+if [ "$nfiles" -gt 7 ]; then
+  list=$(mktemp)
+  (cd "$OUT" && find . -type f ! -name summary.txt ! -name logs.tgz -printf '%P\n' >"$list" &&
+    tar czf logs.tgz -T "$list" && xargs -d '\n' rm -f <"$list") || rc=1
+  rm -f "$list"
+  log "$nfiles files: all but summary.txt packed into logs.tgz"
+fi
 log "done rc=$rc"
 exit $rc
